@@ -1,0 +1,242 @@
+"""Chunk placements (§3.1): which devices hold which expert chunks of one MoE layer.
+
+A chunk placement P ⊆ C × D is stored as an E × D boolean matrix ``mask_ED``: ``mask_ED[e, d]`` is
+True when device d holds the chunk (parameters) of expert e. A *shard placement* gives every chunk
+exactly one owner (the device that keeps its optimizer state); an *ephemeral placement* P' ⊇ P adds
+replicas for one iteration, and ΔP = P' \\ P is exactly what SparseAllGather moves (Eq. 4).
+
+Placements are immutable and hashable so that plans can be cached, compared and cross-checked across
+ranks with `Placement.digest`.
+
+Legend: E experts, D devices, N nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from themis_compile.planner.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """An immutable E × D chunk matrix (§3.1).
+
+    Args:
+        mask_ED: boolean-like array of shape [E, D]; copied and made read-only.
+    """
+
+    __slots__ = ("_mask_ED", "_hash", "_owners_E")
+
+    def __init__(self, mask_ED: np.ndarray) -> None:
+        mask_ED = np.asarray(mask_ED)
+        if mask_ED.ndim != 2:
+            raise ValueError(f"a placement mask must be 2-D [E, D], got shape {mask_ED.shape}")
+        if mask_ED.dtype != np.bool_:
+            if not np.isin(mask_ED, (0, 1)).all():
+                raise ValueError("a placement mask must be boolean (or 0/1)")
+            mask_ED = mask_ED.astype(np.bool_)
+        if mask_ED.shape[1] < 1:
+            raise ValueError("a placement needs at least one device")
+        mask_ED = np.array(mask_ED, dtype=np.bool_, order="C", copy=True)
+        mask_ED.setflags(write=False)
+        self._mask_ED = mask_ED
+        self._hash: int | None = None
+        self._owners_E: np.ndarray | None = None
+
+    @classmethod
+    def _trusted(cls, mask_ED: np.ndarray) -> Placement:
+        """Wrap a freshly built C-contiguous bool array without copying (internal fast path)."""
+        obj = cls.__new__(cls)
+        mask_ED.setflags(write=False)
+        obj._mask_ED = mask_ED
+        obj._hash = None
+        obj._owners_E = None
+        return obj
+
+    # ----------------------------------------------------------------------------------- constructors
+    @classmethod
+    def from_owners(cls, owners_E: Sequence[int] | np.ndarray, num_devices: int) -> Placement:
+        """The shard placement in which expert e is owned by device ``owners_E[e]``."""
+        owners_E = np.asarray(owners_E, dtype=np.int64).reshape(-1)
+        if num_devices < 1:
+            raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+        if owners_E.size and (owners_E.min() < 0 or owners_E.max() >= num_devices):
+            raise ValueError(f"owners must lie in [0, {num_devices}), got {owners_E.tolist()}")
+        mask_ED = np.zeros((owners_E.size, int(num_devices)), dtype=np.bool_)
+        mask_ED[np.arange(owners_E.size), owners_E] = True
+        return cls._trusted(mask_ED)
+
+    @classmethod
+    def contiguous(cls, num_experts: int, num_devices: int) -> Placement:
+        """Static EP (homogeneous) sharding: ranks own contiguous runs of experts.
+
+        When E is not a multiple of D the first ``E % D`` ranks own one expert more; when E < D the last
+        ranks own none.
+        """
+        if num_experts < 0 or num_devices < 1:
+            raise ValueError(f"need num_experts >= 0 and num_devices >= 1, got {num_experts}, {num_devices}")
+        base, extra = divmod(int(num_experts), int(num_devices))
+        counts_D = np.full(num_devices, base, dtype=np.int64)
+        counts_D[:extra] += 1
+        owners_E = np.repeat(np.arange(num_devices, dtype=np.int64), counts_D)
+        return cls.from_owners(owners_E, num_devices)
+
+    @classmethod
+    def empty(cls, num_experts: int, num_devices: int) -> Placement:
+        """The placement holding nothing."""
+        return cls._trusted(np.zeros((int(num_experts), int(num_devices)), dtype=np.bool_))
+
+    @classmethod
+    def full(cls, num_experts: int, num_devices: int) -> Placement:
+        """Every chunk on every device (what dense FSDP materializes)."""
+        return cls._trusted(np.ones((int(num_experts), int(num_devices)), dtype=np.bool_))
+
+    # ----------------------------------------------------------------------------------- basic views
+    @property
+    def mask(self) -> np.ndarray:
+        """[E, D] bool, read-only."""
+        return self._mask_ED
+
+    @property
+    def num_experts(self) -> int:
+        return self._mask_ED.shape[0]
+
+    @property
+    def num_devices(self) -> int:
+        return self._mask_ED.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._mask_ED.shape  # type: ignore[return-value]
+
+    def num_pairs(self) -> int:
+        """|P|: the number of (chunk, device) pairs."""
+        return int(np.count_nonzero(self._mask_ED))
+
+    def __len__(self) -> int:
+        return self.num_pairs()
+
+    def copies(self) -> np.ndarray:
+        """[E] int64: how many devices hold each chunk."""
+        return self._mask_ED.sum(axis=1, dtype=np.int64)
+
+    def slots(self) -> np.ndarray:
+        """[D] int64: how many chunks each device holds."""
+        return self._mask_ED.sum(axis=0, dtype=np.int64)
+
+    def is_shard_placement(self) -> bool:
+        """True when every chunk has exactly one owner (§3.1)."""
+        return bool((self.copies() == 1).all())
+
+    def require_shard_placement(self, what: str = "placement") -> None:
+        """Raise ValueError naming the offending experts unless this is a shard placement."""
+        copies_E = self.copies()
+        bad_E = np.flatnonzero(copies_E != 1)
+        if bad_E.size:
+            e = int(bad_E[0])
+            raise ValueError(f"{what} is not a shard placement: expert {e} has {int(copies_E[e])} owners "
+                             f"({bad_E.size} experts without exactly one owner)")
+
+    def owners(self) -> np.ndarray:
+        """[E] int64: the owner of every expert (read-only). ValueError unless a shard placement."""
+        if self._owners_E is None:
+            self.require_shard_placement()
+            owners_E = np.argmax(self._mask_ED, axis=1).astype(np.int64)
+            owners_E.setflags(write=False)
+            self._owners_E = owners_E
+        return self._owners_E
+
+    def holders(self, e: int) -> np.ndarray:
+        """Sorted device ids holding expert ``e``."""
+        return np.flatnonzero(self._mask_ED[e]).astype(np.int64)
+
+    def experts_on(self, d: int) -> np.ndarray:
+        """Sorted expert ids held by device ``d``."""
+        return np.flatnonzero(self._mask_ED[:, d]).astype(np.int64)
+
+    def node_mask(self, topology: Topology) -> np.ndarray:
+        """[E, N] bool: node n holds expert e on at least one of its devices."""
+        topology.validate(self.num_devices)
+        return np.logical_or.reduceat(self._mask_ED, topology.node_offsets[:-1], axis=1)
+
+    # ----------------------------------------------------------------------------------- set algebra
+    def _check_same_shape(self, other: Placement) -> None:
+        if not isinstance(other, Placement):
+            raise TypeError(f"expected a Placement, got {type(other).__name__}")
+        if other.shape != self.shape:
+            raise ValueError(f"placements have different shapes {self.shape} and {other.shape}")
+
+    def issubset(self, other: Placement) -> bool:
+        """P ⊆ other."""
+        self._check_same_shape(other)
+        return not bool((self._mask_ED & ~other._mask_ED).any())
+
+    def __le__(self, other: Placement) -> bool:
+        return self.issubset(other)
+
+    def __ge__(self, other: Placement) -> bool:
+        return other.issubset(self)
+
+    def union(self, other: Placement) -> Placement:
+        """P ∪ other."""
+        self._check_same_shape(other)
+        return Placement._trusted(self._mask_ED | other._mask_ED)
+
+    def __or__(self, other: Placement) -> Placement:
+        return self.union(other)
+
+    def delta(self, base: Placement) -> Placement:
+        """ΔP = self \\ base, the pairs SparseAllGather(base, self) delivers (§3.1, Eq. 4).
+
+        Raises ValueError unless ``base ⊆ self`` (SpAG's post-condition must contain its pre-condition).
+        """
+        if not base.issubset(self):
+            raise ValueError("delta: the base placement is not a subset of this placement")
+        return Placement._trusted(self._mask_ED & ~base._mask_ED)
+
+    def receive_counts(self, base: Placement) -> np.ndarray:
+        """[D] int64: chunks each device receives in SpAG(base, self) (= sends in SpRS(self, base))."""
+        return self.delta(base).slots()
+
+    def new_node_entries(self, base: Placement, topology: Topology) -> np.ndarray:
+        """[E, N] bool: nodes that chunk e newly reaches in SpAG(base, self) (§3.3: one inter-node
+        transfer per newly reached node, then a broadcast inside it)."""
+        if not base.issubset(self):
+            raise ValueError("new_node_entries: the base placement is not a subset of this placement")
+        return self.node_mask(topology) & ~base.node_mask(topology)
+
+    # ----------------------------------------------------------------------------------- identity
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Placement):
+            return NotImplemented
+        return self.shape == other.shape and bool(np.array_equal(self._mask_ED, other._mask_ED))
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash((self.shape, np.packbits(self._mask_ED).tobytes()))
+        return self._hash
+
+    def digest(self) -> str:
+        """A stable hex digest of the placement (same on every rank and in every process)."""
+        h = hashlib.sha256()
+        h.update(f"placement:{self.num_experts}x{self.num_devices}:".encode())
+        h.update(np.packbits(self._mask_ED, axis=None).tobytes())
+        return h.hexdigest()[:32]
+
+    def __repr__(self) -> str:
+        E, D = self.shape
+        return f"Placement(E={E}, D={D}, pairs={self.num_pairs()}, shard={self.is_shard_placement()})"
+
+    def to_text(self) -> str:
+        """A small ASCII picture (rows = experts, columns = devices), for logs and inspection."""
+        return "\n".join("".join("#" if x else "." for x in row) for row in self._mask_ED)
