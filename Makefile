@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned to the CPU build this machine carries; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0" -e ".[triton,dev,hf]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m themis_compile.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m themis_compile.bench all
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

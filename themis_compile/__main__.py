@@ -1,0 +1,3 @@
+from themis_compile.cli import main
+
+main()

@@ -1,0 +1,88 @@
+"""One configuration dataclass for the whole library, with the paper's defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+POLICIES = ("themis", "themis-rm", "ep", "uniform")
+
+
+@dataclass
+class ThemisConfig:
+    """How `themis_compile.optimize` trains the MoE layers.
+
+    Defaults follow the paper (Themis, §4 and §5.1) where it gives one.
+
+    Attributes:
+        policy: ``"themis"`` (FSSDP with an ephemeral load-balancing placement every iteration),
+            ``"themis-rm"`` (the same with re-materialization: replicas are freed after the layer's
+            forward and gathered again before its backward), ``"ep"`` (static expert parallelism, the
+            baseline) or ``"uniform"`` (EP with a reference gate that spreads tokens evenly; benchmarking
+            only — it changes the model's numerics on purpose).
+        overlap_degree: t, the most distinct experts materialized per layer and iteration (§4.2). ``None``
+            derives it from the cost model, t = floor(T_attn * bw / Psi).
+        materialization_budget: m, the most replicas each device adds per layer (§4.2). ``None`` derives it
+            from ``memory_budget``.
+        memory_budget: spare memory for replicas: a fraction (<= 1.0) of the device's free memory, or a
+            number of bytes (> 1.0). With re-materialization the budget spans all layers (§4.2).
+        predictor_window: w, the sliding window of the load predictor (paper: 5).
+        reshard_interval: iterations between heterogeneous re-shardings with Alg. 2 (paper: 100);
+            0 disables re-sharding.
+        calibrate: run the calibration stage of §4.2 after the gate has produced the actual loads.
+        devices_per_node: ranks per node for the topology; ``None`` reads LOCAL_WORLD_SIZE (torchrun).
+        intra_node_bw, inter_node_bw: link bandwidths in bytes/s used when no profile exists.
+        dense_parallel: how dense (non-expert) parameters are data-parallel: ``"ddp"`` or ``"fsdp2"``.
+        kernels: dispatch/combine kernels: ``"auto"`` (Triton on CUDA, torch reference on CPU),
+            ``"torch"`` or ``"triton"``.
+        collective_timeout_s: every blocking wait of a themis collective fails after this many seconds,
+            naming the collective and the layer, instead of hanging.
+        check_plans: cross-check a digest of every plan across ranks (debugging; one extra all-gather).
+        schedule: place SpAG/SpRS into the preceding attention's compute window (the scheduling pass).
+        profile_path: JSON cache of profiled cost-model inputs (T_attn, bw); ``None`` uses the default
+            cache location.
+    """
+
+    policy: str = "themis"
+    overlap_degree: int | None = None
+    materialization_budget: int | None = None
+    memory_budget: float = 0.25
+    predictor_window: int = 5
+    reshard_interval: int = 100
+    calibrate: bool = True
+    devices_per_node: int | None = None
+    intra_node_bw: float = 5e9
+    inter_node_bw: float = 1e9
+    dense_parallel: str = "ddp"
+    kernels: str = "auto"
+    collective_timeout_s: float = 300.0
+    check_plans: bool = False
+    schedule: bool = True
+    profile_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"ThemisConfig.policy={self.policy!r} is not one of {POLICIES}")
+        for name in ("overlap_degree", "materialization_budget"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"ThemisConfig.{name} must be >= 0, got {value}")
+        if self.predictor_window < 1:
+            raise ValueError(f"ThemisConfig.predictor_window must be >= 1, got {self.predictor_window}")
+        if self.reshard_interval < 0:
+            raise ValueError(f"ThemisConfig.reshard_interval must be >= 0, got {self.reshard_interval}")
+        if self.memory_budget < 0:
+            raise ValueError(f"ThemisConfig.memory_budget must be >= 0, got {self.memory_budget}")
+        if self.dense_parallel not in ("ddp", "fsdp2"):
+            raise ValueError(f"ThemisConfig.dense_parallel must be 'ddp' or 'fsdp2', got {self.dense_parallel!r}")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"ThemisConfig.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError("ThemisConfig.collective_timeout_s must be > 0")
+
+    @property
+    def rematerialize(self) -> bool:
+        return self.policy == "themis-rm"
+
+    def replace(self, **changes) -> "ThemisConfig":
+        return dataclasses.replace(self, **changes)
