@@ -87,14 +87,14 @@ def permute(x_TH: Tensor, dst_row_TK: Tensor, num_rows: int, out_dtype: torch.dt
 def permute_backward(grad_send_NH: Tensor, dst_row_TK: Tensor, x_dtype: torch.dtype) -> Tensor:
     """``grad_x[t] = sum_k grad_send[dst_row[t, k]]`` accumulated in fp32 (a gather, no atomics)."""
     num_tokens, top_k = dst_row_TK.shape
-    g_TKH = grad_send_NH.index_select(0, dst_row_TK.reshape(-1)).view(num_tokens, top_k, -1)
+    g_TKH = grad_send_NH.index_select(0, dst_row_TK.reshape(-1)).view(num_tokens, top_k, grad_send_NH.shape[1])
     return g_TKH.float().sum(1).to(x_dtype)
 
 
 def unpermute_combine(y_NH: Tensor, dst_row_TK: Tensor, weights_TK: Tensor) -> Tensor:
     """``out[t] = sum_k weights[t, k] * y[dst_row[t, k]]``, accumulated in fp32, returned in y's dtype."""
     num_tokens, top_k = dst_row_TK.shape
-    y_TKH = y_NH.index_select(0, dst_row_TK.reshape(-1)).view(num_tokens, top_k, -1)
+    y_TKH = y_NH.index_select(0, dst_row_TK.reshape(-1)).view(num_tokens, top_k, y_NH.shape[1])
     out_TH = (y_TKH.float() * weights_TK.float().unsqueeze(-1)).sum(1)
     return out_TH.to(y_NH.dtype)
 
@@ -110,9 +110,9 @@ def unpermute_combine_backward(
     num_tokens, top_k = dst_row_TK.shape
     rows_N = dst_row_TK.reshape(-1)
     g_TH = grad_out_TH.float()
-    y_TKH = y_NH.index_select(0, rows_N).view(num_tokens, top_k, -1).float()
+    y_TKH = y_NH.index_select(0, rows_N).view(num_tokens, top_k, y_NH.shape[1]).float()
     grad_weights_TK = (y_TKH * g_TH.unsqueeze(1)).sum(-1).to(weights_TK.dtype)
-    grad_rows_NH = (weights_TK.float().unsqueeze(-1) * g_TH.unsqueeze(1)).reshape(rows_N.numel(), -1)
+    grad_rows_NH = (weights_TK.float().unsqueeze(-1) * g_TH.unsqueeze(1)).reshape(rows_N.numel(), y_NH.shape[1])
     grad_y_NH = torch.zeros(y_NH.shape, dtype=torch.float32, device=y_NH.device)
     grad_y_NH.index_add_(0, rows_N, grad_rows_NH)
     return grad_y_NH.to(y_NH.dtype), grad_weights_TK
