@@ -1,0 +1,155 @@
+"""A small, pure cost interface for planning (§3.3): compute time of a dispatch plan and transfer time
+of a sparse collective.
+
+The planner needs only a handful of numbers to weigh a placement: the time one expert takes per token,
+Ψ (one expert's parameter bytes) and the link bandwidths of the `Topology`. The full, profiled cost
+model with the paper's symbolic forms lives in ``themis_compile.cost_model``; it can hand the planner a
+`PlanCost` built from its measurements.
+
+Legend: E experts, D devices (d = source, d2 = destination), N nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from themis_compile.planner.placement import Placement
+from themis_compile.planner.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PlanCost", "device_compute_load", "fluid_device_load", "straggler_time"]
+
+
+def _check_plan(R_EDD: np.ndarray) -> np.ndarray:
+    R_EDD = np.asarray(R_EDD)
+    if R_EDD.ndim != 3 or R_EDD.shape[1] != R_EDD.shape[2]:
+        raise ValueError(f"a dispatch plan R must have shape [E, D, D], got {R_EDD.shape}")
+    return R_EDD
+
+
+def device_compute_load(R_EDD: np.ndarray) -> np.ndarray:
+    """[D] int64: tokens each device computes under plan R (sum over experts and sources)."""
+    R_EDD = _check_plan(R_EDD)
+    return R_EDD.sum(axis=(0, 1), dtype=np.int64)
+
+
+def fluid_device_load(placement: Placement, load_E: np.ndarray, topology: Topology | None = None) -> np.ndarray:
+    """[D] float64: modeled tokens each device computes when only per-expert loads are known.
+
+    Sources are taken as uniform (each device originates load_E[e] / D tokens of expert e) and tokens
+    follow Alg. 3: a node that holds e keeps its tokens on its own holders, split evenly; tokens of nodes
+    without e split evenly over all holders. A holder d of e on node n therefore computes
+    ``load_E[e] / D · (k_n / h_en + U_e / c_e)`` with k_n devices on n, h_en holders of e on n, c_e all
+    holders and U_e the devices on nodes without e. Without a topology (or on one node) this is the
+    plain even split ``load_E[e] / c_e``.
+    """
+    load_E = np.asarray(load_E, dtype=np.float64)
+    E, D = placement.shape
+    if load_E.shape != (E,):
+        raise ValueError(f"load must have shape [{E}], got {load_E.shape}")
+    mask_ED = placement.mask
+    copies_E = mask_ED.sum(axis=1)
+    if ((copies_E == 0) & (load_E > 0)).any():
+        raise ValueError("an expert with load has no holder in the placement")
+    safe_E = np.maximum(copies_E, 1)
+    if topology is None or topology.num_nodes == 1:
+        return (load_E / safe_E) @ mask_ED
+    topology.validate(D)
+    k_N = np.asarray(topology.devices_per_node, dtype=np.float64)
+    holders_EN = np.add.reduceat(mask_ED.astype(np.int64), topology.node_offsets[:-1], axis=1)
+    uncovered_E = ((holders_EN == 0) * k_N).sum(axis=1)
+    node_term_EN = np.divide(k_N, holders_EN, out=np.zeros(holders_EN.shape), where=holders_EN > 0)
+    per_holder_ED = node_term_EN[:, topology.node_ids] + (uncovered_E / safe_E)[:, None]
+    return ((load_E / D)[:, None] * per_holder_ED * mask_ED).sum(axis=0)
+
+
+def straggler_time(device_load_D: np.ndarray, time_per_token_s: float) -> float:
+    """Seconds until the slowest device finishes: max_d load_d * time_per_token_s."""
+    device_load_D = np.asarray(device_load_D)
+    if device_load_D.size == 0:
+        return 0.0
+    return float(device_load_D.max()) * float(time_per_token_s)
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """What planning decisions cost, in seconds (§3.3).
+
+    Attributes:
+        time_per_token_s: compute time of one token through one expert (forward; the ratio of gain to
+            cost is what matters for planning, so forward-only is consistent as long as both sides use it).
+        expert_bytes: Ψ, the parameter bytes of one expert (one chunk).
+        topology: devices, nodes and bandwidths.
+        calibration_budget_s: profiled latency budget that a calibration transfer (§4.2) may add to the
+            critical path; ``inf`` means no limit beyond "gain must exceed cost".
+        token_bytes: bytes of one token's hidden state in the all-to-all (0 when the caller does not model
+            the all-to-all).
+    """
+
+    time_per_token_s: float
+    expert_bytes: float
+    topology: Topology
+    calibration_budget_s: float = math.inf
+    token_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("time_per_token_s", "expert_bytes", "token_bytes"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"PlanCost.{name} must be a finite number >= 0, got {value}")
+        if not self.calibration_budget_s >= 0:
+            raise ValueError(f"PlanCost.calibration_budget_s must be >= 0, got {self.calibration_budget_s}")
+
+    # ----------------------------------------------------------------------------------- compute
+    def device_compute_time(self, R_EDD: np.ndarray) -> np.ndarray:
+        """[D] seconds each device spends in expert compute under plan R."""
+        return device_compute_load(R_EDD) * self.time_per_token_s
+
+    def compute_time(self, R_EDD: np.ndarray) -> float:
+        """Straggler compute time of plan R (the slowest device)."""
+        return straggler_time(device_compute_load(R_EDD), self.time_per_token_s)
+
+    def fluid_compute_time(self, placement: Placement, load_E: np.ndarray) -> float:
+        """Straggler compute time of the modeled loads of `fluid_device_load` (topology-aware)."""
+        return straggler_time(fluid_device_load(placement, load_E, self.topology), self.time_per_token_s)
+
+    # ----------------------------------------------------------------------------------- transfers
+    def transfer_time(self, shard: Placement, placement: Placement) -> float:
+        """Lower-bound time of SpAG(shard, placement) (and of the symmetric SpRS), §3.3.
+
+        A device that receives r chunks needs r·Ψ/bw_intra; a node that a chunk newly enters needs one
+        inter-node transfer per such chunk, Ψ/bw_inter each (then a broadcast inside the node). The
+        collective finishes no sooner than its bottleneck device or node.
+        """
+        self.topology.validate(placement.num_devices)
+        recv_D = placement.receive_counts(shard)
+        if not recv_D.any():
+            return 0.0
+        device_s = float(recv_D.max()) * self.expert_bytes / self.topology.intra_node_bw
+        node_entries_N = placement.new_node_entries(shard, self.topology).sum(axis=0)
+        node_s = float(node_entries_N.max()) * self.expert_bytes / self.topology.inter_node_bw
+        return max(device_s, node_s)
+
+    def volume_bytes(self, shard: Placement, placement: Placement) -> int:
+        """Vol(SpAG) = Vol(SpRS) = |ΔP|·Ψ (Eq. 4)."""
+        return int(round(placement.delta(shard).num_pairs() * self.expert_bytes))
+
+    def a2a_time(self, R_EDD: np.ndarray) -> float:
+        """Lower-bound time of the token all-to-all of plan R (dispatch direction): each device's
+        intra-node and inter-node ingress and egress bytes over the matching bandwidth."""
+        R_EDD = _check_plan(R_EDD)
+        self.topology.validate(R_EDD.shape[1])
+        if self.token_bytes == 0:
+            return 0.0
+        flow_DD = R_EDD.sum(axis=0).astype(np.float64)
+        np.fill_diagonal(flow_DD, 0.0)
+        same_DD = self.topology.same_node
+        intra_DD, inter_DD = np.where(same_DD, flow_DD, 0.0), np.where(same_DD, 0.0, flow_DD)
+        intra = max(intra_DD.sum(0).max(), intra_DD.sum(1).max()) / self.topology.intra_node_bw
+        inter = max(inter_DD.sum(0).max(), inter_DD.sum(1).max()) / self.topology.inter_node_bw
+        return float(max(intra, inter) * self.token_bytes)
