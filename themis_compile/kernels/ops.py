@@ -163,7 +163,7 @@ def _permute_setup_context(ctx, inputs, output) -> None:
 
 def _permute_backward(ctx, grad_send_NH: Tensor):
     (dst_row_TK,) = ctx.saved_tensors
-    grad_x_TH = _permute_backward_op(grad_send_NH.contiguous(), dst_row_TK, ctx.x_dtype)
+    grad_x_TH = _permute_backward_op(_dense(grad_send_NH), dst_row_TK, ctx.x_dtype)
     return grad_x_TH, None, None, None
 
 
@@ -204,7 +204,7 @@ def _combine_setup_context(ctx, inputs, output) -> None:
 
 def _combine_backward(ctx, grad_out_TH: Tensor):
     y_NH, dst_row_TK, weights_TK = ctx.saved_tensors
-    grad_y_NH, grad_weights_TK = _unpermute_combine_backward_op(grad_out_TH.contiguous(), y_NH, dst_row_TK, weights_TK)
+    grad_y_NH, grad_weights_TK = _unpermute_combine_backward_op(_dense(grad_out_TH), y_NH, dst_row_TK, weights_TK)
     return grad_y_NH, None, grad_weights_TK
 
 
@@ -214,6 +214,13 @@ _unpermute_combine_op.register_autograd(_combine_backward, setup_context=_combin
 # ----------------------------------------------------------------------------------------------------
 # Public API (input checks that need no device sync, then one op each)
 # ----------------------------------------------------------------------------------------------------
+
+
+def _dense(t: Tensor, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
+    """``t`` as a contiguous tensor of ``dtype`` on ``device``; no graph node when it already is one."""
+    if (dtype is not None and t.dtype != dtype) or (device is not None and t.device != device):
+        t = t.to(device=device, dtype=dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _check_index(name: str, t: Tensor, ndim: int) -> None:
@@ -248,7 +255,7 @@ def routing_metadata(
     if num_experts < 1 or num_dests < 1:
         raise ValueError(f"num_experts ({num_experts}) and num_dests ({num_dests}) must be positive")
     return _routing_metadata_op(
-        expert_ids_TK.contiguous(), dest_TK.to(expert_ids_TK.device).contiguous(), num_experts, num_dests
+        _dense(expert_ids_TK, torch.int64), _dense(dest_TK, torch.int64, expert_ids_TK.device), num_experts, num_dests
     )
 
 
@@ -269,7 +276,7 @@ def assign_destinations(expert_ids_TK: Tensor, splits_ED: Tensor) -> Tensor:
     """
     _check_index("expert_ids_TK", expert_ids_TK, 2)
     _check_index("splits_ED", splits_ED, 2)
-    return _assign_destinations_op(expert_ids_TK.contiguous(), splits_ED.to(expert_ids_TK.device).contiguous())
+    return _assign_destinations_op(_dense(expert_ids_TK, torch.int64), _dense(splits_ED, torch.int64, expert_ids_TK.device))
 
 
 def permute(
@@ -294,7 +301,7 @@ def permute(
         num_rows = dst_row_TK.numel()
     elif num_rows < dst_row_TK.numel():
         raise ValueError(f"num_rows ({num_rows}) is smaller than the number of pairs ({dst_row_TK.numel()})")
-    return _permute_op(x_TH.contiguous(), dst_row_TK.to(torch.int64).contiguous(), num_rows, out_dtype)
+    return _permute_op(_dense(x_TH), _dense(dst_row_TK, torch.int64), num_rows, out_dtype)
 
 
 def unpermute_combine(y_NH: Tensor, dst_row_TK: Tensor, weights_TK: Tensor) -> Tensor:
@@ -317,4 +324,4 @@ def unpermute_combine(y_NH: Tensor, dst_row_TK: Tensor, weights_TK: Tensor) -> T
         raise ValueError(f"weights_TK {tuple(weights_TK.shape)} and dst_row_TK {tuple(dst_row_TK.shape)} differ")
     if y_NH.shape[0] < dst_row_TK.numel():
         raise ValueError(f"y_NH has {y_NH.shape[0]} rows, fewer than the {dst_row_TK.numel()} pairs")
-    return _unpermute_combine_op(y_NH.contiguous(), dst_row_TK.to(torch.int64).contiguous(), weights_TK.contiguous())
+    return _unpermute_combine_op(_dense(y_NH), _dense(dst_row_TK, torch.int64), _dense(weights_TK))
