@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -73,7 +74,9 @@ def _worker(
         finally:
             # No barrier here: a rank that failed must not wait for the others.
             dist.destroy_process_group()
-        results.put(("ok", rank, out))
+        # Plain pickle bytes: tensors sent through a multiprocessing queue would travel as shared-memory
+        # handles that die with this process.
+        results.put(("ok", rank, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure is reported to the parent
         results.put(("err", rank, traceback.format_exc()))
 
@@ -168,7 +171,7 @@ def run_multirank(
                 continue
             if status == "err":
                 raise RankError(_failure_report(rank, payload, results, world_size))
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=5.0 if len(outputs) == world_size else 0.1)

@@ -1,0 +1,156 @@
+"""The public entry points: ``optimize(model, config, *, group)`` and ``explain(model)``."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from themis_compile.config import ThemisConfig
+from themis_compile.passes.detect import MoELayerInfo, find_moe_layers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ThemisRuntime:
+    """What ``optimize`` did to a model; reachable as ``themis_compile.runtime_of(model)``."""
+
+    config: ThemisConfig
+    rank: int
+    world_size: int
+    group: object
+    layers: dict[str, nn.Module] = field(default_factory=dict)   # layer name -> ShardedExperts
+
+
+def _resolve_group(group) -> tuple[object, int, int]:
+    if group is not None and hasattr(group, "get_group"):  # a DeviceMesh
+        group = group.get_group()
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 0, 1
+        group = dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_layer(info: MoELayerInfo) -> None:
+    if info.top_k < 1:
+        raise ValueError(f"MoE layer {info.name!r}: top_k={info.top_k} must be >= 1")
+    if info.top_k > info.num_experts:
+        raise ValueError(f"MoE layer {info.name!r}: top_k={info.top_k} exceeds its {info.num_experts} experts")
+
+
+def _broadcast_experts(module: nn.Module, group) -> None:
+    # Every rank built the model; rank 0's experts are the truth (as DDP does for dense parameters), so
+    # a rank seeded differently cannot silently train different experts.
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    for p in module.parameters():
+        dist.broadcast(p.data, src=src, group=group)
+
+
+def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None, strict: bool = False) -> nn.Module:
+    """Shard the MoE layers of ``model`` over the ranks of ``group`` and make dense parameters data-parallel.
+
+    Args:
+        model: an ``nn.Module`` with MoE layers, built identically on every rank.
+        config: a :class:`ThemisConfig`; default ``ThemisConfig()``.
+        group: a ProcessGroup or DeviceMesh; default the default group, or world size 1 without one.
+        strict: raise instead of warning when no MoE layer is found.
+
+    Returns the same module object, modified in place: its MoE layers' experts are replaced by sharded
+    experts holding only the experts this rank owns, and its dense parameters are replicated with
+    torch's DDP (``replicate``) when the world size exceeds 1.
+    """
+    from themis_compile.planner.placement import Placement
+    from themis_compile.runtime.ep import ShardedExperts
+    from themis_compile.runtime.experts import ExpertBank
+
+    config = ThemisConfig() if config is None else config
+    if not isinstance(config, ThemisConfig):
+        raise TypeError(f"config must be a ThemisConfig, got {type(config).__name__}")
+    group, rank, world_size = _resolve_group(group)
+    infos, rejected = find_moe_layers(model)
+    if not infos:
+        msg = ("themis_compile.optimize found no MoE layer (searched for modules with a router over E experts, "
+               "top-k selection and E experts as an nn.ModuleList or stacked [E, ...] weights)")
+        if rejected:
+            msg += "; rejected: " + "; ".join(f"{n}: {why}" for n, why in rejected)
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=2)
+        return model
+    for info in infos:
+        _check_layer(info)
+    if getattr(model, "_themis_runtime", None) is not None:
+        raise ValueError("this model was already optimized by themis_compile")
+
+    runtime = ThemisRuntime(config=config, rank=rank, world_size=world_size, group=group)
+    sharded = []
+    for info in infos:
+        block = info.module
+        if world_size > 1:
+            _broadcast_experts(block.experts, group)
+        bank = ExpertBank(block.experts, layer=info.name)
+        shard = Placement.contiguous(bank.num_experts, world_size)
+        experts = ShardedExperts(bank, block.experts, shard, rank=rank, world_size=world_size, group=group,
+                                 layer=info.name)
+        block.experts = experts
+        if world_size > 1:
+            block.global_tokens_per_expert = _make_count_reducer(group)
+        if config.policy == "uniform":
+            block.route = _make_uniform_route(block.route, bank.num_experts)
+        runtime.layers[info.name] = experts
+        sharded.append(experts)
+
+    if world_size > 1:
+        from torch.distributed._composable.replicate import replicate
+
+        replicate(model, ignored_modules=sharded, process_group=group)
+    model._themis_runtime = runtime
+    logger.info("themis_compile: %d MoE layers sharded over %d ranks (policy %s)", len(infos), world_size,
+                config.policy)
+    return model
+
+
+def _make_count_reducer(group):
+    def global_tokens_per_expert(counts_E: torch.Tensor) -> torch.Tensor:
+        counts_E = counts_E.clone()
+        dist.all_reduce(counts_E, group=group)
+        return counts_E
+
+    return global_tokens_per_expert
+
+
+def _make_uniform_route(route, num_experts: int):
+    """The reference gate of the paper's "Uniform": pairs spread round-robin over the experts (top-k
+    distinct per token), gate weights and gradients from the user's router. Benchmarking only."""
+
+    def uniform_route(x_TH: torch.Tensor):
+        weights_TK, ids_TK, probs_TE = route(x_TH)
+        T, K = ids_TK.shape
+        ids_TK = (torch.arange(T * K, device=ids_TK.device).view(T, K)) % num_experts
+        return weights_TK, ids_TK, probs_TE
+
+    return uniform_route
+
+
+def runtime_of(model: nn.Module) -> ThemisRuntime:
+    runtime = getattr(model, "_themis_runtime", None)
+    if runtime is None:
+        raise ValueError("this model was not optimized by themis_compile.optimize")
+    return runtime
+
+
+def explain(model: nn.Module) -> str:
+    """A report of the MoE layers ``optimize`` would shard, and of MoE-like modules it rejected and why."""
+    infos, rejected = find_moe_layers(model)
+    lines = [f"{len(infos)} MoE layer(s) found"]
+    for info in infos:
+        lines.append(f"  {info.name}: {info.describe()}")
+    for name, why in rejected:
+        lines.append(f"  rejected {name}: {why}")
+    return "\n".join(lines)

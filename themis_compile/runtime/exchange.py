@@ -1,0 +1,108 @@
+"""Token exchange shared by every expert-parallel policy: dispatch -> expert compute -> combine.
+
+Given each (token, k) pair's expert and the rank that serves it (EP: the expert's owner; Themis: a holder
+chosen by Alg. 3), rows are permuted into (destination, expert) order, sent with one uneven
+``all_to_all_single``, grouped by expert on the receiver, run, sent back and combined with the gate
+weights. Dropless: every pair is served. Autograd flows through all of it.
+
+Shape suffixes: T tokens, K top-k, H d_model, E experts, W ranks (world), S source ranks, N rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from themis_compile import kernels
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """``all_to_all_single`` over rows with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x_NH: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        out = x_NH.new_empty((sum(out_splits), *x_NH.shape[1:]))
+        dist.all_to_all_single(out, x_NH.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all_rows(x_NH: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAllRows.apply(x_NH, out_splits, in_splits, group)
+
+
+def exchange_counts(counts_WE: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    """Send row W=d of ``counts_WE`` to rank d; return what every source sent to us, ``[S, E]``."""
+    if world_size == 1:
+        return counts_WE
+    out = torch.empty_like(counts_WE)
+    dist.all_to_all_single(out, counts_WE.contiguous(), group=group)
+    return out
+
+
+def expert_major_order(counts_SE: torch.Tensor) -> torch.Tensor:
+    """Indices that reorder rows received grouped (source, expert) into (expert, source) order."""
+    S, E = counts_SE.shape
+    flat = counts_SE.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat                       # start of each (s, e) block
+    starts_ES = starts.view(S, E).t().reshape(-1)
+    lengths_ES = counts_SE.t().reshape(-1)
+    total = int(flat.sum())
+    block_id = torch.repeat_interleave(torch.arange(S * E), lengths_ES, output_size=total)
+    offset_in_block = torch.arange(total) - (torch.cumsum(lengths_ES, 0) - lengths_ES)[block_id]
+    return starts_ES[block_id] + offset_in_block
+
+
+def invert_permutation(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+LocalCompute = Callable[[torch.Tensor, Sequence[int]], torch.Tensor]
+
+
+def dispatch_compute_combine(
+    x_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    dest_TK: torch.Tensor,
+    num_experts: int,
+    compute: LocalCompute,
+    *,
+    group=None,
+    world_size: int = 1,
+) -> torch.Tensor:
+    """Serve every (token, k) pair on rank ``dest_TK`` and return the weighted combine ``[T, H]``.
+
+    ``compute(rows_NH, counts_E)`` runs the experts on rows grouped by expert (``counts_E[e]`` rows of
+    expert e, in expert order) and returns their outputs in the same order.
+    """
+    counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size)
+    send_NH = kernels.permute(x_TH, dst_row_TK)
+    recv_counts_SE = exchange_counts(counts_WE, group, world_size)
+    if world_size > 1:
+        send_splits = counts_WE.sum(1).tolist()
+        recv_splits = recv_counts_SE.sum(1).tolist()
+        recv_NH = all_to_all_rows(send_NH, recv_splits, send_splits, group)
+    else:
+        recv_NH = send_NH
+    order = expert_major_order(recv_counts_SE)
+    rows_NH = recv_NH.index_select(0, order)
+    y_NH = compute(rows_NH, recv_counts_SE.sum(0).tolist())
+    y_recv_NH = y_NH.index_select(0, invert_permutation(order))
+    if world_size > 1:
+        y_send_NH = all_to_all_rows(y_recv_NH, send_splits, recv_splits, group)
+    else:
+        y_send_NH = y_recv_NH
+    return kernels.unpermute_combine(y_send_NH, dst_row_TK, weights_TK)

@@ -1,0 +1,99 @@
+"""The experts of one MoE layer as equal chunks (paper §3.1): one list of tensors per expert, and the
+function that runs one expert on rows of tokens given those tensors.
+
+Two layouts are understood:
+
+- ``nn.ModuleList`` of identical expert modules (HF-Mixtral style): expert e's chunk is the list of its
+  module's parameters; it runs through ``torch.func.functional_call`` on a parameter-free template, so
+  the user's own expert code computes every copy, owned or materialized.
+- a stacked module (torchtitan / gpt-fast style) with parameters ``[E, ...]`` and a static method
+  ``expert_forward(params, x)`` naming how one expert computes; expert e's chunk is the slices ``w[e]``.
+
+Shape suffixes: N rows, H d_model, E experts.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+class ExpertShard(nn.Module):
+    """Holds one expert's parameters on its owner rank, under the expert's original parameter names."""
+
+    def __init__(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self._names = tuple(names)
+        for name, t in zip(names, tensors):
+            self.register_parameter(name.replace(".", "__"), nn.Parameter(t.detach().clone()))
+
+
+
+class ExpertBank:
+    """Describes the experts of one layer: chunk layout (names, shapes, dtypes) and how one expert runs."""
+
+    def __init__(self, experts: nn.Module, *, layer: str = "") -> None:
+        self.layer = layer
+        if isinstance(experts, nn.ModuleList):
+            if len(experts) == 0:
+                raise ValueError(f"MoE layer {layer!r}: the expert ModuleList is empty")
+            template = experts[0]
+            self.names = tuple(n for n, _ in template.named_parameters())
+            spec0 = [(tuple(p.shape), p.dtype) for p in template.parameters()]
+            for e, expert in enumerate(experts):
+                if type(expert) is not type(template) or [(tuple(p.shape), p.dtype) for p in expert.parameters()] != spec0:
+                    raise ValueError(
+                        f"MoE layer {layer!r}: expert {e} differs in type or parameter shapes from expert 0; "
+                        "FSSDP needs equal-sized expert chunks")
+            if any(True for _ in template.buffers()):
+                raise ValueError(f"MoE layer {layer!r}: experts with buffers are not supported")
+            # A parameter-free copy that only supplies the forward code.
+            self._template = copy.deepcopy(template).to("meta")
+            self._stacked = None
+            self.num_experts = len(experts)
+            self.spec = spec0
+        elif callable(getattr(type(experts), "expert_forward", None)):
+            self._template = None
+            self._stacked = type(experts)
+            params = list(experts.named_parameters())
+            self.names = tuple(n for n, _ in params)
+            self.num_experts = params[0][1].shape[0]
+            if any(p.shape[0] != self.num_experts for _, p in params):
+                raise ValueError(f"MoE layer {layer!r}: stacked expert weights disagree on E")
+            self.spec = [(tuple(p.shape[1:]), p.dtype) for _, p in params]
+        else:
+            raise ValueError(
+                f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList "
+                "nor a stacked module with an expert_forward(params, x) method")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Psi: bytes of one expert's parameters."""
+        return sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for shape, dt in self.spec)
+
+    def chunk(self, experts: nn.Module, e: int) -> list[torch.Tensor]:
+        """Expert e's parameter tensors, taken from the original (unsharded) experts module."""
+        if self._stacked is None:
+            return list(experts[e].parameters())
+        return [p[e] for p in experts.parameters()]
+
+    def shard_of(self, experts: nn.Module, e: int) -> nn.Module:
+        """A module owning expert e's parameters: the user's own expert module where there is one
+        (its parameter names are kept), else an :class:`ExpertShard` with copies of the slices.
+        ``list(shard.parameters())`` is the chunk, in the order :meth:`run` takes."""
+        if self._stacked is None:
+            return experts[e]
+        return ExpertShard(self.names, self.chunk(experts, e))
+
+    def empty_chunk(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Uninitialised tensors shaped like one chunk (receive buffers for materialized replicas)."""
+        return [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.spec]
+
+    def run(self, params: Sequence[torch.Tensor], x_NH: torch.Tensor) -> torch.Tensor:
+        """Run one expert with parameters ``params`` on rows ``x_NH``."""
+        if self._stacked is not None:
+            return self._stacked.expert_forward(params, x_NH)
+        return torch.func.functional_call(self._template, dict(zip(self.names, params)), (x_NH,), strict=True)
