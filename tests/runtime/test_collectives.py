@@ -1,0 +1,382 @@
+"""SparseAllGather / SparseReduceScatter (§3.2-§3.3) on gloo ranks, and their message plans.
+
+Multi-rank checks are combined into few spawned runs (4 ranks on one node; 8 ranks as 2 nodes × 4;
+one run for the timeout). Every rank rebuilds the same seeded placements and chunk contents, so each one
+can check what it received against what the owner must have sent.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from themis_compile.cost_model.volume import sparse_all_gather_volume, sparse_reduce_scatter_volume
+from themis_compile.planner import Placement, Topology
+from themis_compile.runtime.collectives import (
+    ChunkLayout,
+    plan_sparse_all_gather,
+    plan_sparse_reduce_scatter,
+    sparse_all_gather,
+    sparse_reduce_scatter,
+)
+from themis_compile.testing import RankError, run_multirank
+
+# Chunk specs: SwiGLU experts (three matrices), a dtype/shape mix with zero-size and 0-dim tensors, and
+# experts whose chunks are empty.
+SPECS = {
+    "swiglu": [((6, 10), torch.float32), ((10, 6), torch.float32), ((6, 10), torch.float32)],
+    "mixed": [((3, 5), torch.bfloat16), ((7,), torch.float32), ((0, 4), torch.float32), ((), torch.float64),
+              ((5,), torch.int64), ((3,), torch.float16)],
+    "empty": [((0, 3), torch.float32), ((0,), torch.int64)],
+}
+GATHER_ONLY_SPEC = [((5,), torch.bool), ((9,), torch.uint8), ((2, 3), torch.int8), ((4,), torch.float32)]
+
+
+# ============================================================================ shared helpers (per rank)
+def _placements(seed: int, num_experts: int, num_devices: int, density: float) -> tuple[Placement, Placement]:
+    rng = np.random.default_rng(seed)
+    shard = Placement.from_owners(rng.integers(0, num_devices, size=num_experts), num_devices)
+    extra_ED = rng.random((num_experts, num_devices)) < density
+    return shard, shard.union(Placement(extra_ED))
+
+
+def _chunk(seed: int, e: int, spec, holder: int = -1) -> list[torch.Tensor]:
+    """Deterministic tensors of expert e (holder >= 0: that holder's integer-valued gradient)."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + e * 101 + holder + 7)
+    out = []
+    for shape, dtype in spec:
+        if holder >= 0 or not dtype.is_floating_point:
+            t = torch.randint(-4, 5, shape, generator=gen).to(dtype) if dtype != torch.bool else \
+                torch.randint(0, 2, shape, generator=gen).bool()
+        else:
+            t = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        out.append(t)
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _assert_bit_exact(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want), what
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape, g.dtype, w.dtype)
+        assert torch.equal(_bits(g), _bits(w)), what
+
+
+def _check_case(rank: int, world: int, topology: Topology, seed: int, num_experts: int, spec_name: str,
+                density: float, store_key: str) -> dict:
+    """One SpAG + re-materialization SpAG + SpRS round trip; returns this rank's byte counts."""
+    spec = SPECS[spec_name] if spec_name in SPECS else GATHER_ONLY_SPEC
+    shard, placement = _placements(seed, num_experts, world, density)
+    layer = f"{store_key}/{spec_name}"
+    owned = {int(e): _chunk(seed, int(e), spec) for e in shard.experts_on(rank)}
+    delta = placement.delta(shard)
+    want_E = {int(e) for e in delta.experts_on(rank)}
+    psi = ChunkLayout.from_spec(spec).nbytes
+
+    # SpAG: exactly ΔP on this rank, bit-exact.
+    handle = sparse_all_gather(owned, shard, placement, topology, spec=spec, layer=layer, timeout_s=30)
+    got = handle.wait()
+    assert set(got) == want_E, (rank, sorted(got), sorted(want_E))
+    for e in want_E:
+        _assert_bit_exact(got[e], _chunk(seed, e, spec), f"SpAG expert {e} on rank {rank}")
+    model = sparse_all_gather_volume(shard, placement, psi, topology)
+    plan_vol = handle.volume
+    assert plan_vol.recv_bytes_D == model.recv_bytes_D
+    assert plan_vol.total_bytes == model.total_bytes == len(delta) * psi
+    assert plan_vol.inter_node_bytes == model.inter_node_bytes
+    assert plan_vol.node_ingress_bytes_N == model.node_ingress_bytes_N
+    assert all(s >= m for s, m in zip(plan_vol.send_bytes_D, model.send_bytes_D))
+    assert handle.sent_bytes == plan_vol.send_bytes_D[rank]
+    assert handle.recv_bytes == plan_vol.recv_bytes_D[rank] == len(want_E) * psi
+    stats = {"spag_sent": handle.sent_bytes, "spag_recv": handle.recv_bytes,
+             "spag_inter": handle.inter_node_sent_bytes, "spag_model_inter": model.inter_node_bytes,
+             "spag_model_total": model.total_bytes}
+
+    # Re-materialization: the replicas were freed; gather again toward the same P' into reused buffers.
+    del got
+    reused = {e: [torch.zeros(s, dtype=dt) for s, dt in spec] for e in want_E}
+    again = sparse_all_gather(owned, shard, placement, topology, spec=spec, layer=layer + "/rm",
+                              out=reused, timeout_s=30).wait()
+    for e in want_E:
+        assert all(a is b for a, b in zip(again[e], reused[e]))
+        _assert_bit_exact(again[e], _chunk(seed, e, spec), f"re-materialized expert {e} on rank {rank}")
+    if spec_name not in SPECS:
+        return stats
+
+    # SpRS: every owner gets the exact sum over all holders (integer-valued grads sum exactly).
+    grads = {int(e): _chunk(seed, int(e), spec, holder=rank) for e in placement.experts_on(rank)}
+    handle = sparse_reduce_scatter(grads, placement, shard, topology, spec=spec, layer=layer, timeout_s=30)
+    summed = handle.wait()
+    assert set(summed) == set(owned), (rank, sorted(summed), sorted(owned))
+    for e in owned:
+        want = [sum(ts) for ts in zip(*(_chunk(seed, e, spec, holder=int(d)) for d in placement.holders(e)))]
+        want = [w.to(dt) if isinstance(w, torch.Tensor) else torch.zeros(s, dtype=dt)
+                for w, (s, dt) in zip(want, spec)]
+        _assert_bit_exact(summed[e], want, f"SpRS expert {e} on rank {rank}")
+    rs_model = sparse_reduce_scatter_volume(placement, shard, psi, topology)
+    assert handle.volume.send_bytes_D == rs_model.send_bytes_D
+    assert handle.volume.total_bytes == rs_model.total_bytes == stats["spag_model_total"]
+    assert handle.volume.inter_node_bytes == rs_model.inter_node_bytes
+    assert handle.volume.node_egress_bytes_N == rs_model.node_egress_bytes_N
+    assert handle.sent_bytes == rs_model.send_bytes_D[rank]
+    assert handle.recv_bytes == handle.volume.recv_bytes_D[rank]
+    stats.update(sprs_sent=handle.sent_bytes, sprs_inter=handle.inter_node_sent_bytes)
+    return stats
+
+
+def _check_float_sums(rank: int, world: int, topology: Topology) -> list[int]:
+    """Random fp32 gradients: the sum matches an fp64 reference within the documented bound and is
+    bitwise identical when repeated."""
+    spec = SPECS["swiglu"]
+    shard, placement = _placements(99, 5, world, 0.6)
+    grads = {}
+    for e in placement.experts_on(rank):
+        gen = torch.Generator().manual_seed(1000 * int(e) + rank)
+        grads[int(e)] = [torch.randn(s, generator=gen) for s, _ in spec]
+    first = sparse_reduce_scatter(grads, placement, shard, topology, layer="fp32").wait()
+    second = sparse_reduce_scatter(grads, placement, shard, topology, layer="fp32").wait()
+    for e, tensors in first.items():
+        holders = [int(d) for d in placement.holders(e)]
+        refs, absums = [], []
+        for i, (s, _) in enumerate(spec):
+            parts = []
+            for d in holders:
+                gen = torch.Generator().manual_seed(1000 * e + d)
+                parts.append([torch.randn(s2, generator=gen) for s2, _ in spec][i].double())
+            refs.append(sum(parts))
+            absums.append(sum(p.abs() for p in parts))
+        eps = torch.finfo(torch.float32).eps
+        for t, ref, absum in zip(tensors, refs, absums):
+            bound = (len(holders) - 1) * eps * absum + 1e-30
+            assert ((t.double() - ref).abs() <= bound).all(), f"expert {e}"
+        for a, b in zip(tensors, second[e]):
+            assert torch.equal(_bits(a), _bits(b)), "SpRS must be bitwise reproducible"
+    return sorted(first)
+
+
+def _check_overlap(rank: int, world: int, topology: Topology) -> dict:
+    """Rank 1 starts a SpAG whose source (rank 0) joins only after rank 1 has finished compute issued
+    after start(): start() cannot have waited for the transfer, and the transfer then completes in the
+    background without any further call on rank 1 until its final wait()."""
+    store = dist.distributed_c10d._get_default_store()
+    spec = [((64, 64), torch.float32)]
+    owners = [0, 1, 2, 3][:world]
+    shard = Placement.from_owners(owners, world)
+    mask = shard.mask.copy()
+    mask[0, 1] = True
+    placement = Placement(mask)
+    owned = {rank: _chunk(5, rank, spec)}
+    out = {}
+    if rank == 0:
+        store.wait(["overlap/computed"])
+    handle = sparse_all_gather(owned, shard, placement, topology, spec=spec, layer="overlap")
+    if rank == 1:
+        started_incomplete = not handle.is_completed()
+        x = torch.randn(128, 128)
+        for _ in range(20):                          # compute issued between start and wait
+            x = torch.tanh(x @ x) * 0.5
+        out["started_incomplete"] = started_incomplete
+        out["incomplete_after_compute"] = not handle.is_completed()
+        out["compute_finite"] = bool(torch.isfinite(x).all())
+        store.set("overlap/computed", "1")
+        deadline = time.monotonic() + 30
+        while not handle.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        out["completed_without_wait"] = handle.is_completed()
+        got = handle.wait()
+        _assert_bit_exact(got[0], _chunk(5, 0, spec), "overlap expert 0")
+    else:
+        handle.wait()
+    return out
+
+
+def _run_single_node(rank: int, world: int) -> dict:
+    topology = Topology.from_env(world)
+    out = {"overlap": _check_overlap(rank, world, topology), "cases": []}
+    for seed, E, spec_name, density in [(1, 8, "swiglu", 0.35), (2, 5, "mixed", 0.5), (3, 6, "empty", 0.5),
+                                        (4, 7, "gather_only", 0.4), (5, 4, "swiglu", 0.0)]:
+        out["cases"].append(_check_case(rank, world, topology, seed, E, spec_name, density, f"n1s{seed}"))
+    out["float_experts"] = _check_float_sums(rank, world, topology)
+    return out
+
+
+def _run_two_nodes(rank: int, world: int) -> list[dict]:
+    topology = Topology.from_env(world)          # LOCAL_WORLD_SIZE=4: 2 nodes × 4
+    assert topology.devices_per_node == (4, 4)
+    cases = []
+    for seed, E, spec_name, density in [(11, 12, "swiglu", 0.3), (12, 6, "mixed", 0.6), (13, 8, "empty", 0.3),
+                                        (14, 3, "swiglu", 1.0)]:
+        cases.append(_check_case(rank, world, topology, seed, E, spec_name, density, f"n2s{seed}"))
+    return cases
+
+
+def _run_missing_rank(rank: int, world: int) -> str:
+    """Rank 3 owns the expert everyone needs; it stays alive but never calls the collective."""
+    store = dist.distributed_c10d._get_default_store()
+    spec = [((4,), torch.float32)]
+    shard = Placement.from_owners([3], world)
+    placement = Placement.full(1, world)
+    if rank == 3:
+        store.wait([f"timeout/{r}" for r in range(3)])
+        return "absent"
+    try:
+        sparse_all_gather({}, shard, placement, spec=spec, layer="blocks.7.moe", timeout_s=2.0).wait()
+        msg = "no error"
+    except TimeoutError as exc:
+        msg = str(exc)
+    store.set(f"timeout/{rank}", "1")
+    return msg
+
+
+# ============================================================================ multi-rank tests
+def _sum_stat(results: list, key: str, case: int) -> int:
+    return sum(r[case][key] for r in results)
+
+
+def test_four_ranks_one_node_gather_reduce_overlap() -> None:
+    results = run_multirank(_run_single_node, 4, timeout_s=60)
+    overlap = results[1]["overlap"]
+    assert overlap == {"started_incomplete": True, "incomplete_after_compute": True, "compute_finite": True,
+                       "completed_without_wait": True}
+    for case in range(5):
+        per_rank = [r["cases"][case] for r in results]
+        assert sum(s["spag_recv"] for s in per_rank) == per_rank[0]["spag_model_total"]
+        assert sum(s["spag_sent"] for s in per_rank) == per_rank[0]["spag_model_total"]
+        assert sum(s["spag_inter"] for s in per_rank) == 0
+    assert results[0]["cases"][4]["spag_model_total"] == 0          # ΔP = ∅ moves nothing
+    assert all(r["cases"][4]["spag_sent"] == r["cases"][4]["spag_recv"] == 0 for r in results)
+    owned = sorted(e for r in results for e in r["float_experts"])
+    assert owned == list(range(5))
+
+
+def test_eight_ranks_two_nodes_topology_aware() -> None:
+    results = run_multirank(_run_two_nodes, 8, devices_per_node=4, timeout_s=60)
+    for case in range(4):
+        per_rank = [r[case] for r in results]
+        model_inter = per_rank[0]["spag_model_inter"]
+        assert sum(s["spag_inter"] for s in per_rank) == model_inter       # Ψ per newly reached node
+        assert sum(s["spag_recv"] for s in per_rank) == per_rank[0]["spag_model_total"]
+        if "sprs_inter" in per_rank[0]:
+            assert sum(s["sprs_inter"] for s in per_rank) == model_inter
+    assert results[0][0]["spag_model_inter"] > 0
+    # Every expert replicated everywhere: 3 experts enter the other node once each (swiglu Ψ = 720 B).
+    assert results[0][3]["spag_model_inter"] == 3 * 720
+
+
+def test_missing_rank_times_out_naming_collective_and_layer() -> None:
+    results = run_multirank(_run_missing_rank, 4, timeout_s=20)
+    assert results[3] == "absent"
+    for msg in results[:3]:
+        assert "SparseAllGather" in msg and "blocks.7.moe" in msg and "timed out" in msg, msg
+
+
+def test_world_size_one_without_process_group() -> None:
+    assert not dist.is_initialized()
+    spec = SPECS["swiglu"]
+    shard = Placement.from_owners([0, 0], 1)
+    owned = {0: _chunk(1, 0, spec), 1: _chunk(1, 1, spec)}
+    handle = sparse_all_gather(owned, shard, shard, spec=spec, layer="solo")
+    assert handle.is_completed() and handle.wait() == {} and handle.sent_bytes == 0
+    grads = {0: _chunk(1, 0, spec, holder=0), 1: _chunk(1, 1, spec, holder=0)}
+    summed = sparse_reduce_scatter(grads, shard, shard, layer="solo").wait()
+    for e in (0, 1):
+        assert all(a is b for a, b in zip(summed[e], grads[e]))
+
+
+def test_bad_input_raises_value_error() -> None:
+    with pytest.raises(ValueError, match="shard placement"):
+        sparse_all_gather({}, Placement.full(2, 2), Placement.full(2, 2))
+    shard = Placement.from_owners([0, 0], 1)
+    with pytest.raises(ValueError, match="does not own"):
+        sparse_all_gather({5: [torch.zeros(2)]}, shard, shard)
+    with pytest.raises(ValueError, match="2 devices but the group has 1"):
+        sparse_all_gather({}, Placement.from_owners([0, 1], 2), Placement.full(2, 2))
+
+
+# ============================================================================ plans (no processes)
+@st.composite
+def _cases(draw):
+    dpn = draw(st.sampled_from([(1,), (4,), (2, 2), (4, 4), (3, 2, 1)]))
+    D = sum(dpn)
+    E = draw(st.integers(1, 10))
+    owners = draw(st.lists(st.integers(0, D - 1), min_size=E, max_size=E))
+    extra = draw(st.lists(st.booleans(), min_size=E * D, max_size=E * D))
+    spec = draw(st.sampled_from(list(SPECS.values())))
+    shard = Placement.from_owners(owners, D)
+    placement = shard.union(Placement(np.array(extra).reshape(E, D)))
+    return Topology(dpn), shard, placement, spec
+
+
+@settings(max_examples=60, deadline=None)
+@given(_cases())
+def test_plan_matches_volume_model(case) -> None:
+    topology, shard, placement, spec = case
+    layout = ChunkLayout.from_spec(spec)
+    plan = plan_sparse_all_gather(shard, placement, topology, layout)
+    vol, model = plan.volume(), sparse_all_gather_volume(shard, placement, layout.nbytes, topology)
+    assert vol.recv_bytes_D == model.recv_bytes_D
+    assert vol.total_bytes == model.total_bytes
+    assert vol.inter_node_bytes == model.inter_node_bytes
+    assert vol.node_ingress_bytes_N == model.node_ingress_bytes_N
+    assert all(a >= b for a, b in zip(vol.send_bytes_D, model.send_bytes_D))
+    assert all(a >= b for a, b in zip(vol.node_egress_bytes_N, model.node_egress_bytes_N))
+    assert len(plan.stages) <= 2
+    # Every received chunk is covered exactly once, by element-aligned pieces.
+    cover: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    owners = shard.owners()
+    holders_after_stage0 = set()
+    for s, stage in enumerate(plan.stages):
+        for t in stage:
+            assert t.nbytes > 0 and t.src != t.dst
+            assert layout.snap(t.start) == t.start and layout.snap(t.stop) == t.stop
+            if s == 0:
+                assert t.src == owners[t.expert]
+                holders_after_stage0.add((t.expert, t.dst, t.start))
+            else:
+                assert (t.expert, t.src, t.start) in holders_after_stage0      # relays what it got
+                assert topology.node_of(t.src) == topology.node_of(t.dst)      # fan-out inside the node
+            cover.setdefault((t.expert, t.dst), []).append((t.start, t.stop))
+    for (e, d), ranges in cover.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == layout.nbytes
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    rs = plan_sparse_reduce_scatter(placement, shard, topology, layout).volume()
+    rs_model = sparse_reduce_scatter_volume(placement, shard, layout.nbytes, topology)
+    assert rs.send_bytes_D == rs_model.send_bytes_D and rs.inter_node_bytes == rs_model.inter_node_bytes
+    assert rs.node_egress_bytes_N == rs_model.node_egress_bytes_N
+
+
+def test_plan_balances_relay_load() -> None:
+    # Device 0 owns three experts replicated on devices 1..3 and also receives expert 3 from device 1.
+    shard = Placement.from_owners([0, 0, 0, 1], 4)
+    placement = Placement.full(4, 4)
+    layout = ChunkLayout.from_spec([((1000,), torch.float32)])
+    vol = plan_sparse_all_gather(shard, placement, Topology.single_node(4), layout).volume()
+    # Device 0 must send each of its three chunks once (3Ψ); piece sizes keep it from relaying more.
+    assert vol.send_bytes_D[0] == 3 * 4000
+    assert max(vol.send_bytes_D) <= 3 * 4000 + 4000
+    assert vol.recv_bytes_D == (4000, 12000, 16000, 16000)
+
+
+def test_empty_delta_and_zero_size_chunks_plan_nothing() -> None:
+    shard = Placement.contiguous(4, 4)
+    topo = Topology.uniform(2, 2)
+    assert plan_sparse_all_gather(shard, shard, topo, ChunkLayout.from_spec(SPECS["swiglu"])).stages == ()
+    assert plan_sparse_all_gather(shard, Placement.full(4, 4), topo,
+                                  ChunkLayout.from_spec(SPECS["empty"])).stages == ()
+
+
+def test_layout_snaps_to_element_boundaries() -> None:
+    layout = ChunkLayout.from_spec(SPECS["mixed"])
+    assert layout.offsets[:3] == (0, 30, 58)
+    assert layout.snap(31) == 30 and layout.snap(33) == 34 and layout.snap(1) == 0
+    assert layout.segments(28, 62) == [(0, 28, 30), (1, 0, 28), (3, 0, 4)]

@@ -1,0 +1,781 @@
+"""SparseAllGather and SparseReduceScatter (§3.2), asynchronous and topology-aware (§3.3).
+
+``sparse_all_gather(chunks, P, P', topology)`` delivers exactly ΔP = P' \\ P: every device receives a
+bit-exact copy of each expert chunk that P' adds to it. ``sparse_reduce_scatter(grads, P', P, topology)``
+is its mirror image: every owner receives the sum of its expert's gradient over all devices holding the
+expert in P'. Both return a handle at once; ``handle.wait()`` returns the result.
+
+Realization (one plan, computed identically on every rank from (P, P', topology, chunk layout)):
+
+    SpAG, for every expert e and every node n that holds added replicas S = {s_1..s_m} of e:
+      stage 0 (scatter):    the owner splits the chunk into m pieces and sends piece j to s_j —
+                            Ψ enters node n exactly once (§3.3), from one source;
+      stage 1 (all-gather): s_j sends piece j to the other members of S, inside node n.
+    SpRS runs the same plan backwards with sends and receives swapped:
+      stage 0 (reduce-scatter inside node n): s_k sends piece j of its gradient to s_j, which adds it;
+      stage 1 (gather):     s_j sends its partial sum of piece j to the owner, which adds it to its own
+                            gradient — one combined partial sum leaves each node (§3.3).
+
+Every added replica thus receives exactly Ψ in SpAG and sends exactly Ψ in SpRS (Eq. 4), each newly
+reached node sees Ψ of inter-node traffic, and the collective takes two message rounds whatever the
+replica count. Piece sizes are chosen by water-filling on the bytes each device already sends in this
+collective, so devices that send a lot (owners of many hot experts) get small pieces to relay: any holder
+may supply a piece (§3.3). Pieces are cut at element boundaries so that gradients can be summed piecewise.
+All pieces one device sends to another in one stage travel as one flat byte message (bucketing).
+
+Asynchrony: on gloo the stages run on one background thread per process group (FIFO, so collectives
+execute in issue order on every rank; ``Work.wait`` releases the GIL, so compute on the main thread
+proceeds meanwhile). On NCCL the stages are enqueued at once on the communicator's stream (host
+non-blocking). The p2p messages use a private tag; other collectives on the same group do not interfere,
+but a dedicated group (``dist.new_group()``) is the safest choice.
+
+Chunk layout. A chunk is an expert's list of parameter tensors (any dtype/shape mix, zero-size allowed),
+e.g. SwiGLU ``[w1, w2, w3]``. Receivers must know it: pass ``spec=[(shape, dtype), ...]`` (the same for
+every expert of the layer, or a mapping expert -> spec); when omitted it is derived from a local chunk
+(SpAG: an owned chunk; SpRS: any local gradient), which requires that all experts of the layer share one
+spec and that a receiving rank holds at least one chunk.
+
+Numerics of SpRS: the owner's result is ``own + Σ_n partial_n`` with each node's partial sum formed in a
+fixed order (ascending device id) — bitwise reproducible across runs for a fixed plan. Against a sum in
+another order it differs by rounding only: |result - exact| ≤ (k-1)·eps·Σ_i |g_i| elementwise for k
+holders (standard recursive-summation bound; fp32 eps = 2^-23); integer-valued fp32 gradients sum exactly.
+
+Legend: E experts, D devices (ranks of the group), N nodes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from themis_compile.cost_model.volume import SPAG, SPRS, CollectiveVolume
+from themis_compile.planner.placement import Placement
+from themis_compile.planner.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ChunkLayout",
+    "Transfer",
+    "CommPlan",
+    "SparseCollectiveHandle",
+    "SpAGHandle",
+    "SpRSHandle",
+    "plan_sparse_all_gather",
+    "plan_sparse_reduce_scatter",
+    "sparse_all_gather",
+    "sparse_reduce_scatter",
+]
+
+ChunkSpec = Sequence[tuple[Sequence[int], torch.dtype]]
+
+_P2P_TAG = 0x7E4D  # private tag of sparse-collective messages (gloo matches p2p by (peer, tag))
+DEFAULT_TIMEOUT_S = 300.0
+
+
+# ============================================================================================ layout
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Byte layout of one expert chunk: its tensors concatenated without padding.
+
+    Attributes:
+        shapes: shape of every tensor of the chunk.
+        dtypes: dtype of every tensor.
+        offsets: byte offset of every tensor in the flat chunk, plus the total (len = tensors + 1).
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def from_spec(cls, spec: ChunkSpec) -> ChunkLayout:
+        """Build from ``[(shape, dtype), ...]``."""
+        shapes, dtypes, offsets = [], [], [0]
+        for item in spec:
+            try:
+                shape, dtype = item
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"a chunk spec entry must be (shape, dtype), got {item!r}") from exc
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"chunk spec dtype must be a torch.dtype, got {dtype!r}")
+            shape = tuple(int(s) for s in shape)
+            if any(s < 0 for s in shape):
+                raise ValueError(f"chunk spec shape must be non-negative, got {shape}")
+            shapes.append(shape)
+            dtypes.append(dtype)
+            offsets.append(offsets[-1] + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        return cls(tuple(shapes), tuple(dtypes), tuple(offsets))
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> ChunkLayout:
+        """The layout of a list of tensors."""
+        return cls.from_spec([(tuple(t.shape), t.dtype) for t in tensors])
+
+    @property
+    def nbytes(self) -> int:
+        """Ψ: the chunk's byte size."""
+        return self.offsets[-1]
+
+    def snap(self, x: float) -> int:
+        """The element boundary nearest to byte offset ``x`` (cuts never split an element)."""
+        if x <= 0:
+            return 0
+        if x >= self.nbytes:
+            return self.nbytes
+        i = bisect.bisect_right(self.offsets, x) - 1
+        size = self.dtypes[i].itemsize
+        return self.offsets[i] + int(round((x - self.offsets[i]) / size)) * size
+
+    def segments(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """The byte range [start, stop) of the flat chunk as ``(tensor, lo, hi)`` byte ranges per tensor."""
+        out = []
+        i = max(bisect.bisect_right(self.offsets, start) - 1, 0)
+        while i < len(self.shapes) and self.offsets[i] < stop:
+            lo, hi = max(start, self.offsets[i]), min(stop, self.offsets[i + 1])
+            if hi > lo:
+                out.append((i, lo - self.offsets[i], hi - self.offsets[i]))
+            i += 1
+        return out
+
+    def check(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        """Raise ValueError unless ``tensors`` match this layout."""
+        got = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        want = tuple(zip(self.shapes, self.dtypes))
+        if got != want:
+            raise ValueError(f"{what} does not match the chunk spec: got {list(got)}, expected {list(want)}")
+
+    def empty(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Freshly allocated (contiguous, uninitialized) tensors of this layout."""
+        return [torch.empty(s, dtype=dt, device=device) for s, dt in zip(self.shapes, self.dtypes)]
+
+
+# ============================================================================================ plan
+@dataclass(frozen=True, order=True)
+class Transfer:
+    """Bytes [start, stop) of expert ``expert``'s flat chunk move from device ``src`` to ``dst``."""
+
+    src: int
+    dst: int
+    expert: int
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """The global message plan of one sparse collective; identical on every rank.
+
+    Attributes:
+        collective: ``"SparseAllGather"`` or ``"SparseReduceScatter"``.
+        stages: per stage, its transfers sorted by (src, dst, expert, start); a stage starts after the
+            previous one has completed on the participating devices.
+        node_ids: [D] node of every device.
+        num_nodes: N.
+    """
+
+    collective: str
+    stages: tuple[tuple[Transfer, ...], ...]
+    node_ids: tuple[int, ...]
+    num_nodes: int
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.node_ids)
+
+    def messages(self, stage: int) -> dict[tuple[int, int], list[Transfer]]:
+        """Stage ``stage`` bucketed into one message per (src, dst) pair."""
+        out: dict[tuple[int, int], list[Transfer]] = {}
+        for t in self.stages[stage]:
+            out.setdefault((t.src, t.dst), []).append(t)
+        return out
+
+    def num_messages(self) -> int:
+        return sum(len(self.messages(s)) for s in range(len(self.stages)))
+
+    def sent_bytes_D(self) -> tuple[int, ...]:
+        """[D] bytes each device sends."""
+        sent = [0] * self.num_devices
+        for stage in self.stages:
+            for t in stage:
+                sent[t.src] += t.nbytes
+        return tuple(sent)
+
+    def recv_bytes_D(self) -> tuple[int, ...]:
+        """[D] bytes each device receives."""
+        recv = [0] * self.num_devices
+        for stage in self.stages:
+            for t in stage:
+                recv[t.dst] += t.nbytes
+        return tuple(recv)
+
+    def volume(self) -> CollectiveVolume:
+        """What this plan moves, in the cost model's terms (compare with ``cost_model.volume``)."""
+        ingress = [0] * self.num_nodes
+        egress = [0] * self.num_nodes
+        for stage in self.stages:
+            for t in stage:
+                a, b = self.node_ids[t.src], self.node_ids[t.dst]
+                if a != b:
+                    egress[a] += t.nbytes
+                    ingress[b] += t.nbytes
+        sent = self.sent_bytes_D()
+        return CollectiveVolume(self.collective, sum(sent), self.recv_bytes_D(), sent, sum(ingress),
+                                tuple(ingress), tuple(egress))
+
+
+def _water_fill(loads: Sequence[float], total: int, factor: int) -> list[float]:
+    """Amounts x_j ≥ 0 with Σ x_j = total minimizing max_j (loads_j + factor·x_j)."""
+    m = len(loads)
+    if m == 1 or factor == 0:
+        return [float(total)] + [0.0] * (m - 1) if factor == 0 else [float(total)]
+    order = sorted(range(m), key=lambda j: (loads[j], j))
+    budget, cum, level = float(total) * factor, 0.0, 0.0
+    for k in range(m):
+        cum += loads[order[k]]
+        level = (budget + cum) / (k + 1)
+        if k + 1 == m or level <= loads[order[k + 1]]:
+            break
+    return [max(0.0, level - load) / factor for load in loads]
+
+
+def _pieces(layout: ChunkLayout, members: Sequence[int], sent: list[float]) -> list[tuple[int, int, int]]:
+    """Split a chunk among ``members`` (ascending) as ``(member, start, stop)``, balancing what they send.
+
+    In the all-gather stage member j sends its piece to the other m-1 members, so its piece costs it
+    (m-1) bytes per byte; water-filling on ``sent`` (bytes already sent, updated here) balances the load.
+    """
+    m, total = len(members), layout.nbytes
+    amounts = _water_fill([sent[d] for d in members], total, m - 1)
+    cuts, acc = [0], 0.0
+    for x in amounts[:-1]:
+        acc += x
+        cuts.append(min(max(layout.snap(acc), cuts[-1]), total))
+    cuts.append(total)
+    out = []
+    for j, d in enumerate(members):
+        out.append((d, cuts[j], cuts[j + 1]))
+        sent[d] += (m - 1) * (cuts[j + 1] - cuts[j])
+    return out
+
+
+def _check_placements(shard: Placement, placement: Placement, topology: Topology) -> None:
+    if not isinstance(shard, Placement) or not isinstance(placement, Placement):
+        raise ValueError("shard and placement must be themis_compile.planner.Placement objects")
+    shard.require_shard_placement("the shard placement P")
+    if shard.shape != placement.shape:
+        raise ValueError(f"P and P' have different shapes {shard.shape} and {placement.shape}")
+    if not shard.issubset(placement):
+        raise ValueError("the ephemeral placement P' must contain the shard placement P (P ⊆ P')")
+    topology.validate(shard.num_devices)
+
+
+_PLAN_CACHE: dict[tuple, CommPlan] = {}
+_PLAN_CACHE_SIZE = 256
+
+
+def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Topology,
+                           layouts: ChunkLayout | Sequence[ChunkLayout]) -> CommPlan:
+    """The two-stage, topology-aware message plan of SpAG(P=shard, P'=placement) (see module docstring).
+
+    ``layouts`` is one `ChunkLayout` for all experts or one per expert. Pure and deterministic: every rank
+    computes the same plan.
+    """
+    _check_placements(shard, placement, topology)
+    E, D = shard.shape
+    layout_E = [layouts] * E if isinstance(layouts, ChunkLayout) else list(layouts)
+    if len(layout_E) != E:
+        raise ValueError(f"need one chunk layout per expert ({E}), got {len(layout_E)}")
+    key = (SPAG, shard.digest(), placement.digest(), topology.devices_per_node, tuple(layout_E))
+    cached = _PLAN_CACHE.get(key)
+    if cached is not None:
+        return cached
+    owners_E = shard.owners()
+    node_ids = topology.node_ids
+    delta_ED = placement.mask & ~shard.mask
+    sent = [0.0] * D                                   # bytes each device sends so far (for balancing)
+    stage0: list[Transfer] = []
+    stage1: list[Transfer] = []
+    # Largest total transfers first, so that later (smaller) ones even out the load they leave.
+    order_E = sorted(range(E), key=lambda e: (-layout_E[e].nbytes * int(delta_ED[e].sum()), e))
+    for e in order_E:
+        added = np.flatnonzero(delta_ED[e])
+        psi = layout_E[e].nbytes
+        if added.size == 0 or psi == 0:
+            continue
+        owner = int(owners_E[e])
+        for n in np.unique(node_ids[added]):          # §3.3: one entry per node, fan out inside it
+            members = [int(d) for d in added[node_ids[added] == n]]
+            sent[owner] += psi
+            pieces = _pieces(layout_E[e], members, sent)
+            for d, a, b in pieces:
+                if b > a:
+                    stage0.append(Transfer(owner, d, e, a, b))                  # scatter into node n
+                    stage1.extend(Transfer(d, d2, e, a, b) for d2 in members if d2 != d)  # all-gather
+    stages = tuple(tuple(sorted(s)) for s in (stage0, stage1) if s)
+    plan = CommPlan(SPAG, stages, tuple(int(n) for n in node_ids), topology.num_nodes)
+    if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.clear()
+    _PLAN_CACHE[key] = plan
+    return plan
+
+
+def plan_sparse_reduce_scatter(placement: Placement, shard: Placement, topology: Topology,
+                               layouts: ChunkLayout | Sequence[ChunkLayout]) -> CommPlan:
+    """The plan of SpRS(P'=placement, P=shard): the SpAG plan run backwards with src and dst swapped."""
+    spag = plan_sparse_all_gather(shard, placement, topology, layouts)
+    stages = tuple(tuple(sorted(Transfer(t.dst, t.src, t.expert, t.start, t.stop) for t in stage))
+                   for stage in reversed(spag.stages))
+    return CommPlan(SPRS, stages, spag.node_ids, spag.num_nodes)
+
+
+# ============================================================================================ execution
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of a tensor's bytes (a copy first when it is not contiguous)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _typed(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret a uint8 slice as ``dtype`` (copied when its offset is not aligned)."""
+    if buf.storage_offset() % dtype.itemsize:
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
+class _GroupWorker:
+    """One daemon thread per process group running collective jobs in issue order."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            job()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+
+_WORKERS: dict[int, _GroupWorker] = {}
+_WORKERS_LOCK = threading.Lock()
+
+
+def _worker_for(group: Any) -> _GroupWorker:
+    key = id(group)
+    with _WORKERS_LOCK:
+        worker = _WORKERS.get(key)
+        if worker is None:
+            worker = _WORKERS[key] = _GroupWorker(f"themis-sparse-collectives-{key:x}")
+        return worker
+
+
+class SparseCollectiveHandle:
+    """An in-flight sparse collective. ``wait()`` returns its result; ``is_completed()`` polls.
+
+    Attributes:
+        collective: ``"SparseAllGather"`` or ``"SparseReduceScatter"``.
+        layer: the layer name given at the call (for error messages and logs).
+        plan: the global `CommPlan` (the same on every rank).
+        volume: the plan's global byte counts (`CollectiveVolume`): what every device sends and receives
+            and what crosses node boundaries; equals ``cost_model.volume`` on the fixed side.
+        sent_bytes, recv_bytes, inter_node_sent_bytes: what this rank actually put on / took off the wire
+            (counted from the message buffers; final after ``wait()``).
+    """
+
+    def __init__(self, collective: str, layer: str, plan: CommPlan, rank: int, timeout_s: float,
+                 layout_known: bool = True) -> None:
+        self.collective = collective
+        self._layout_known = layout_known
+        self.layer = layer
+        self.plan = plan
+        self.rank = rank
+        self.timeout_s = float(timeout_s)
+        self.sent_bytes = 0
+        self.recv_bytes = 0
+        self.inter_node_sent_bytes = 0
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+
+    @property
+    def volume(self) -> CollectiveVolume:
+        """The global byte counts. A rank that holds no chunk and was given no ``spec`` cannot know the
+        chunk size: there this raises RuntimeError (pass ``spec=`` to get the numbers everywhere)."""
+        if not self._layout_known:
+            raise RuntimeError(f"{self._name()}: rank {self.rank} holds no chunk and got no spec, so it does "
+                               f"not know the chunk layout; pass spec= to record global volumes here")
+        return self.plan.volume()
+
+    def _name(self) -> str:
+        return f"{self.collective} of layer {self.layer!r}" if self.layer else f"{self.collective}"
+
+    def is_completed(self) -> bool:
+        """True once the collective has finished on this rank (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        """Block until done and return the result; raise TimeoutError/RuntimeError naming the collective
+        and layer if it failed or did not finish within ``timeout_s`` (default: the call's timeout plus a
+        grace period for the stage that is timing out)."""
+        limit = self.timeout_s + 10.0 if timeout_s is None else float(timeout_s)
+        if not self._done.wait(limit):
+            raise TimeoutError(f"{self._name()} did not complete on rank {self.rank} within {limit:.1f}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    # ---------------------------------------------------------------------------------- running
+    def _run(self, group: Any, deadline: float, body: Callable[[], Any]) -> None:
+        try:
+            self._result = body()
+        except BaseException as exc:  # noqa: BLE001 - reported to the waiting thread
+            self._error = exc
+            logger.error("%s failed on rank %d: %s", self._name(), self.rank, exc)
+        finally:
+            self._done.set()
+
+    def _exchange(self, group: Any, stage: int, deadline: float, device: torch.device,
+                  send_buf: Callable[[list[Transfer]], torch.Tensor],
+                  recv_buf: Callable[[list[Transfer]], torch.Tensor | None],
+                  on_recv: Callable[[list[Transfer], torch.Tensor], None]) -> None:
+        """Post this rank's sends and receives of one stage, wait for them, then unpack the receives."""
+        msgs = self.plan.messages(stage)
+        node_ids = self.plan.node_ids
+        works: list[tuple[int, Any]] = []
+        received, keep = [], []
+        try:
+            for (src, dst), transfers in sorted(msgs.items()):
+                if dst == self.rank:
+                    buf = recv_buf(transfers)
+                    direct = buf is not None
+                    if buf is None:
+                        buf = torch.empty(sum(t.nbytes for t in transfers), dtype=torch.uint8, device=device)
+                    works.append((src, dist.irecv(buf, group=group, group_src=src, tag=_P2P_TAG)))
+                    self.recv_bytes += buf.numel()
+                    if not direct:
+                        received.append((transfers, buf))
+            for (src, dst), transfers in sorted(msgs.items()):
+                if src == self.rank:
+                    buf = send_buf(transfers)
+                    keep.append(buf)
+                    works.append((dst, dist.isend(buf, group=group, group_dst=dst, tag=_P2P_TAG)))
+                    self.sent_bytes += buf.numel()
+                    if node_ids[src] != node_ids[dst]:
+                        self.inter_node_sent_bytes += buf.numel()
+            for _, work in works:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("the deadline passed")
+                work.wait(timeout=datetime.timedelta(seconds=remaining))
+        except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
+            peers = sorted({p for (s_, d_) in msgs for p in (s_, d_) if self.rank in (s_, d_)} - {self.rank})
+            pending = sorted({p for p, w in works if not w.is_completed()}) or peers
+            timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() \
+                or time.monotonic() >= deadline
+            kind = TimeoutError if timed_out else RuntimeError
+            what = f"timed out after {self.timeout_s:.1f}s" if timed_out else "failed"
+            raise kind(f"{self._name()} {what} on rank {self.rank}: stage {stage} was still exchanging "
+                       f"with ranks {pending} ({exc})") from exc
+        for transfers, buf in received:
+            on_recv(transfers, buf)
+
+
+def _group_rank_and_size(group: Any) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _is_nccl(group: Any) -> bool:
+    try:
+        return dist.get_backend(group) == "nccl"
+    except Exception:  # noqa: BLE001 - no backend: not NCCL
+        return False
+
+
+def _default_device(group: Any, local: Mapping[int, Sequence[torch.Tensor]]) -> torch.device:
+    for ts in local.values():
+        for t in ts:
+            return t.device
+    if _is_nccl(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resolve_layouts(spec: ChunkSpec | Mapping[int, ChunkSpec] | None, num_experts: int,
+                     local: Mapping[int, Sequence[torch.Tensor]], needed: bool, what: str
+                     ) -> ChunkLayout | list[ChunkLayout] | None:
+    if spec is None:
+        if not local:
+            if needed:
+                raise ValueError(f"{what}: this rank holds no chunk to derive the chunk layout from; "
+                                 f"pass spec=[(shape, dtype), ...]")
+            return None
+        return ChunkLayout.of(local[min(local)])
+    if isinstance(spec, Mapping):
+        missing = [e for e in range(num_experts) if e not in spec]
+        if missing:
+            raise ValueError(f"{what}: spec mapping lacks experts {missing}")
+        return [ChunkLayout.from_spec(spec[e]) for e in range(num_experts)]
+    return ChunkLayout.from_spec(spec)
+
+
+def _layout_of(layouts: ChunkLayout | list[ChunkLayout], e: int) -> ChunkLayout:
+    return layouts if isinstance(layouts, ChunkLayout) else layouts[e]
+
+
+def _common(shard: Placement, placement: Placement, topology: Topology | None, group: Any, what: str
+            ) -> tuple[Topology, int, int]:
+    rank, world = _group_rank_and_size(group)
+    if topology is None:
+        topology = Topology.single_node(shard.num_devices)
+    _check_placements(shard, placement, topology)
+    if shard.num_devices != world:
+        raise ValueError(f"{what}: placements span {shard.num_devices} devices but the group has {world} ranks")
+    return topology, rank, world
+
+
+# ============================================================================================ SpAG
+class SpAGHandle(SparseCollectiveHandle):
+    """Handle of `sparse_all_gather`; ``wait()`` -> {expert: [tensors]} for ΔP on this rank."""
+
+
+def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Placement, placement: Placement,
+                      topology: Topology | None = None, group: Any = None, *, spec: ChunkSpec | None = None,
+                      layer: str = "", out: Mapping[int, Sequence[torch.Tensor]] | None = None,
+                      timeout_s: float = DEFAULT_TIMEOUT_S) -> SpAGHandle:
+    """Start SpAG(P=shard, P'=placement) (§3.2): materialize the replicas ΔP = P' \\ P.
+
+    Args:
+        chunks: for every expert this rank owns in ``shard`` (at least those with added replicas), its list
+            of parameter tensors. They must not be modified before ``wait()`` returns.
+        shard: the shard placement P (one owner per expert).
+        placement: the ephemeral placement P' ⊇ P.
+        topology: nodes of the group's ranks; ``None`` = one node.
+        group: the process group (default: the world). Every rank of it must call this, in the same order
+            as other sparse collectives on the group.
+        spec: the chunk layout ``[(shape, dtype), ...]`` (or expert -> layout); default: derived from a local
+            chunk (see module docstring).
+        layer: a name for errors and logs.
+        out: optional preallocated destination tensors per received expert (reused across
+            re-materializations); missing experts are allocated.
+        timeout_s: a rank that does not arrive makes the others raise TimeoutError after this long.
+
+    Returns:
+        A handle whose ``wait()`` returns ``{expert: [tensor, ...]}`` with bit-exact copies of every expert
+        P' adds to this rank (and nothing else).
+    """
+    topology, rank, world = _common(shard, placement, topology, group, SPAG)
+    delta_ED = placement.mask & ~shard.mask
+    owners_E = shard.owners()
+    receives_E = np.flatnonzero(delta_ED[:, rank]) if world > 1 else np.zeros(0, dtype=np.int64)
+    sends_E = [int(e) for e in np.flatnonzero(delta_ED.any(axis=1)) if owners_E[e] == rank]
+    missing = [e for e in sends_E if e not in chunks]
+    if missing:
+        raise ValueError(f"{SPAG} of layer {layer!r}: rank {rank} owns experts {missing} that P' replicates "
+                         f"but `chunks` lacks them")
+    not_owned = [e for e in chunks if not (0 <= int(e) < shard.num_experts) or owners_E[int(e)] != rank]
+    if not_owned:
+        raise ValueError(f"{SPAG} of layer {layer!r}: `chunks` holds experts {not_owned} that rank {rank} "
+                         f"does not own in P")
+    layouts = _resolve_layouts(spec, shard.num_experts, chunks, receives_E.size > 0, f"{SPAG} of layer {layer!r}")
+    layout_known = layouts is not None
+    if layouts is None:       # this rank neither sends nor receives: any layout gives it an empty plan
+        layouts = ChunkLayout.from_spec([])
+    for e in sends_E:
+        _layout_of(layouts, e).check(chunks[e], f"{SPAG} of layer {layer!r}: chunk of expert {e}")
+    plan = plan_sparse_all_gather(shard, placement, topology, layouts)
+    handle = SpAGHandle(SPAG, layer, plan, rank, timeout_s, layout_known)
+
+    # Step 1: destination tensors for every expert P' adds here (allocated now: zero-size ones are done).
+    result: dict[int, list[torch.Tensor]] = {}
+    device = _default_device(group, chunks)
+    for e in (int(x) for x in receives_E):
+        layout = _layout_of(layouts, e)
+        if out is not None and e in out:
+            dst = list(out[e])
+            layout.check(dst, f"{SPAG} of layer {layer!r}: out[{e}]")
+            if not all(t.is_contiguous() for t in dst):
+                raise ValueError(f"{SPAG} of layer {layer!r}: out[{e}] tensors must be contiguous")
+        else:
+            dst = layout.empty(device)
+        result[e] = dst
+    if not any(t.src == rank or t.dst == rank for stage in plan.stages for t in stage):
+        handle._result = result
+        handle._done.set()
+        return handle
+    src_bytes = {e: [_flat_bytes(t) for t in chunks[e]] for e in sends_E}
+    dst_bytes = {e: [t.reshape(-1).view(torch.uint8) for t in ts] for e, ts in result.items()}
+
+    def segments(transfers: list[Transfer]) -> list[tuple[torch.Tensor, int, int]]:
+        segs = []
+        for t in transfers:
+            views = src_bytes[t.expert] if t.expert in src_bytes else dst_bytes[t.expert]
+            for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop):
+                segs.append((views[i], lo, hi))
+        return segs
+
+    def send_buf(transfers: list[Transfer]) -> torch.Tensor:
+        segs = segments(transfers)
+        if len(segs) == 1:
+            view, lo, hi = segs[0]
+            return view[lo:hi]
+        return torch.cat([view[lo:hi] for view, lo, hi in segs])
+
+    def recv_buf(transfers: list[Transfer]) -> torch.Tensor | None:
+        segs = segments(transfers)
+        if len(segs) == 1:                       # receive straight into the destination tensor
+            view, lo, hi = segs[0]
+            return view[lo:hi]
+        return None
+
+    def on_recv(transfers: list[Transfer], buf: torch.Tensor) -> None:
+        pos = 0
+        for view, lo, hi in segments(transfers):
+            view[lo:hi].copy_(buf[pos:pos + hi - lo])
+            pos += hi - lo
+
+    deadline = time.monotonic() + handle.timeout_s
+
+    def body() -> dict[int, list[torch.Tensor]]:
+        for s in range(len(plan.stages)):
+            handle._exchange(group, s, deadline, device, send_buf, recv_buf, on_recv)
+        return result
+
+    _launch(handle, group, deadline, body)
+    return handle
+
+
+def _launch(handle: SparseCollectiveHandle, group: Any, deadline: float, body: Callable[[], Any]) -> None:
+    logger.debug("%s: rank %d starts %d stage(s), %d message(s) globally", handle._name(), handle.rank,
+                 len(handle.plan.stages), handle.plan.num_messages())
+    if _is_nccl(group):
+        handle._run(group, deadline, body)     # enqueued on the NCCL stream; the host does not block
+    else:
+        pg = group if group is not None else dist.group.WORLD
+        _worker_for(pg).submit(lambda: handle._run(group, deadline, body))
+
+
+# ============================================================================================ SpRS
+class SpRSHandle(SparseCollectiveHandle):
+    """Handle of `sparse_reduce_scatter`; ``wait()`` -> {owned expert: [summed gradient tensors]}."""
+
+
+def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement: Placement, shard: Placement,
+                          topology: Topology | None = None, group: Any = None, *, spec: ChunkSpec | None = None,
+                          layer: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> SpRSHandle:
+    """Start SpRS(P'=placement, P=shard) (§3.2): sum every expert's gradient into its owner.
+
+    Args:
+        grads: this rank's gradient tensors for every expert it holds in P' — the replicas ΔP on this rank
+            and its own shard's experts (those with replicas at least). Not modified; must not be modified
+            before ``wait()`` returns.
+        placement, shard: P' ⊇ P and the shard placement P.
+        topology, group, spec, layer, timeout_s: as in `sparse_all_gather` (the layout defaults to that of a
+            local gradient).
+
+    Returns:
+        A handle whose ``wait()`` returns, for every expert this rank owns that appears in ``grads``, the
+        sum of its gradient over all holders in P' **including the owner's own gradient** (new tensors for
+        replicated experts; the given tensors themselves for experts without replicas). Non-owners get {}.
+    """
+    topology, rank, world = _common(shard, placement, topology, group, SPRS)
+    delta_ED = placement.mask & ~shard.mask
+    owners_E = shard.owners()
+    holds_E = [int(e) for e in np.flatnonzero(placement.mask[:, rank])]
+    owned_rep_E = [e for e in holds_E if owners_E[e] == rank and delta_ED[e].any()]
+    replica_E = [int(e) for e in np.flatnonzero(delta_ED[:, rank])]
+    missing = [e for e in owned_rep_E + replica_E if e not in grads]
+    if missing:
+        raise ValueError(f"{SPRS} of layer {layer!r}: rank {rank} holds experts {missing} in P' "
+                         f"(replicated or replicas) but `grads` lacks them")
+    extra = [e for e in grads if int(e) not in holds_E]
+    if extra:
+        raise ValueError(f"{SPRS} of layer {layer!r}: `grads` holds experts {extra} that rank {rank} does "
+                         f"not hold in P'")
+    layouts = _resolve_layouts(spec, shard.num_experts, grads, bool(owned_rep_E or replica_E),
+                               f"{SPRS} of layer {layer!r}")
+    layout_known = layouts is not None
+    if layouts is None:       # this rank holds nothing: any layout gives it an empty plan
+        layouts = ChunkLayout.from_spec([])
+    for e in owned_rep_E + replica_E:
+        layout = _layout_of(layouts, e)
+        layout.check(grads[e], f"{SPRS} of layer {layer!r}: gradient of expert {e}")
+        if any(dt == torch.bool for dt in layout.dtypes):
+            raise ValueError(f"{SPRS} of layer {layer!r}: cannot sum bool gradients of expert {e}")
+    plan = plan_sparse_reduce_scatter(placement, shard, topology, layouts)
+    handle = SpRSHandle(SPRS, layer, plan, rank, timeout_s, layout_known)
+
+    # Owned experts without replicas are already complete.
+    result: dict[int, list[torch.Tensor]] = {int(e): list(g) for e, g in grads.items()
+                                              if owners_E[int(e)] == rank and int(e) not in owned_rep_E}
+    if not any(t.src == rank or t.dst == rank for stage in plan.stages for t in stage):
+        for e in owned_rep_E:               # zero-size chunks: nothing to add
+            result[e] = [g.clone() for g in grads[e]]
+        handle._result = result
+        handle._done.set()
+        return handle
+
+    # Step 1: accumulators: the owner's result and, on replicas, the partial sum of their piece.
+    acc: dict[int, list[torch.Tensor]] = {e: [g.detach().contiguous().clone() for g in grads[e]]
+                                          for e in owned_rep_E}
+    if plan.stages:
+        for t in plan.stages[0]:
+            if t.dst == rank and t.expert not in acc:
+                acc[t.expert] = [g.detach().contiguous().clone() for g in grads[t.expert]]
+    src_bytes = {e: [_flat_bytes(g) for g in grads[e]] for e in replica_E}
+    device = _default_device(group, grads)
+    acc_flat = {e: [a.reshape(-1) for a in ts] for e, ts in acc.items()}
+
+    def send_buf_for(stage: int) -> Callable[[list[Transfer]], torch.Tensor]:
+        def send_buf(transfers: list[Transfer]) -> torch.Tensor:
+            parts = []
+            for t in transfers:
+                use_acc = stage == len(plan.stages) - 1 and t.expert in acc
+                views = [a.view(torch.uint8) for a in acc_flat[t.expert]] if use_acc else src_bytes[t.expert]
+                for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop):
+                    parts.append(views[i][lo:hi])
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return send_buf
+
+    def on_recv(transfers: list[Transfer], buf: torch.Tensor) -> None:
+        pos = 0
+        for t in transfers:
+            layout = _layout_of(layouts, t.expert)
+            for i, lo, hi in layout.segments(t.start, t.stop):
+                dt = layout.dtypes[i]
+                acc_flat[t.expert][i][lo // dt.itemsize:hi // dt.itemsize].add_(_typed(buf[pos:pos + hi - lo], dt))
+                pos += hi - lo
+
+    deadline = time.monotonic() + handle.timeout_s
+
+    def body() -> dict[int, list[torch.Tensor]]:
+        for s in range(len(plan.stages)):
+            handle._exchange(group, s, deadline, device, send_buf_for(s), lambda transfers: None, on_recv)
+        for e in owned_rep_E:
+            result[e] = acc[e]
+        return result
+
+    _launch(handle, group, deadline, body)
+    return handle
