@@ -157,26 +157,37 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
             continue
         # Candidates ranked by (modeled load, more free slots, id); lexsort is stable, so ids break ties.
         cand = cand[np.lexsort((-slots_D[cand], dev_load_D[cand]))]
-        if n >= cand.size:
-            chosen = cand
-        else:
-            # l.10: water-fill nodes by holders per device, then take each node's best candidates.
-            per_node: list[list[int]] = [[] for _ in range(N)]
-            for d in cand.tolist():
-                per_node[node_of[d]].append(d)
-            holders_N = np.bincount(topology.node_ids[mask_ED[e]], minlength=N).tolist()
-            taken = [0] * N
-            picked: list[int] = []
-            for _ in range(n):
-                k = min(((holders_N[k] + taken[k]) / k_N[k], float(dev_load_D[per_node[k][taken[k]]]), k)
-                        for k in range(N) if taken[k] < len(per_node[k]))[2]
-                picked.append(per_node[k][taken[k]])
-                taken[k] += 1
-            chosen = np.asarray(picked, dtype=np.int64)
-        # l.11: P' ← P' ∪ P^e, and update the modeled load of every holder of e.
+        per_node: list[list[int]] = [[] for _ in range(N)]
+        for d in cand.tolist():
+            per_node[node_of[d]].append(d)
+        # l.10: the order replicas would take: the node with the fewest holders of e per device first
+        # (nodes lacking e come first, then replicas spread evenly), then that node's best candidate.
+        holders_N = np.bincount(topology.node_ids[mask_ED[e]], minlength=N).tolist()
+        taken = [0] * N
+        sequence: list[int] = []
+        for _ in range(min(n, cand.size)):
+            k = min(((holders_N[k] + taken[k]) / k_N[k], float(dev_load_D[per_node[k][taken[k]]]), k)
+                    for k in range(N) if taken[k] < len(per_node[k]))[2]
+            sequence.append(per_node[k][taken[k]])
+            taken[k] += 1
+        # LPT guard: place the first k of them, k <= n chosen to minimize the hottest device among e's
+        # holders (plain even split F_e / copies); k = 0 when no replica cools that device.
+        seq = np.asarray(sequence, dtype=np.int64)
+        copies = int(copies_E[e])
+        share_K = float(load_E[e]) / (copies + np.arange(seq.size + 1))
+        hottest = float(dev_load_D[mask_ED[e]].max())
+        peak_K = np.maximum(hottest - share_K[0] + share_K,
+                            np.concatenate([[-np.inf], np.maximum.accumulate(dev_load_D[seq])]) + share_K)
+        peak_K[0] = hottest
+        k = int(np.argmin(peak_K))
+        if k == 0:
+            continue
+        chosen = seq[:k]
+        # l.11: P' ← P' ∪ P^e; update the modeled load of every holder of e.
         dev_load_D -= _holder_shares(mask_ED[e], float(load_E[e]), topology)
         mask_ED[e, chosen] = True
         slots_D[chosen] -= 1
+        copies_E[e] += k
         dev_load_D += _holder_shares(mask_ED[e], float(load_E[e]), topology)
 
 
