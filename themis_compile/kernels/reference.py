@@ -77,10 +77,13 @@ def permute(x_TH: Tensor, dst_row_TK: Tensor, num_rows: int, out_dtype: torch.dt
     num_tokens, top_k = dst_row_TK.shape
     dtype = x_TH.dtype if out_dtype is None else out_dtype
     rows_N = dst_row_TK.reshape(-1)
-    alloc = torch.empty if num_rows == rows_N.numel() else torch.zeros
-    send_NH = alloc((num_rows, x_TH.shape[1]), dtype=dtype, device=x_TH.device)
     token_N = torch.arange(num_tokens, device=x_TH.device).repeat_interleave(top_k)
-    send_NH.index_copy_(0, rows_N, x_TH.index_select(0, token_N).to(dtype))
+    if num_rows == rows_N.numel():
+        # Dropless: dst_row is a permutation, so invert it and gather each row's token (one pass, no scatter).
+        token_of_row_N = torch.empty_like(token_N).scatter_(0, rows_N, token_N)
+        return x_TH.to(dtype).index_select(0, token_of_row_N)
+    send_NH = torch.zeros((num_rows, x_TH.shape[1]), dtype=dtype, device=x_TH.device)
+    send_NH.index_copy_(0, rows_N, x_TH.to(dtype).index_select(0, token_N))
     return send_NH
 
 
@@ -112,7 +115,12 @@ def unpermute_combine_backward(
     g_TH = grad_out_TH.float()
     y_TKH = y_NH.index_select(0, rows_N).view(num_tokens, top_k, y_NH.shape[1]).float()
     grad_weights_TK = (y_TKH * g_TH.unsqueeze(1)).sum(-1).to(weights_TK.dtype)
-    grad_rows_NH = (weights_TK.float().unsqueeze(-1) * g_TH.unsqueeze(1)).reshape(rows_N.numel(), y_NH.shape[1])
-    grad_y_NH = torch.zeros(y_NH.shape, dtype=torch.float32, device=y_NH.device)
-    grad_y_NH.index_add_(0, rows_N, grad_rows_NH)
-    return grad_y_NH.to(y_NH.dtype), grad_weights_TK
+    grad_pairs_NH = (weights_TK.float().unsqueeze(-1) * g_TH.unsqueeze(1)).reshape(rows_N.numel(), y_NH.shape[1])
+    grad_pairs_NH = grad_pairs_NH.to(y_NH.dtype)
+    if y_NH.shape[0] == rows_N.numel():
+        # Dropless: dst_row is a permutation; gather by its inverse instead of scattering.
+        pair_of_row_N = torch.empty_like(rows_N).scatter_(0, rows_N, torch.arange(rows_N.numel(), device=rows_N.device))
+        return grad_pairs_NH.index_select(0, pair_of_row_N), grad_weights_TK
+    grad_y_NH = torch.zeros(y_NH.shape, dtype=y_NH.dtype, device=y_NH.device)
+    grad_y_NH.index_copy_(0, rows_N, grad_pairs_NH)
+    return grad_y_NH, grad_weights_TK
