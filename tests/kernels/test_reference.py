@@ -60,7 +60,8 @@ def test_permute_combine_forward_backward_match_naive(case, dtype):
     weights_TK = torch.rand(num_tokens, k_eff, generator=gen).requires_grad_()
     out_TH = kernels.unpermute_combine(y_NH, dst_row_TK, weights_TK)
     assert out_TH.dtype == dtype
-    torch.testing.assert_close(out_TH.double(), naive.unpermute_combine(y_NH.detach(), dst_row_TK, weights_TK.detach()), **tol)
+    want_TH = naive.unpermute_combine(y_NH.detach(), dst_row_TK, weights_TK.detach())
+    torch.testing.assert_close(out_TH.double(), want_TH, **tol)
     grad_out_TH = torch.randn(out_TH.shape, generator=gen).to(dtype)
     grad_y_NH, grad_w_TK = torch.autograd.grad(out_TH, (y_NH, weights_TK), grad_out_TH)
     want_y, want_w = naive.combine_grads(grad_out_TH, y_NH.detach(), dst_row_TK, weights_TK.detach())

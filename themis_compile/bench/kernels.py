@@ -118,7 +118,10 @@ def bench_shape(shape: KernelShape, device: torch.device, iters: int, impls: lis
     index_bytes = num_rows * 8
     ops: dict[str, tuple[int, Callable[[], object]]] = {
         # bytes that must move: read tokens once, write every row; gather rows, write tokens; ...
-        "permute": (tok_bytes + row_bytes + index_bytes, lambda: torch.ops.themis.permute(x_TH, dst_row_TK, num_rows, None)),
+        "permute": (
+            tok_bytes + row_bytes + index_bytes,
+            lambda: torch.ops.themis.permute(x_TH, dst_row_TK, num_rows, None),
+        ),
         "unpermute_combine": (
             row_bytes + tok_bytes + index_bytes + num_rows * 4,
             lambda: torch.ops.themis.unpermute_combine(y_NH, dst_row_TK, weights_TK),
@@ -178,9 +181,8 @@ def check(device: torch.device, include_large: bool = False) -> dict:
                     out_TH = kernels.unpermute_combine(torch.tanh(send_NH.to(dtype)), meta[1], w)
                     out_TH.float().square().sum().backward()
                     outs[impl] = (dest_TK, *meta, send_NH, out_TH, x.grad, w.grad)
-            for name, got, want in zip(
-                ("dest", "counts", "dst_row", "src_pair", "send", "out", "grad_x", "grad_w"), outs["triton"], outs["torch"]
-            ):
+            names = ("dest", "counts", "dst_row", "src_pair", "send", "out", "grad_x", "grad_w")
+            for name, got, want in zip(names, outs["triton"], outs["torch"]):
                 if got.dtype == torch.int64 or (name == "send" and device.type == "cuda"):
                     ok = torch.equal(got, want)
                 else:

@@ -276,7 +276,9 @@ def assign_destinations(expert_ids_TK: Tensor, splits_ED: Tensor) -> Tensor:
     """
     _check_index("expert_ids_TK", expert_ids_TK, 2)
     _check_index("splits_ED", splits_ED, 2)
-    return _assign_destinations_op(_dense(expert_ids_TK, torch.int64), _dense(splits_ED, torch.int64, expert_ids_TK.device))
+    return _assign_destinations_op(
+        _dense(expert_ids_TK, torch.int64), _dense(splits_ED, torch.int64, expert_ids_TK.device)
+    )
 
 
 def permute(

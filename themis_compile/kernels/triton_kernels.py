@@ -86,8 +86,9 @@ def _block_rank_kernel(
     valid = pair < num_pairs
     key = tl.load(key_ptr + pair, mask=valid, other=-1)
     same = (key[:, None] == key[None, :]) & valid[None, :]
-    rank = tl.reduce((same & (lane[None, :] < lane[:, None])).to(tl.int64), 1, _add)
-    total = tl.reduce(same.to(tl.int64), 1, _add)
+    # int32 tiles keep the BLOCK x BLOCK comparison in registers; counts fit easily.
+    rank = tl.reduce((same & (lane[None, :] < lane[:, None])).to(tl.int32), 1, _add).to(tl.int64)
+    total = tl.reduce(same.to(tl.int32), 1, _add).to(tl.int64)
     tl.store(local_rank_ptr + pair, rank, mask=valid)
     # The first pair of each key in the block writes the block's count for that key.
     tl.store(block_hist_ptr + block * num_groups + key, total, mask=valid & (rank == 0))
