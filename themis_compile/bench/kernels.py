@@ -147,7 +147,7 @@ def bench_shape(shape: KernelShape, device: torch.device, iters: int, impls: lis
                 ms = _time_ms(fn, device, iters)
             entry[f"{impl}_ms"] = round(ms, 4)
             if nbytes:
-                entry[f"{impl}_GBps"] = round(nbytes / ms / 1e6, 1)
+                entry[f"{impl}_GBps"] = round(nbytes / ms / 1e6, 3)
         if "triton" in impls:
             entry["speedup"] = round(entry["torch_ms"] / entry["triton_ms"], 2)
             if nbytes and peak:
