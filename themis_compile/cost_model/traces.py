@@ -1,0 +1,323 @@
+"""Routing traces: what the gates did, per iteration and MoE layer — synthetic or recorded from training.
+
+A trace is a list of records, one per (step, layer), with the tokens routed to every expert and, when
+known, the split of those tokens over source devices. The simulator replays a trace through the planner.
+
+JSONL format (the demo's recorder writes the same): one JSON object per line::
+
+    {"header": {"num_experts": E, "top_k": k, "world_size": D, "model": "name"}}     (optional, first)
+    {"step": 0, "layer": 0, "tokens_per_expert": [int, ...E],
+     "tokens_per_device_expert": [[int, ...E], ...D]}                                   (the last key optional)
+
+The reader is lenient: the header may be missing (E is taken from the first record), unknown keys are
+ignored, blank lines are skipped. A record without ``tokens_per_device_expert`` is split evenly over
+the simulated devices.
+
+Synthetic traces (`synthetic_trace`) have drifting, skewed loads. Skew is given as the paper measures it
+(§5.4, Fig. 16a): the standard deviation over experts of the per-expert token proportion p_e, the share of
+tokens that route to expert e (so Σ p_e = k and p_e <= 1); the paper's Qwen1.5-MoE runs show 0.034-0.046.
+(With shares of assignments summing to 1 instead, 0.04 would be out of reach for DeepSeek-V3's 128
+experts with top-8, whose largest possible Std is 0.030.) The loads follow p ∝ exp(σ·z) with z a
+per-layer latent that drifts as an AR(1) process between steps, and σ is solved so that Std(p) equals
+the requested skew exactly (after capping p_e at 1: a token picks k distinct experts).
+
+Legend: E experts, D devices (sources), L layers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RoutingRecord", "RoutingTrace", "synthetic_trace", "load_skew", "proportions_with_skew",
+           "read_jsonl", "write_jsonl"]
+
+
+@dataclass(frozen=True)
+class RoutingRecord:
+    """The gate's output of one MoE layer in one step.
+
+    Attributes:
+        step: training step (iteration).
+        layer: MoE layer index.
+        tokens_per_expert: [E] int64, token assignments per expert over all devices.
+        tokens_per_device_expert: [D, E] int64 or None, the same split by source device.
+    """
+
+    step: int
+    layer: int
+    tokens_per_expert: np.ndarray
+    tokens_per_device_expert: np.ndarray | None = None
+
+    def tokens_ED(self, num_devices: int) -> np.ndarray:
+        """[E, D] int64 gate counts for a simulated world of ``num_devices`` devices.
+
+        Uses the recorded per-device split when its device count matches; otherwise splits every
+        expert's tokens evenly over the devices (the remainder to the lowest ids, rotated by expert).
+        """
+        if self.tokens_per_device_expert is not None and self.tokens_per_device_expert.shape[0] == num_devices:
+            return np.ascontiguousarray(self.tokens_per_device_expert.T)
+        E = self.tokens_per_expert.size
+        q_E, r_E = np.divmod(self.tokens_per_expert, num_devices)
+        rot_ED = (np.arange(num_devices)[None, :] - np.arange(E)[:, None]) % num_devices
+        return q_E[:, None] + (rot_ED < r_E[:, None])
+
+    def to_json(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"step": int(self.step), "layer": int(self.layer),
+                               "tokens_per_expert": self.tokens_per_expert.tolist()}
+        if self.tokens_per_device_expert is not None:
+            obj["tokens_per_device_expert"] = self.tokens_per_device_expert.tolist()
+        return obj
+
+
+@dataclass
+class RoutingTrace:
+    """An ordered collection of `RoutingRecord` with an optional header.
+
+    Attributes:
+        records: the records, in file order.
+        header: ``{"num_experts", "top_k", "world_size", "model"}`` (any may be missing).
+    """
+
+    records: list[RoutingRecord]
+    header: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.records:
+            raise ValueError("a routing trace needs at least one record")
+        E = self.records[0].tokens_per_expert.size
+        declared = self.header.get("num_experts")
+        if declared is not None and int(declared) != E:
+            raise ValueError(f"trace header says num_experts={declared} but records have {E} experts")
+        for rec in self.records:
+            if rec.tokens_per_expert.size != E:
+                raise ValueError(f"record step={rec.step} layer={rec.layer} has {rec.tokens_per_expert.size} "
+                                 f"experts, expected {E}")
+        self._index = {(r.step, r.layer): r for r in self.records}
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.records[0].tokens_per_expert.size)
+
+    @property
+    def num_layers(self) -> int:
+        return max(r.layer for r in self.records) + 1
+
+    @property
+    def steps(self) -> list[int]:
+        """Distinct steps, ascending."""
+        return sorted({r.step for r in self.records})
+
+    @property
+    def top_k(self) -> int | None:
+        value = self.header.get("top_k")
+        return None if value is None else int(value)
+
+    def record(self, step: int, layer: int) -> RoutingRecord:
+        """The record of (step, layer); ValueError when the trace lacks it."""
+        try:
+            return self._index[(step, layer)]
+        except KeyError:
+            raise ValueError(f"the trace has no record for step {step}, layer {layer}") from None
+
+    def iter_steps(self) -> Iterator[tuple[int, list[RoutingRecord]]]:
+        """(step, records of layers 0..L-1) in step order; ValueError when a layer is missing."""
+        for step in self.steps:
+            yield step, [self.record(step, layer) for layer in range(self.num_layers)]
+
+    def skew(self) -> float:
+        """Mean over records of `load_skew` (top-k from the header, else 1)."""
+        k = self.top_k or 1
+        return float(np.mean([load_skew(r.tokens_per_expert, k) for r in self.records]))
+
+    def write_jsonl(self, path: str | Path) -> None:
+        write_jsonl(self, path)
+
+    @classmethod
+    def read_jsonl(cls, path: str | Path) -> RoutingTrace:
+        return read_jsonl(path)
+
+
+# --------------------------------------------------------------------------------------- skew
+def load_skew(tokens_E: np.ndarray, top_k: int = 1) -> float:
+    """Std over experts of the token proportions p_e = tokens_e / (Σ tokens / k) (§5.4): the share of
+    tokens routed to expert e when every token makes k assignments. 0 for no tokens."""
+    tokens_E = np.asarray(tokens_E, dtype=np.float64)
+    total = tokens_E.sum()
+    return 0.0 if total <= 0 else float((tokens_E * top_k / total).std())
+
+
+def _cap(p_E: np.ndarray, cap: float) -> np.ndarray:
+    """Proportions with every entry <= cap, the excess redistributed proportionally (water-filling)."""
+    p_E = p_E / p_E.sum()
+    if cap * p_E.size < 1.0 - 1e-12:
+        raise ValueError(f"cannot cap {p_E.size} proportions at {cap}: they could not sum to 1")
+    for _ in range(p_E.size):
+        over_E = p_E > cap
+        if not over_E.any():
+            break
+        excess = float((p_E[over_E] - cap).sum())
+        p_E = np.where(over_E, cap, p_E)
+        free_E = p_E < cap
+        free_sum = p_E[free_E].sum()
+        p_E[free_E] += excess * (p_E[free_E] / free_sum if free_sum > 0 else 1.0 / free_E.sum())
+    return p_E
+
+
+def proportions_with_skew(z_E: np.ndarray, skew: float, cap: float = 1.0) -> np.ndarray:
+    """p ∝ exp(σ·z), capped at ``cap``, with σ >= 0 solved so that Std(p) = ``skew``.
+
+    When the requested skew exceeds what the cap allows, the most skewed feasible p is returned (and a
+    warning logged).
+    """
+    z_E = np.asarray(z_E, dtype=np.float64)
+    if skew < 0:
+        raise ValueError(f"skew must be >= 0, got {skew}")
+    if skew == 0 or z_E.size == 1:
+        return np.full(z_E.size, 1.0 / z_E.size)
+
+    def make(sigma: float) -> np.ndarray:
+        w_E = np.exp(sigma * (z_E - z_E.max()))
+        return _cap(w_E / w_E.sum(), cap)
+
+    lo, hi = 0.0, 1.0
+    while make(hi).std() < skew and hi < 1e3:
+        lo, hi = hi, hi * 2.0
+    if make(hi).std() < skew:
+        logger.warning("skew %.4f is not reachable with %d experts capped at %.3f; using %.4f",
+                       skew, z_E.size, cap, make(hi).std())
+        return make(hi)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if make(mid).std() < skew:
+            lo = mid
+        else:
+            hi = mid
+    return make(hi)
+
+
+def synthetic_trace(num_layers: int, num_experts: int, num_devices: int, tokens_per_device: int,
+                    top_k: int, iterations: int, *, skew: float = 0.04, drift: float = 0.05,
+                    device_spread: float = 0.2, seed: int = 0, model: str | None = None) -> RoutingTrace:
+    """A drifting, skewed synthetic routing trace.
+
+    Args:
+        num_layers, num_experts, num_devices: L, E, D.
+        tokens_per_device: tokens each device routes per step (batch · seq_len); each picks ``top_k``.
+        top_k: experts per token.
+        iterations: steps to generate.
+        skew: Std of the per-expert token proportions (§5.4, see the module docstring; the paper
+            measures 0.034-0.046).
+        drift: per-step innovation of the latent loads (AR(1): z ← √(1-drift²)·z + drift·ε); small values
+            drift slowly, as a gate trained with SGD does (§4.2).
+        device_spread: how much a device's routing differs from the global one (log-normal, fixed per
+            device and layer; 0: every device routes alike up to sampling noise).
+        seed: seeds everything; equal arguments give equal traces.
+        model: a name for the header.
+    """
+    for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("num_devices", num_devices),
+                        ("tokens_per_device", tokens_per_device), ("iterations", iterations)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if not 0 <= drift <= 1:
+        raise ValueError(f"drift must be in [0, 1], got {drift}")
+    if device_spread < 0 or skew < 0:
+        raise ValueError("skew and device_spread must be >= 0")
+    rng = np.random.default_rng(seed)
+    L, E, D = int(num_layers), int(num_experts), int(num_devices)
+    cap = 1.0 / top_k                       # shares of assignments (sum 1): token share / k
+    share_skew = skew / top_k
+    z_LE = rng.standard_normal((L, E))
+    spread_LDE = device_spread * rng.standard_normal((L, D, E))
+    keep = math.sqrt(1.0 - drift * drift)
+    assignments = int(tokens_per_device) * int(top_k)
+    records: list[RoutingRecord] = []
+    for step in range(int(iterations)):
+        if step:
+            z_LE = keep * z_LE + drift * rng.standard_normal((L, E))
+        for layer in range(L):
+            p_E = proportions_with_skew(z_LE[layer], share_skew, cap)
+            p_DE = p_E[None, :] * np.exp(spread_LDE[layer])
+            p_DE /= p_DE.sum(axis=1, keepdims=True)
+            counts_DE = rng.multinomial(assignments, p_DE).astype(np.int64)
+            records.append(RoutingRecord(step, layer, counts_DE.sum(axis=0), counts_DE))
+    header = {"num_experts": E, "top_k": int(top_k), "world_size": D, "model": model,
+              "skew": float(skew), "synthetic": True}
+    return RoutingTrace(records, header)
+
+
+# --------------------------------------------------------------------------------------- JSONL
+def write_jsonl(trace: RoutingTrace, path: str | Path) -> None:
+    """Write ``trace`` as JSONL: the header line, then one record per line."""
+    path = Path(path)
+    with path.open("w") as fh:
+        if trace.header:
+            fh.write(json.dumps({"header": trace.header}) + "\n")
+        for rec in trace.records:
+            fh.write(json.dumps(rec.to_json(), separators=(",", ":")) + "\n")
+
+
+def _int_array(value: Any, ndim: int, where: str) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != ndim or (arr.size and arr.dtype.kind not in "iu"):
+        if arr.ndim == ndim and arr.dtype.kind == "f" and np.all(arr == np.floor(arr)):
+            arr = arr.astype(np.int64)
+        else:
+            raise ValueError(f"{where}: expected a {ndim}-D list of integers")
+    arr = arr.astype(np.int64)
+    if (arr < 0).any():
+        raise ValueError(f"{where}: negative token counts")
+    return arr
+
+
+def read_jsonl(path: str | Path) -> RoutingTrace:
+    """Read a JSONL routing trace (see the module docstring); ValueError names the bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"trace file {str(path)!r} does not exist")
+    header: dict[str, Any] = {}
+    records: list[RoutingRecord] = []
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object")
+            if "header" in obj:
+                if records:
+                    raise ValueError(f"{where}: a header must come before the records")
+                header = dict(obj["header"] or {})
+                continue
+            for key in ("step", "layer", "tokens_per_expert"):
+                if key not in obj:
+                    raise ValueError(f"{where}: record lacks {key!r}")
+            per_E = _int_array(obj["tokens_per_expert"], 1, where)
+            per_DE = None
+            if obj.get("tokens_per_device_expert") is not None:
+                per_DE = _int_array(obj["tokens_per_device_expert"], 2, where)
+                if per_DE.shape[1] != per_E.size:
+                    raise ValueError(f"{where}: tokens_per_device_expert has {per_DE.shape[1]} experts, "
+                                     f"tokens_per_expert {per_E.size}")
+                if not np.array_equal(per_DE.sum(axis=0), per_E):
+                    raise ValueError(f"{where}: tokens_per_device_expert does not sum to tokens_per_expert")
+            records.append(RoutingRecord(int(obj["step"]), int(obj["layer"]), per_E, per_DE))
+    if not records:
+        raise ValueError(f"trace file {str(path)!r} holds no records")
+    return RoutingTrace(records, header)
