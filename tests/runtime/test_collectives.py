@@ -380,3 +380,16 @@ def test_layout_snaps_to_element_boundaries() -> None:
     assert layout.offsets[:3] == (0, 30, 58)
     assert layout.snap(31) == 30 and layout.snap(33) == 34 and layout.snap(1) == 0
     assert layout.segments(28, 62) == [(0, 28, 30), (1, 0, 28), (3, 0, 4)]
+
+
+def test_benchmark_quick_smoke(capsys) -> None:
+    from themis_compile.bench import collectives as bench
+
+    out = bench.main(["--quick"])
+    assert capsys.readouterr().out.strip().startswith("{")
+    assert out["link"]["pair_bw"] > 0 and out["link"]["ring_bw"] > 0
+    moving = [r for r in out["spag"] + out["sprs"] if r["delta_pairs"] > 0]
+    assert moving and all(r["time_s"] > 0 and r["bound_s"] > 0 for r in moving)
+    for r in out["vs_naive"]:
+        assert r["inter_node_bytes"] * 2 == r["naive_inter_node_bytes"]   # Ψ once per node, not per replica
+        assert r["modeled_speedup"] > 1.5

@@ -1,0 +1,283 @@
+"""`python -m themis_compile.bench collectives [--quick] [...]`: sparse collectives on gloo ranks (§3.3).
+
+Launches its own gloo ranks on loopback through the multi-rank harness and prints one JSON document:
+
+- ``link``: measured bandwidth of this group: one pair alone (``pair_bw``) and every rank sending to the
+  next at once (``ring_bw``, the per-device bandwidth when all devices communicate — the regime a sparse
+  collective runs in, and the ``bw`` of the §3.3 bound below);
+- ``spag`` / ``sprs``: for placements of growing |ΔP| (random replicas over a contiguous shard placement),
+  the achieved completion time (max over ranks, median over repeats) and the §3.3 lower bound
+  ``max per-device volume / bw`` (`cost_model.volume.lower_bound_time`); ``bound_ratio = bound / time``
+  (1.0 = at the bound; the target on gloo is ≥ 0.8 for chunks ≥ 1 MiB);
+- ``vs_naive``: placements where several replicas of one expert cross the same node boundary, timed
+  against the paper's prototype (one owner-to-replica transfer per pair of ΔP, all issued at once);
+  ``speedup = naive / ours`` (target ≥ 1.5), plus ``modeled_speedup``: both message plans replayed on a
+  link model whose node boundary is ``--inter-ratio`` times slower than the measured pair bandwidth.
+
+On one machine the "nodes" are declared, not physical: loopback links all share the same CPUs, so the
+figures show the effect of fewer bytes per device and per node boundary, not of a slower NIC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from themis_compile.cost_model.volume import lower_bound_time, sparse_all_gather_volume
+from themis_compile.planner.placement import Placement
+from themis_compile.planner.topology import Topology
+from themis_compile.runtime.collectives import (
+    ChunkLayout,
+    CommPlan,
+    Transfer,
+    plan_sparse_all_gather,
+    sparse_all_gather,
+    sparse_reduce_scatter,
+)
+
+MiB = 1 << 20
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m themis_compile.bench collectives", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small chunks, few placements (a smoke test)")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--devices-per-node", type=int, default=2)
+    p.add_argument("--chunk-mib", type=float, nargs="+", default=None, help="chunk sizes Ψ in MiB")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--inter-ratio", type=float, default=4.0,
+                   help="device link / node boundary bandwidth ratio for the modeled comparison")
+    return p.parse_args(argv)
+
+
+# ============================================================================ per-rank measurements
+def _max_over_ranks(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median over repeats of the slowest rank's time of ``fn()`` (after a barrier, one warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(_max_over_ranks(time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def _link_bandwidth(rank: int, world: int, nbytes: int, repeats: int) -> dict[str, float]:
+    buf_send = torch.ones(nbytes, dtype=torch.uint8)
+    buf_recv = torch.empty(nbytes, dtype=torch.uint8)
+
+    def pair() -> None:
+        if rank == 0:
+            dist.isend(buf_send, dst=1).wait()
+        elif rank == 1:
+            dist.irecv(buf_recv, src=0).wait()
+
+    def ring() -> None:
+        works = [dist.irecv(buf_recv, src=(rank - 1) % world), dist.isend(buf_send, dst=(rank + 1) % world)]
+        for w in works:
+            w.wait()
+
+    return {"bytes": nbytes, "pair_bw": nbytes / _timed(pair, repeats), "ring_bw": nbytes / _timed(ring, repeats)}
+
+
+def _naive_all_gather(chunks: dict[int, list[torch.Tensor]], spec: list[tuple[tuple[int, ...], torch.dtype]],
+                      shard: Placement, placement: Placement, rank: int) -> dict[int, list[torch.Tensor]]:
+    """The paper's prototype: the owner sends the whole chunk to every added replica (one per ΔP pair)."""
+    delta = placement.mask & ~shard.mask
+    owners = shard.owners()
+    works, out = [], {}
+    for e in range(shard.num_experts):
+        for d in np.flatnonzero(delta[e]):
+            if int(d) == rank:
+                out[e] = [torch.empty(shape, dtype=dtype) for shape, dtype in spec]
+                works += [dist.irecv(t, src=int(owners[e])) for t in out[e]]
+            elif owners[e] == rank:
+                works += [dist.isend(t, dst=int(d)) for t in chunks[e]]
+    for w in works:
+        w.wait()
+    return out
+
+
+def _swiglu_spec(psi_bytes: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Three fp32 matrices (w1, w2, w3) of about ``psi_bytes`` together."""
+    hidden = 64
+    ffn = max(1, psi_bytes // (3 * hidden * 4))
+    return [((hidden, ffn), torch.float32), ((ffn, hidden), torch.float32), ((hidden, ffn), torch.float32)]
+
+
+def _placements(world: int, seed: int, quick: bool) -> list[tuple[str, Placement, Placement]]:
+    """Contiguous shards (one expert per rank) and P' of growing |ΔP|."""
+    shard = Placement.contiguous(world, world)
+    rng = np.random.default_rng(seed)
+    out = []
+    sizes = [1, world // 2, world, 2 * world, world * (world - 1)]
+    for size in (sizes[::2] if quick else sizes):
+        free = np.argwhere(~shard.mask)
+        pick = free[rng.choice(len(free), size=min(size, len(free)), replace=False)]
+        mask = shard.mask.copy()
+        mask[pick[:, 0], pick[:, 1]] = True
+        out.append((f"|dP|={len(pick)}", shard, Placement(mask)))
+    return out
+
+
+def _cross_node_placements(topology: Topology) -> list[tuple[str, Placement, Placement]]:
+    """Each expert replicated on every device of the other node (several replicas cross one boundary)."""
+    world = topology.num_devices
+    shard = Placement.contiguous(world, world)
+    out = []
+    for name, experts in (("one expert to the other node", [0]),
+                          ("every expert to the other node", list(range(world)))):
+        mask = shard.mask.copy()
+        for e in experts:
+            node = topology.node_of(e)
+            for n in range(topology.num_nodes):
+                if n != node:
+                    mask[e, list(topology.devices_of_node(n))] = True
+        out.append((name, shard, Placement(mask)))
+    return out
+
+
+def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    torch.manual_seed(cfg["seed"] + rank)
+    topology = Topology.from_env(world)
+    repeats = cfg["repeats"]
+    link = _link_bandwidth(rank, world, cfg["link_bytes"], repeats)
+    bw = link["ring_bw"]
+    result: dict[str, Any] = {"world_size": world, "topology": list(topology.devices_per_node), "link": link,
+                              "spag": [], "sprs": [], "vs_naive": []}
+    for chunk_mib in cfg["chunk_mib"]:
+        spec = _swiglu_spec(int(chunk_mib * MiB))
+        psi = sum(int(np.prod(s)) * dt.itemsize for s, dt in spec)
+        chunks = {rank: [torch.randn(s).to(dt) for s, dt in spec]}
+        grads_like = [torch.randn(s).to(dt) for s, dt in spec]
+        for name, shard, placement in _placements(world, cfg["seed"], cfg["quick"]):
+            def spag() -> None:
+                sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()
+
+            grads = {int(e): grads_like for e in placement.experts_on(rank)}
+
+            def sprs() -> None:
+                sparse_reduce_scatter(grads, placement, shard, topology, spec=spec, layer="bench").wait()
+
+            vol = sparse_all_gather_volume(shard, placement, psi, topology)
+            bound = lower_bound_time(shard, placement, psi, topology, device_bw=bw, inter_node_bw=bw)
+            bound_pair = lower_bound_time(shard, placement, psi, topology, device_bw=link["pair_bw"],
+                                          inter_node_bw=link["pair_bw"])
+            for key, fn in (("spag", spag), ("sprs", sprs)):
+                t = _timed(fn, repeats)
+                result[key].append({"chunk_bytes": psi, "placement": name, "delta_pairs": vol.total_bytes // psi,
+                                    "max_device_bytes": max(vol.recv_bytes_D), "time_s": t,
+                                    "bound_s": bound, "bound_ratio": bound / t if t else None,
+                                    "bound_ratio_pair_bw": bound_pair / t if t else None})
+        for name, shard, placement in _cross_node_placements(topology):
+            def ours() -> None:
+                sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()
+
+            def naive() -> None:
+                _naive_all_gather(chunks, spec, shard, placement, rank)
+
+            t_ours, t_naive = _timed(ours, repeats), _timed(naive, repeats)
+            vol = sparse_all_gather_volume(shard, placement, psi, topology)
+            # Link model with a node boundary `inter_ratio` times slower than a device link (what loopback
+            # cannot show): the measured pair bandwidth inside nodes.
+            ours_plan = plan_sparse_all_gather(shard, placement, topology, ChunkLayout.from_spec(spec))
+            naive_plan = _naive_plan(shard, placement, psi, topology)
+            inter_bw = link["pair_bw"] / cfg["inter_ratio"]
+            m_ours = modeled_time(ours_plan, link["pair_bw"], inter_bw)
+            m_naive = modeled_time(naive_plan, link["pair_bw"], inter_bw)
+            result["vs_naive"].append({"chunk_bytes": psi, "placement": name,
+                                       "delta_pairs": vol.total_bytes // psi,
+                                       "inter_node_bytes": vol.inter_node_bytes,
+                                       "naive_inter_node_bytes": _naive_inter_node_bytes(shard, placement, psi,
+                                                                                         topology),
+                                       "time_s": t_ours, "naive_time_s": t_naive, "speedup": t_naive / t_ours,
+                                       "modeled_inter_node_bw": inter_bw, "modeled_time_s": m_ours,
+                                       "modeled_naive_time_s": m_naive, "modeled_speedup": m_naive / m_ours})
+    return result if rank == 0 else None
+
+
+def _naive_plan(shard: Placement, placement: Placement, psi: int, topology: Topology) -> CommPlan:
+    """The prototype's transfers as a one-stage plan: owner -> every added replica, whole chunks."""
+    owners = shard.owners()
+    transfers = tuple(sorted(Transfer(int(owners[e]), int(d), int(e), 0, psi)
+                             for e, d in np.argwhere(placement.mask & ~shard.mask)))
+    return CommPlan("naive", (transfers,) if transfers else (), tuple(int(n) for n in topology.node_ids),
+                    topology.num_nodes)
+
+
+def modeled_time(plan: CommPlan, device_bw: float, inter_node_bw: float) -> float:
+    """Link-model time of a staged plan: per stage, the slowest device link (send or receive at
+    ``device_bw``) or node boundary (ingress or egress at ``inter_node_bw``); stages add up."""
+    total = 0.0
+    for stage in plan.stages:
+        sent = [0] * plan.num_devices
+        recv = [0] * plan.num_devices
+        ingress = [0] * plan.num_nodes
+        egress = [0] * plan.num_nodes
+        for t in stage:
+            sent[t.src] += t.nbytes
+            recv[t.dst] += t.nbytes
+            a, b = plan.node_ids[t.src], plan.node_ids[t.dst]
+            if a != b:
+                egress[a] += t.nbytes
+                ingress[b] += t.nbytes
+        total += max(max(sent + recv) / device_bw, max(ingress + egress) / inter_node_bw)
+    return total
+
+
+def _naive_inter_node_bytes(shard: Placement, placement: Placement, psi: int, topology: Topology) -> int:
+    delta = placement.mask & ~shard.mask
+    owners = shard.owners()
+    ids = topology.node_ids
+    return int(sum(psi for e, d in np.argwhere(delta) if ids[owners[e]] != ids[d]))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark on its own gloo ranks; print and return the JSON result."""
+    from themis_compile.testing import run_multirank
+
+    args = _parse(argv)
+    if args.world_size < 2 or args.world_size % args.devices_per_node:
+        raise SystemExit("--world-size must be >= 2 and a multiple of --devices-per-node")
+    cfg = {
+        "quick": args.quick,
+        "seed": args.seed,
+        "inter_ratio": args.inter_ratio,
+        "chunk_mib": args.chunk_mib or ([0.0625] if args.quick else [1.0, 4.0]),
+        "repeats": args.repeats or (2 if args.quick else 5),
+        "link_bytes": (256 << 10) if args.quick else 4 * MiB,
+    }
+    t0 = time.perf_counter()
+    results = run_multirank(_bench_rank, args.world_size, args=(cfg,), devices_per_node=args.devices_per_node,
+                            timeout_s=120.0)
+    out = results[0]
+    big = [r for r in out["spag"] + out["sprs"] if r["chunk_bytes"] >= MiB and r["delta_pairs"] > 0]
+    out["summary"] = {
+        "min_bound_ratio_chunks_ge_1MiB": min((r["bound_ratio"] for r in big), default=None),
+        "median_bound_ratio_chunks_ge_1MiB": statistics.median([r["bound_ratio"] for r in big]) if big else None,
+        "min_speedup_vs_naive": min((r["speedup"] for r in out["vs_naive"]), default=None),
+        "min_modeled_speedup_vs_naive": min((r["modeled_speedup"] for r in out["vs_naive"]), default=None),
+        "wall_s": time.perf_counter() - t0,
+    }
+    print(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
