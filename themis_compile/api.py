@@ -25,6 +25,18 @@ class ThemisRuntime:
     world_size: int
     group: object
     layers: dict[str, nn.Module] = field(default_factory=dict)   # layer name -> ShardedExperts
+    fssdp: object = None                                           # FSSDPState under themis / themis-rm
+
+    @property
+    def stats(self) -> list:
+        """Per-layer, per-iteration load statistics (:class:`~themis_compile.runtime.fssdp.LayerStats`),
+        oldest first; empty for policies other than themis / themis-rm."""
+        return [] if self.fssdp is None else list(self.fssdp.stats)
+
+    @property
+    def layer_order(self) -> list:
+        """The sharded experts modules in the order the last forward ran them."""
+        return list(self.layers.values()) if self.fssdp is None else list(self.fssdp.layer_order)
 
 
 def _resolve_group(group) -> tuple[object, int, int]:
@@ -89,15 +101,22 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         raise ValueError("this model was already optimized by themis_compile")
 
     runtime = ThemisRuntime(config=config, rank=rank, world_size=world_size, group=group)
+    fssdp = config.policy in ("themis", "themis-rm") and world_size > 1
+    if fssdp:
+        state = _fssdp_state(config, group, rank, world_size)
+        runtime.fssdp = state
     sharded = []
-    for info in infos:
+    for index, info in enumerate(infos):
         block = info.module
         if world_size > 1:
             _broadcast_experts(block.experts, group)
         bank = ExpertBank(block.experts, layer=info.name)
         shard = Placement.contiguous(bank.num_experts, world_size)
-        experts = ShardedExperts(bank, block.experts, shard, rank=rank, world_size=world_size, group=group,
-                                 layer=info.name)
+        if fssdp:
+            experts = _fssdp_experts(bank, block.experts, shard, state, index, info, config)
+        else:
+            experts = ShardedExperts(bank, block.experts, shard, rank=rank, world_size=world_size, group=group,
+                                     layer=info.name)
         block.experts = experts
         if world_size > 1:
             block.global_tokens_per_expert = _make_count_reducer(group)
@@ -114,6 +133,34 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     logger.info("themis_compile: %d MoE layers sharded over %d ranks (policy %s)", len(infos), world_size,
                 config.policy)
     return model
+
+
+def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
+    from themis_compile.planner import Topology
+    from themis_compile.runtime.fssdp import FSSDPState
+
+    topology = Topology.from_env(world_size, config.devices_per_node, intra_node_bw=config.intra_node_bw,
+                                 inter_node_bw=config.inter_node_bw)
+    # The sparse collectives get a group of their own so that their point-to-point traffic never
+    # interleaves with the all-to-all of the token exchange.
+    comm_group = dist.new_group(ranks=dist.get_process_group_ranks(group))
+    return FSSDPState(rank=rank, world_size=world_size, group=group, comm_group=comm_group, topology=topology,
+                      rematerialize=config.rematerialize, calibrate=config.calibrate,
+                      timeout_s=config.collective_timeout_s, check_plans=config.check_plans)
+
+
+def _fssdp_experts(bank, experts, shard, state, index: int, info: MoELayerInfo, config: ThemisConfig):
+    from themis_compile.planner import PlanCost
+    from themis_compile.runtime.fssdp import FSSDPExperts, default_budgets
+
+    t, m = default_budgets(bank.num_experts, state.world_size, config.overlap_degree,
+                           config.materialization_budget)
+    # Forward FLOPs of one token through one expert at a nominal 1e10 FLOP/s until a profile exists.
+    flops = 2 * sum(torch.Size(shape).numel() for shape, _ in bank.spec)
+    cost = PlanCost(time_per_token_s=flops / 1e10, expert_bytes=float(bank.chunk_bytes), topology=state.topology)
+    return FSSDPExperts(bank, experts, shard, state=state, layer_index=index, overlap_degree=t,
+                        materialization_budget=m, cost=cost, predictor_window=config.predictor_window,
+                        layer=info.name)
 
 
 def _make_count_reducer(group):

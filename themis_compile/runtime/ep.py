@@ -44,6 +44,7 @@ class ShardedExperts(nn.Module):
         world_size: int,
         group=None,
         layer: str = "",
+        scale_grads: bool = True,
     ) -> None:
         super().__init__()
         if shard.num_devices != world_size or not shard.is_shard_placement():
@@ -57,7 +58,7 @@ class ShardedExperts(nn.Module):
         self.shard_placement = shard
         self.shards = nn.ModuleDict({str(e): bank.shard_of(experts, int(e)) for e in shard.experts_on(rank)})
         self.register_buffer("owner_E", torch.tensor(shard.owners().tolist(), dtype=torch.int64), persistent=False)
-        if world_size > 1:
+        if world_size > 1 and scale_grads:
             scale = 1.0 / world_size
             for p in self.shards.parameters():
                 p.register_hook(lambda g: g * scale)

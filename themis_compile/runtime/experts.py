@@ -32,6 +32,12 @@ class ExpertShard(nn.Module):
 
 
 
+def _is_stacked(experts: nn.Module) -> bool:
+    """Every parameter has a common leading E dimension (and there is at least one)."""
+    params = list(experts.parameters())
+    return bool(params) and all(p.dim() >= 2 for p in params) and len({p.shape[0] for p in params}) == 1
+
+
 class ExpertBank:
     """Describes the experts of one layer: chunk layout (names, shapes, dtypes) and how one expert runs."""
 
@@ -55,28 +61,37 @@ class ExpertBank:
             self._stacked = None
             self.num_experts = len(experts)
             self.spec = spec0
-        elif callable(getattr(type(experts), "expert_forward", None)):
-            self._template = None
-            self._stacked = type(experts)
+            self.form = "modulelist"
+        elif isinstance(experts, nn.Module) and _is_stacked(experts):
+            # Either the module names how one expert computes (expert_forward), or it is called as
+            # experts(x_TH, ids_TK, weights_TK) (HF transformers >= 5, torchtitan): then one expert runs as
+            # the user's own module with E = 1 slices, every row routed to it with weight 1.
+            self._stacked = type(experts) if callable(getattr(type(experts), "expert_forward", None)) else None
+            self._template = None if self._stacked else copy.deepcopy(experts).to("meta")
             params = list(experts.named_parameters())
             self.names = tuple(n for n, _ in params)
             self.num_experts = params[0][1].shape[0]
             if any(p.shape[0] != self.num_experts for _, p in params):
                 raise ValueError(f"MoE layer {layer!r}: stacked expert weights disagree on E")
             self.spec = [(tuple(p.shape[1:]), p.dtype) for _, p in params]
+            self.form = "stacked"
         else:
             raise ValueError(
                 f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList "
-                "nor a stacked module with an expert_forward(params, x) method")
+                "nor a module of stacked [E, ...] weights")
 
     @property
     def chunk_bytes(self) -> int:
         """Psi: bytes of one expert's parameters."""
         return sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for shape, dt in self.spec)
 
+    @property
+    def per_expert_modules(self) -> bool:
+        return self.form == "modulelist"
+
     def chunk(self, experts: nn.Module, e: int) -> list[torch.Tensor]:
         """Expert e's parameter tensors, taken from the original (unsharded) experts module."""
-        if self._stacked is None:
+        if self.per_expert_modules:
             return list(experts[e].parameters())
         return [p[e] for p in experts.parameters()]
 
@@ -84,7 +99,7 @@ class ExpertBank:
         """A module owning expert e's parameters: the user's own expert module where there is one
         (its parameter names are kept), else an :class:`ExpertShard` with copies of the slices.
         ``list(shard.parameters())`` is the chunk, in the order :meth:`run` takes."""
-        if self._stacked is None:
+        if self.per_expert_modules:
             return experts[e]
         return ExpertShard(self.names, self.chunk(experts, e))
 
@@ -96,4 +111,10 @@ class ExpertBank:
         """Run one expert with parameters ``params`` on rows ``x_NH``."""
         if self._stacked is not None:
             return self._stacked.expert_forward(params, x_NH)
-        return torch.func.functional_call(self._template, dict(zip(self.names, params)), (x_NH,), strict=True)
+        if self.per_expert_modules:
+            return torch.func.functional_call(self._template, dict(zip(self.names, params)), (x_NH,), strict=True)
+        n = x_NH.shape[0]
+        ids_N1 = torch.zeros((n, 1), dtype=torch.int64, device=x_NH.device)
+        weights_N1 = torch.ones((n, 1), dtype=x_NH.dtype, device=x_NH.device)
+        stacked = {name: p.unsqueeze(0) for name, p in zip(self.names, params)}
+        return torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)

@@ -1,0 +1,334 @@
+"""The FSSDP executor: one MoE layer's per-iteration workflow (paper §3.1, Fig. 5; §4.2-§4.4).
+
+Forward of layer l, iteration i:
+  1. plan   P'_l = Alg1(P_l, predicted load F_l, t, m)            (same on every rank: integer inputs)
+  2. start  SpAG(P_l, P'_l)                                        (``start_materialization``; a scheduling
+                                                                     pass may call it before attention l)
+  3. router -> top-k -> local counts, all-gathered into T[e, d]    (every rank holds the same T)
+  4. (calibration) re-plan on the actual loads with the remaining budget; gather the extra replicas
+  5. wait SpAG; R = Alg3(P'_l, T); every pair gets a destination holding its expert
+  6. permute -> all-to-all -> experts (owned + materialized) -> all-to-all -> combine
+  7. record the actual loads for the predictor and the load statistics
+Backward of layer l:
+  8. gradients of every copy land in per-iteration leaf tensors; once all are computed, start
+     SpRS(P'_l, P_l), which sums each expert's copies into its owner
+  9. at the end of the backward pass wait for every SpRS and accumulate into the owned parameters' .grad
+     (scaled by 1/world size, like EP; dense parameters are averaged by DDP)
+Re-materialization (themis-rm): replicas' storage is released after step 6 and gathered again (same P')
+just before the layer's backward, prefetched when the next layer's backward finishes (§3.1).
+
+Invariants: owned parameters are only read in forward and only written by the optimizer; replicas carry
+no optimizer state; a misprediction costs speed, never correctness (every pair is served by a holder).
+
+Shape suffixes: T tokens, K top-k, H d_model, E experts, D devices (ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from themis_compile import kernels
+from themis_compile.planner import (
+    LoadPredictor,
+    Placement,
+    PlanCost,
+    Topology,
+    calibrate,
+    sparse_materialization,
+    topology_aware_dispatch,
+)
+from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
+from themis_compile.runtime.ep import ShardedExperts
+from themis_compile.runtime.exchange import dispatch_compute_combine
+from themis_compile.runtime.experts import ExpertBank
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerStats:
+    """Load statistics of one layer in one iteration (what logging, the demo and the simulator read)."""
+
+    iteration: int
+    layer: str
+    tokens_per_device_expert: list[list[int]]   # [D][E]: tokens each rank's router sent to each expert
+    tokens_per_expert: list[int]                # [E] global
+    device_load: list[int]                      # [D] rows each rank computed under the realized plan
+    delta_p: int                                # |ΔP| = replicas added this iteration
+    placement: list[list[bool]]                 # realized P' as [E][D]
+    calibrated: bool = False
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean rows computed per device (1.0 = perfectly balanced)."""
+        mean = sum(self.device_load) / max(len(self.device_load), 1)
+        return max(self.device_load) / mean if mean else 1.0
+
+
+@dataclass
+class FSSDPState:
+    """State shared by all FSSDP layers of one model on one rank."""
+
+    rank: int
+    world_size: int
+    group: Any                    # the model's group (all-to-all, counts)
+    comm_group: Any               # a dedicated group for the sparse collectives
+    topology: Topology
+    rematerialize: bool
+    calibrate: bool
+    timeout_s: float
+    check_plans: bool
+    layer_order: list["FSSDPExperts"] = field(default_factory=list)
+    pending: list[tuple["FSSDPExperts", Any]] = field(default_factory=list)
+    callback_queued: bool = False
+    stats: deque = field(default_factory=lambda: deque(maxlen=10000))
+
+    def queue_finish(self) -> None:
+        """Make sure ``finish_backward`` runs once at the end of the current backward pass."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        self.callback_queued = False
+        pending, self.pending = self.pending, []
+        for layer, handle in pending:
+            layer.accumulate_reduced(handle)
+
+
+class FSSDPExperts(ShardedExperts):
+    """Sharded experts of one layer under FSSDP: ephemeral load-balancing replicas every iteration."""
+
+    def __init__(self, bank: ExpertBank, experts: nn.Module, shard: Placement, *, state: FSSDPState,
+                 layer_index: int, overlap_degree: int, materialization_budget: int,
+                 cost: PlanCost, predictor_window: int = 5, layer: str = "") -> None:
+        super().__init__(bank, experts, shard, rank=state.rank, world_size=state.world_size, group=state.group,
+                         layer=layer, scale_grads=False)
+        self.state = state
+        self.layer_index = layer_index
+        self.overlap_degree = int(overlap_degree)
+        self.materialization_budget = int(materialization_budget)
+        self.cost = cost
+        self.predictor = LoadPredictor(1, self.num_experts, window=predictor_window)
+        self.iteration = 0
+        self._planned: Placement | None = None
+        self._spag = None
+        self._replica_leaves: dict[int, list[torch.Tensor]] = {}
+        self._rematerialize_handle = None
+
+    # ------------------------------------------------------------------ materialization (steps 1-2)
+    def start_materialization(self) -> None:
+        """Plan P' for this iteration and start SpAG; idempotent until the layer's forward consumed it."""
+        if self._spag is not None:
+            return
+        with record_function("themis::plan"):
+            load_E = self.predictor.predict(0)
+            planned = sparse_materialization(self.shard_placement, load_E, self.overlap_degree,
+                                             self.materialization_budget, self.state.topology)
+        self._planned = planned
+        with record_function("themis::spag"):
+            self._spag = self._gather(planned)
+
+    def _gather(self, placement: Placement, out=None):
+        chunks = {e: [p.detach() for p in c] for e, c in self.local_chunks().items()}
+        return sparse_all_gather(chunks, self.shard_placement, placement, self.state.topology,
+                                 self.state.comm_group, spec=self.bank.spec, layer=self.layer, out=out,
+                                 timeout_s=self.state.timeout_s)
+
+    def wait_materialization(self) -> dict[int, list[torch.Tensor]]:
+        if self._spag is None:
+            self.start_materialization()
+        with record_function("themis::spag_wait"):
+            replicas = self._spag.wait()
+        self._spag = None
+        return replicas
+
+    # ------------------------------------------------------------------ global token counts (step 3)
+    def _global_tokens(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> np.ndarray:
+        """All-gather each rank's tokens per expert into T[e, d]; raise on every rank if any router
+        produced non-finite weights (so no rank is left waiting in a collective)."""
+        E = self.num_experts
+        local = torch.zeros(E + 1, dtype=torch.int64)
+        local[:E].scatter_add_(0, ids_TK.reshape(-1).cpu(), torch.ones(ids_TK.numel(), dtype=torch.int64))
+        local[E] = int(not bool(torch.isfinite(weights_TK).all()))
+        if self.world_size > 1:
+            parts = [torch.empty_like(local) for _ in range(self.world_size)]
+            dist.all_gather(parts, local, group=self.group)
+            gathered = torch.stack(parts)
+        else:
+            gathered = local[None]
+        bad = torch.nonzero(gathered[:, E]).flatten().tolist()
+        if bad:
+            raise FloatingPointError(f"MoE layer {self.layer!r}: non-finite router output on ranks {bad} "
+                                     f"(iteration {self.iteration})")
+        return gathered[:, :E].t().numpy().copy()          # [E, D]
+
+    # ------------------------------------------------------------------ forward (steps 3-7)
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        self._check_routing(ids_TK)
+        if self.layer_index == 0 or not self.state.layer_order:
+            self.state.layer_order.clear()
+        self.state.layer_order.append(self)
+        self.start_materialization()
+        tokens_ED = self._global_tokens(ids_TK, weights_TK)
+        load_E = tokens_ED.sum(axis=1)
+        replicas = self.wait_materialization()
+        placement = self._planned
+        calibrated = False
+        if self.state.calibrate:
+            with record_function("themis::calibrate"):
+                merged = calibrate(self.shard_placement, placement, load_E, self.overlap_degree,
+                                   self.materialization_budget, self.state.topology, self.cost, tokens_ED)
+            if merged != placement:
+                # Gather exactly the pairs calibration adds: SpAG(P, P ∪ (P'' \ P')).
+                extra = Placement(self.shard_placement.mask | (merged.mask & ~placement.mask))
+                with record_function("themis::spag_calibration"):
+                    replicas.update(self._gather(extra).wait())
+                placement, calibrated = merged, True
+        if self.state.check_plans:
+            self._check_plan_digest(placement)
+        with record_function("themis::dispatch_plan"):
+            R_EDD = topology_aware_dispatch(placement, tokens_ED, self.state.topology)
+        splits_ED = torch.from_numpy(np.ascontiguousarray(R_EDD[:, self.rank, :]))
+        dest_TK = kernels.assign_destinations(ids_TK, splits_ED.to(ids_TK.device))
+
+        owned = self.local_chunks()
+        track = torch.is_grad_enabled() and any(p.requires_grad for c in owned.values() for p in c)
+        if track:
+            held = {e: [p.detach().requires_grad_() for p in c] for e, c in owned.items()}
+            for e, c in replicas.items():
+                held[e] = [t.requires_grad_() for t in c]
+            self._register_reduction(held, placement)
+        else:
+            held = {**owned, **replicas}
+        out_TH = dispatch_compute_combine(
+            x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
+            lambda rows, counts: self.run_experts(held, rows, counts),
+            group=self.group, world_size=self.world_size,
+        )
+        # Global condition (ΔP is the same on every rank), so that every rank issues the re-gather.
+        if track and self.state.rematerialize and placement != self.shard_placement:
+            self._release_replicas(held, replicas, placement, out_TH)
+        self._record(tokens_ED, load_E, R_EDD, placement, calibrated)
+        self.iteration += 1
+        return out_TH
+
+    def _check_plan_digest(self, placement: Placement) -> None:
+        digests: list[Any] = [None] * self.world_size
+        dist.all_gather_object(digests, placement.digest(), group=self.group)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"MoE layer {self.layer!r}: ranks disagree on the plan P' (digests {digests})")
+
+    def _record(self, tokens_ED, load_E, R_EDD, placement: Placement, calibrated: bool) -> None:
+        self.predictor.update(0, load_E)
+        self.state.stats.append(LayerStats(
+            iteration=self.iteration, layer=self.layer,
+            tokens_per_device_expert=tokens_ED.T.tolist(), tokens_per_expert=load_E.tolist(),
+            device_load=R_EDD.sum(axis=(0, 1)).tolist(),
+            delta_p=int(placement.delta(self.shard_placement).num_pairs()),
+            placement=placement.mask.tolist(), calibrated=calibrated,
+        ))
+
+    # ------------------------------------------------------------------ backward (steps 8-9)
+    def _register_reduction(self, held: dict[int, list[torch.Tensor]], placement: Placement) -> None:
+        experts = sorted(held)
+        leaves = [t for e in experts for t in held[e]]
+        sizes = [len(held[e]) for e in experts]
+        state = self.state
+        scale = 1.0 / self.world_size
+
+        def on_grads(grads: Sequence[torch.Tensor | None]) -> None:
+            it = iter(grads)
+            per_expert = {}
+            for e, n in zip(experts, sizes):
+                per_expert[e] = [(g if g is not None else torch.zeros_like(t)) * scale
+                                 for g, t in zip((next(it) for _ in range(n)), held[e])]
+            with record_function("themis::sprs"):
+                handle = sparse_reduce_scatter(per_expert, placement, self.shard_placement, state.topology,
+                                               state.comm_group, spec=self.bank.spec, layer=self.layer,
+                                               timeout_s=state.timeout_s)
+            state.pending.append((self, handle))
+            state.queue_finish()
+            self._prefetch_previous_layer()
+
+        torch.autograd.graph.register_multi_grad_hook(leaves, on_grads, mode="all")
+
+    def accumulate_reduced(self, handle) -> None:
+        with record_function("themis::sprs_wait"):
+            reduced = handle.wait()
+        for e, params in self.local_chunks().items():
+            for p, g in zip(params, reduced[e]):
+                p.grad = g.clone() if p.grad is None else p.grad + g
+
+    def wait_reduction(self) -> None:
+        """Wait for this layer's pending SpRS now (a scheduling pass may call this early)."""
+        keep = []
+        for layer, handle in self.state.pending:
+            if layer is self:
+                layer.accumulate_reduced(handle)
+            else:
+                keep.append((layer, handle))
+        self.state.pending = keep
+
+    # ------------------------------------------------------------------ re-materialization (§3.1)
+    def _release_replicas(self, held, replicas, placement: Placement, out_TH: torch.Tensor) -> None:
+        leaves = {e: held[e] for e in replicas}
+        nbytes = {e: [t.untyped_storage().nbytes() for t in ts] for e, ts in leaves.items()}
+        for ts in leaves.values():
+            for t in ts:
+                t.untyped_storage().resize_(0)
+        self._rm = (leaves, nbytes, placement)
+
+        def before_backward(grad: torch.Tensor) -> torch.Tensor:
+            self._rematerialize_now()
+            return grad
+
+        out_TH.register_hook(before_backward)
+
+    def start_rematerialization(self) -> None:
+        rm = getattr(self, "_rm", None)
+        if rm is None or self._rematerialize_handle is not None:
+            return
+        leaves, nbytes, placement = rm
+        for e, ts in leaves.items():
+            for t, n in zip(ts, nbytes[e]):
+                t.untyped_storage().resize_(n)
+        # Receive straight into the leaves' storage through .data (no autograd version bump).
+        out = {e: [t.data for t in ts] for e, ts in leaves.items()}
+        with record_function("themis::spag_rematerialize"):
+            self._rematerialize_handle = self._gather(placement, out=out)
+
+    def _rematerialize_now(self) -> None:
+        self.start_rematerialization()
+        if self._rematerialize_handle is not None:
+            self._rematerialize_handle.wait()
+        self._rematerialize_handle = None
+        self._rm = None
+
+    def _prefetch_previous_layer(self) -> None:
+        if not self.state.rematerialize:
+            return
+        order = self.state.layer_order
+        if self in order:
+            i = order.index(self)
+            if i > 0:
+                order[i - 1].start_rematerialization()
+
+
+def default_budgets(num_experts: int, world_size: int, overlap_degree: int | None,
+                    materialization_budget: int | None) -> tuple[int, int]:
+    """t and m when the config gives none and no profile exists: every expert may be replicated, and
+    each device may add as many replicas as it owns experts (one shard's worth of memory)."""
+    t = num_experts if overlap_degree is None else overlap_degree
+    m = math.ceil(num_experts / world_size) if materialization_budget is None else materialization_budget
+    return int(t), int(m)
