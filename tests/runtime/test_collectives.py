@@ -273,7 +273,7 @@ def test_eight_ranks_two_nodes_topology_aware() -> None:
 
 
 def test_missing_rank_times_out_naming_collective_and_layer() -> None:
-    results = run_multirank(_run_missing_rank, 4, timeout_s=20)
+    results = run_multirank(_run_missing_rank, 4, timeout_s=8)
     assert results[3] == "absent"
     for msg in results[:3]:
         assert "SparseAllGather" in msg and "blocks.7.moe" in msg and "timed out" in msg, msg

@@ -12,7 +12,9 @@ Launches its own gloo ranks on loopback through the multi-rank harness and print
 - ``vs_naive``: placements where several replicas of one expert cross the same node boundary, timed
   against the paper's prototype (one owner-to-replica transfer per pair of ΔP, all issued at once);
   ``speedup = naive / ours`` (target ≥ 1.5), plus ``modeled_speedup``: both message plans replayed on a
-  link model whose node boundary is ``--inter-ratio`` times slower than the measured pair bandwidth.
+  link model whose node boundary is ``--inter-ratio`` times slower than the measured pair bandwidth;
+- ``dense_reference``: SpAG toward the full placement (every expert everywhere) against gloo's own
+  ``all_gather`` of the same bytes — the best the library does for that pattern.
 
 On one machine the "nodes" are declared, not physical: loopback links all share the same CPUs, so the
 figures show the effect of fewer bytes per device and per node boundary, not of a slower NIC.
@@ -160,7 +162,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
     link = _link_bandwidth(rank, world, cfg["link_bytes"], repeats)
     bw = link["ring_bw"]
     result: dict[str, Any] = {"world_size": world, "topology": list(topology.devices_per_node), "link": link,
-                              "spag": [], "sprs": [], "vs_naive": []}
+                              "spag": [], "sprs": [], "vs_naive": [], "dense_reference": []}
     for chunk_mib in cfg["chunk_mib"]:
         spec = _swiglu_spec(int(chunk_mib * MiB))
         psi = sum(int(np.prod(s)) * dt.itemsize for s, dt in spec)
@@ -185,6 +187,17 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
                                     "max_device_bytes": max(vol.recv_bytes_D), "time_s": t,
                                     "bound_s": bound, "bound_ratio": bound / t if t else None,
                                     "bound_ratio_pair_bw": bound_pair / t if t else None})
+        # Reference: SpAG toward the full placement is a dense all-gather; time gloo's own.
+        flat = torch.randn(psi // 4)
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        full = Placement.full(world, world)
+        shard_c = Placement.contiguous(world, world)
+        t_dense = _timed(lambda: dist.all_gather(gathered, flat), repeats)
+        t_full = _timed(lambda: sparse_all_gather(chunks, shard_c, full, topology, spec=spec, layer="bench").wait(),
+                        repeats)
+        result["dense_reference"].append({"chunk_bytes": psi, "gloo_all_gather_time_s": t_dense,
+                                          "spag_full_placement_time_s": t_full,
+                                          "spag_over_all_gather": t_full / t_dense})
         for name, shard, placement in _cross_node_placements(topology):
             def ours() -> None:
                 sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()

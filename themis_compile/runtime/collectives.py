@@ -26,7 +26,8 @@ All pieces one device sends to another in one stage travel as one flat byte mess
 Asynchrony: on gloo the stages run on one background thread per process group (FIFO, so collectives
 execute in issue order on every rank; ``Work.wait`` releases the GIL, so compute on the main thread
 proceeds meanwhile). On NCCL the stages are enqueued at once on the communicator's stream (host
-non-blocking). The p2p messages use a private tag; other collectives on the same group do not interfere,
+non-blocking; the handle then reports completion as soon as everything is enqueued, and consumers are
+ordered after the transfers by the stream, as with any NCCL collective). The p2p messages use a private tag; other collectives on the same group do not interfere,
 but a dedicated group (``dist.new_group()``) is the safest choice.
 
 Chunk layout. A chunk is an expert's list of parameter tensors (any dtype/shape mix, zero-size allowed),
