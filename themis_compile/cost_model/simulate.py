@@ -484,6 +484,7 @@ class PolicyResult:
     memory_bytes: dict[str, float] = field(default_factory=dict)
     bytes_moved: dict[str, float] = field(default_factory=dict)
     a2a_inter_fraction: float = 0.0
+    straggler_s: float = 0.0       # the part of A2A that is waiting for the slowest device's experts
     events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -493,7 +494,8 @@ class PolicyResult:
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "mean_iteration_s": self.mean_iteration_s,
                 "breakdown_s": self.breakdown_s, "memory_bytes": self.memory_bytes,
-                "bytes_moved_per_iteration": self.bytes_moved, "a2a_inter_fraction": self.a2a_inter_fraction}
+                "bytes_moved_per_iteration": self.bytes_moved, "a2a_inter_fraction": self.a2a_inter_fraction,
+                "straggler_s": self.straggler_s}
 
 
 @dataclass
@@ -540,7 +542,7 @@ def _held_replicas(name: str, setup: SimSetup, sum_max: int, layer_max: int) -> 
 
 def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES, *,
              iterations: int | None = None, warmup: int | None = None, trace_iteration: int | None = None,
-             progress: bool = False) -> SimResult:
+             early_reshard: bool = True, progress: bool = False) -> SimResult:
     """Replay ``trace`` through each policy's planner and charge the cost model.
 
     Args:
@@ -551,6 +553,8 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
         warmup: leading iterations left out of the averages (default: the predictor window, 5, when
             more than 10 iterations run, else 0).
         trace_iteration: the iteration whose timeline is kept for the chrome trace (default: the last).
+        early_reshard: measure Themis in its steady state: its first Alg. 2 re-sharding runs in the last
+            warm-up iteration (with the predictor's loads), later ones every ``reshard_interval``.
         progress: a tqdm progress bar on stderr.
     """
     if trace.num_experts != setup.num_experts:
@@ -572,6 +576,10 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
     L, D = setup.num_layers, setup.num_devices
     coster = _Coster(setup)
     instances = make_policies(setup, list(policies))
+    early = {name for name, pol in instances.items()
+             if early_reshard and name in ("themis", "themis-rm") and warmup >= 2 and setup.reshard_interval}
+    for name in early:
+        instances[name].reshard_interval = warmup - 1     # fires at iteration warmup - 1 (not measured)
     predictor = LoadPredictor(L, setup.num_experts, window=5)
     results = {name: PolicyResult(name) for name in instances}
     cats = {name: defaultdict(float) for name in instances}
@@ -624,10 +632,13 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
                     results[name].iteration_s.append(tl.t)
                     for k, v in tl.cat.items():
                         cats[name][k] += v
+                    results[name].straggler_s += 3.0 * sum(c.comp_max_s - c.comp_mean_s for c in costs)
                     inter[name][0] += sum(c.a2a_inter_bytes for c in costs)
                     inter[name][1] += sum(c.a2a_bytes for c in costs)
                 if tl.events is not None:
                     results[name].events = tl.events
+                if name in early and it == warmup - 1:
+                    policy.reshard_interval = setup.reshard_interval
                 if bar is not None:
                     bar.update(1)
             for layer in range(L):
@@ -640,6 +651,7 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
     n_meas = n_it - warmup
     for name, res in results.items():
         res.breakdown_s = {c: cats[name].get(c, 0.0) / n_meas for c in CATEGORIES}
+        res.straggler_s /= n_meas
         res.bytes_moved = {k: v / n_meas for k, v in moved[name].items()}
         res.a2a_inter_fraction = inter[name][0] / inter[name][1] if inter[name][1] else 0.0
         res.memory_bytes = _memory(name, setup, owned_max[name], sum_max[name], layer_max[name])
@@ -777,10 +789,12 @@ def format_tables(result: SimResult) -> str:
 def run_config(model_name: str, cluster: Cluster, *, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
                iterations: int = 30, skew: float = 0.04, drift: float = 0.05, seed: int = 0,
                batch: int | None = None, top_k: int | None = None, trace: RoutingTrace | None = None,
-               progress: bool = False, **setup_kwargs: Any) -> SimResult:
+               max_layers: int | None = None, progress: bool = False, **setup_kwargs: Any) -> SimResult:
     """Build a setup for a preset (or factory) on ``cluster``, a synthetic trace unless one is given,
-    and simulate."""
+    and simulate. ``max_layers`` caps the MoE layers (for quick runs)."""
     cfg = resolve_model_config(model_name, devices=cluster.num_devices, cluster=cluster.name)
+    if max_layers is not None:
+        cfg = cfg.replace(n_layers=min(cfg.n_layers, int(max_layers)))
     if top_k is not None:
         cfg = cfg.replace(top_k=int(top_k))
     setup = build_setup(cfg, cluster, batch=batch, **setup_kwargs)
@@ -810,8 +824,11 @@ _EXPLAIN = {
 }
 
 
-def paper_report(iterations: int = 20, progress: bool = False, quick: bool = False) -> dict[str, Any]:
+def paper_report(iterations: int = 20, progress: bool = False, quick: bool = False,
+                 max_layers: int | None = None) -> dict[str, Any]:
     """Simulate the paper's experiments and compare with its reported figures (§5).
+
+    ``quick`` runs two models for Fig. 9 instead of five; ``max_layers`` caps every model's MoE layers.
 
     Returns ``{"rows": [...], "runs": {...}}``; each row has the metric, the paper's value, ours, the
     relative difference and, when it exceeds 20%, the modeling assumption responsible.
@@ -821,7 +838,8 @@ def paper_report(iterations: int = 20, progress: bool = False, quick: bool = Fal
     fig9: dict[str, dict[str, dict[str, float]]] = {"A": {}, "B": {}}
     for cname in ("A", "B"):
         for model in models:
-            res = run_config(model, get_cluster(cname), iterations=iterations, progress=progress)
+            res = run_config(model, get_cluster(cname), iterations=iterations, max_layers=max_layers,
+                             progress=progress)
             fig9[cname][model] = res.speedup_over("ep")
             runs[f"fig9/{cname}/{model}"] = res.as_dict()
     rows: list[dict[str, Any]] = []
@@ -846,7 +864,7 @@ def paper_report(iterations: int = 20, progress: bool = False, quick: bool = Fal
     lat: dict[int, dict[str, float]] = {}
     for k in (2, 5):
         res = run_config("qwen1.5-moe", get_cluster("B"), policies=("ep", "themis"), top_k=k,
-                         iterations=iterations, progress=progress)
+                         iterations=iterations, max_layers=max_layers, progress=progress)
         lat[k] = {n: r.mean_iteration_s for n, r in res.policies.items()}
         runs[f"topk/{k}"] = res.as_dict()
     row("top-k 2->5 latency growth, Themis", 0.212, lat[5]["themis"] / lat[2]["themis"] - 1, "topk")
@@ -854,11 +872,12 @@ def paper_report(iterations: int = 20, progress: bool = False, quick: bool = Fal
     # Fig. 13b: weak scaling of DeepSeek-V3 on cluster A, 16 -> 64 GPUs.
     for nodes, paper in ((2, 1.48), (8, 3.35)):
         res = run_config("deepseek-v3", get_cluster("A", nodes), policies=("ep", "themis"),
-                         iterations=iterations, progress=progress)
+                         iterations=iterations, max_layers=max_layers, progress=progress)
         runs[f"weak/{nodes * 8}"] = res.as_dict()
         row(f"weak scaling: Themis vs EP at {nodes * 8} GPUs", paper, res.speedup_over("ep")["themis"], "weak_scaling")
     # Fig. 12: model-state memory (Phi-3.5-MoE on cluster A, as Fig. 11).
-    res = run_config("phi-3.5-moe", get_cluster("A"), iterations=iterations, progress=progress)
+    res = run_config("phi-3.5-moe", get_cluster("A"), iterations=iterations, max_layers=max_layers,
+                     progress=progress)
     runs["fig11_12/phi-3.5-moe/A"] = res.as_dict()
     mem = {n: r.memory_bytes["Total"] for n, r in res.policies.items()}
     row("memory: Themis over EP", 0.356, mem["themis"] / mem["ep"] - 1, "memory")

@@ -1,0 +1,88 @@
+"""Synthetic routing traces (skew as the Std of token proportions, drift, top-k) and the JSONL format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from themis_compile.cost_model.traces import (
+    RoutingRecord,
+    load_skew,
+    proportions_with_skew,
+    read_jsonl,
+    synthetic_trace,
+    write_jsonl,
+)
+
+
+@pytest.mark.parametrize("skew,top_k,E", [(0.04, 2, 32), (0.034, 4, 64), (0.046, 8, 128)])
+def test_proportions_hit_the_requested_skew(skew: float, top_k: int, E: int) -> None:
+    z = np.random.default_rng(1).standard_normal(E)
+    share = proportions_with_skew(z, skew / top_k, cap=1.0 / top_k)
+    assert share.sum() == pytest.approx(1.0)
+    assert (share <= 1.0 / top_k + 1e-12).all()
+    assert (share * top_k).std() == pytest.approx(skew, rel=1e-6)
+
+
+def test_synthetic_trace_skew_drift_and_determinism() -> None:
+    kw = dict(num_layers=2, num_experts=32, num_devices=8, tokens_per_device=8192, top_k=2, iterations=12,
+              skew=0.04, drift=0.05, seed=3)
+    trace = synthetic_trace(**kw)
+    again = synthetic_trace(**kw)
+    assert all(np.array_equal(a.tokens_per_device_expert, b.tokens_per_device_expert)
+               for a, b in zip(trace.records, again.records))
+    assert trace.num_layers == 2 and trace.steps == list(range(12)) and trace.top_k == 2
+    rec = trace.record(5, 1)
+    assert rec.tokens_per_expert.sum() == 8 * 8192 * 2            # every token makes k assignments
+    assert trace.skew() == pytest.approx(0.04, rel=0.1)           # sampling noise only
+    # Slow drift: adjacent steps are much closer than distant ones.
+    p = [trace.record(s, 0).tokens_per_expert / (8 * 8192 * 2) for s in range(12)]
+    assert np.abs(p[1] - p[0]).sum() < np.abs(p[11] - p[0]).sum()
+    other = synthetic_trace(**{**kw, "seed": 4})
+    assert not np.array_equal(other.records[0].tokens_per_expert, trace.records[0].tokens_per_expert)
+
+
+def test_load_skew_and_even_split() -> None:
+    assert load_skew(np.array([10, 10, 10, 10]), top_k=2) == 0.0
+    assert load_skew(np.zeros(4)) == 0.0
+    rec = RoutingRecord(0, 0, np.array([7, 0, 5]))
+    tokens_ED = rec.tokens_ED(4)
+    assert tokens_ED.shape == (3, 4)
+    assert tokens_ED.sum(axis=1).tolist() == [7, 0, 5]
+    assert tokens_ED.max() - tokens_ED.min() <= 2
+
+
+def test_jsonl_round_trip(tmp_path: Path) -> None:
+    trace = synthetic_trace(3, 8, 4, 64, 2, 4, seed=0, model="tiny")
+    path = tmp_path / "trace.jsonl"
+    write_jsonl(trace, path)
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first["header"]["num_experts"] == 8 and first["header"]["world_size"] == 4
+    back = read_jsonl(path)
+    assert back.header["model"] == "tiny" and len(back.records) == len(trace.records)
+    for a, b in zip(trace.records, back.records):
+        assert (a.step, a.layer) == (b.step, b.layer)
+        assert np.array_equal(a.tokens_per_expert, b.tokens_per_expert)
+        assert np.array_equal(a.tokens_per_device_expert, b.tokens_per_device_expert)
+
+
+def test_reader_is_lenient_but_names_bad_lines(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"step": 0, "layer": 0, "tokens_per_expert": [1, 2, 3]}\n\n'
+                    '{"step": 1, "layer": 0, "tokens_per_expert": [3, 2, 1], "extra": true}\n')
+    trace = read_jsonl(path)
+    assert trace.num_experts == 3 and trace.steps == [0, 1] and trace.header == {}
+    assert trace.record(1, 0).tokens_per_device_expert is None
+    path.write_text('{"step": 0, "layer": 0, "tokens_per_expert": [1, 2]}\n{"step": 1, "layer": 0}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:2: record lacks 'tokens_per_expert'"):
+        read_jsonl(path)
+    path.write_text('{"step": 0, "layer": 0, "tokens_per_expert": [1, 2], '
+                    '"tokens_per_device_expert": [[1, 1], [0, 0]]}\n')
+    with pytest.raises(ValueError, match="does not sum"):
+        read_jsonl(path)
+    path.write_text('{"header": {"num_experts": 3}}\n{"step": 0, "layer": 0, "tokens_per_expert": [1, 2]}\n')
+    with pytest.raises(ValueError, match="num_experts=3"):
+        read_jsonl(path)
