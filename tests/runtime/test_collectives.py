@@ -25,7 +25,7 @@ from themis_compile.runtime.collectives import (
     sparse_all_gather,
     sparse_reduce_scatter,
 )
-from themis_compile.testing import RankError, run_multirank
+from themis_compile.testing import run_multirank
 
 # Chunk specs: SwiGLU experts (three matrices), a dtype/shape mix with zero-size and 0-dim tensors, and
 # experts whose chunks are empty.
@@ -238,10 +238,6 @@ def _run_missing_rank(rank: int, world: int) -> str:
 
 
 # ============================================================================ multi-rank tests
-def _sum_stat(results: list, key: str, case: int) -> int:
-    return sum(r[case][key] for r in results)
-
-
 def test_four_ranks_one_node_gather_reduce_overlap() -> None:
     results = run_multirank(_run_single_node, 4, timeout_s=60)
     overlap = results[1]["overlap"]

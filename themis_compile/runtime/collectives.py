@@ -447,7 +447,7 @@ class SparseCollectiveHandle:
         return self._result
 
     # ---------------------------------------------------------------------------------- running
-    def _run(self, group: Any, deadline: float, body: Callable[[], Any]) -> None:
+    def _run(self, body: Callable[[], Any]) -> None:
         try:
             self._result = body()
         except BaseException as exc:  # noqa: BLE001 - reported to the waiting thread
@@ -664,18 +664,18 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
             handle._exchange(group, s, deadline, device, send_buf, recv_buf, on_recv)
         return result
 
-    _launch(handle, group, deadline, body)
+    _launch(handle, group, body)
     return handle
 
 
-def _launch(handle: SparseCollectiveHandle, group: Any, deadline: float, body: Callable[[], Any]) -> None:
+def _launch(handle: SparseCollectiveHandle, group: Any, body: Callable[[], Any]) -> None:
     logger.debug("%s: rank %d starts %d stage(s), %d message(s) globally", handle._name(), handle.rank,
                  len(handle.plan.stages), handle.plan.num_messages())
     if _is_nccl(group):
-        handle._run(group, deadline, body)     # enqueued on the NCCL stream; the host does not block
+        handle._run(body)                      # enqueued on the NCCL stream; the host does not block
     else:
         pg = group if group is not None else dist.group.WORLD
-        _worker_for(pg).submit(lambda: handle._run(group, deadline, body))
+        _worker_for(pg).submit(lambda: handle._run(body))
 
 
 # ============================================================================================ SpRS
@@ -778,5 +778,5 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
             result[e] = acc[e]
         return result
 
-    _launch(handle, group, deadline, body)
+    _launch(handle, group, body)
     return handle
