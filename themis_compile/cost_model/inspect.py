@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +165,8 @@ def _format(report: dict[str, Any], symbolic: dict[str, Any] | None) -> str:
         lines.append(f"{row['layer']:>5}{row['psi_bytes'] / 1e6:>9.2f}{row['t_attn_s'] * 1e3:>10.3f}{src}"
                      f"{row['bw'] / 1e9:>9.1f}{row['overlap_degree']:>4}{row['materialization_budget']:>5}"
                      f"{row['materialization_budget_rm']:>6}{row['spag_s'] * 1e3:>9.3f}"
-                     f"{row['spag_exposed_s'] * 1e3:>9.3f}{row['sprs_s'] * 1e3:>9.3f}{row['sprs_exposed_s'] * 1e3:>9.3f}")
+                     f"{row['spag_exposed_s'] * 1e3:>9.3f}{row['sprs_s'] * 1e3:>9.3f}"
+                     f"{row['sprs_exposed_s'] * 1e3:>9.3f}")
     sp = report["sample_plan"]
     lines += ["", "(* profiled T_attn)  SpAG window: attention forward; SpRS window: attention backward (2x)",
               f"sample plan at skew {sp['skew']}: {sp['added_replicas']} added replicas of "

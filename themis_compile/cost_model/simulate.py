@@ -244,7 +244,8 @@ def build_setup(model: MoEModelConfig, cluster: Cluster, *, batch: int | None = 
         tokens_per_device=batch * model.seq_len,
         time_per_token_s=analytic.expert_flops_per_token(model) / flops,
         token_bytes=float(model.d_model * precision.param_bytes), t_attn_s=t_attn,
-        shared_s=(analytic.expert_flops_per_token(model) * batch * model.seq_len / flops) if model.shared_expert else 0.0,
+        shared_s=(analytic.expert_flops_per_token(model) * batch * model.seq_len / flops
+                  if model.shared_expert else 0.0),
         head_s=analytic.head_flops(model, batch) / flops, dense_params=dense, layer_dense_params=layer_dense,
         overlap_degree=t, memory_budget_bytes=float(memory_budget_bytes), materialization_budget=m,
         materialization_budget_rm=m_rm, replica_slots=int(replica_slots), reshard_interval=int(reshard_interval),
