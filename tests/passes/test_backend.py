@@ -1,0 +1,136 @@
+"""The torch.compile backend "themis": registration, whole-graph capture of an optimized model, numerics
+equal to eager, the schedule in the AOT graphs, and a loud message for models that were not optimized."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+from torch import nn
+
+import themis_compile
+from themis_compile.models.gpt_moe import GPTMoE, MoEModelConfig, lm_loss
+from themis_compile.passes import backend as B
+from themis_compile.passes import schedule as S
+
+# Caches off: a cache hit would skip the inner compile and so the report these tests read.
+NO_CACHE = dict(fx_graph_cache=False)
+
+
+def _no_cache():
+    return functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(NO_CACHE)
+
+
+def test_backend_is_registered():
+    assert "themis" in torch._dynamo.list_backends()
+    assert torch._dynamo.lookup_backend("themis") is B.themis_backend
+
+
+class CallLog(nn.Module):
+    """Wraps a layer's sharded experts and records the runtime calls the compiled graph makes."""
+
+    def __init__(self, inner: nn.Module, log: list, name: str) -> None:
+        super().__init__()
+        self.inner, self.log, self.layer = inner, log, name
+
+    def start_materialization(self):
+        self.log.append(("spag_start", self.layer))
+
+    def wait_materialization(self):
+        self.log.append(("spag_wait", self.layer))
+
+    def wait_reduction(self):
+        self.log.append(("sprs_wait", self.layer))
+
+    def forward(self, x_TH, ids_TK, weights_TK):
+        self.log.append(("moe", self.layer))
+        return self.inner(x_TH, ids_TK, weights_TK)
+
+
+@pytest.fixture(scope="module")
+def compiled_run():
+    torch.manual_seed(0)
+    cfg = MoEModelConfig(d_model=32, n_heads=2, n_layers=2, d_ffn=32, num_experts=4, top_k=2, seq_len=8,
+                         vocab_size=32, experts_form="stacked", aux_loss_weight=0.0)
+    model = GPTMoE(cfg)
+    unmodified = copy.deepcopy(model)
+    model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy="ep"))
+    runtime = themis_compile.api.runtime_of(model)
+    log: list = []
+    layers = {}
+    for i, block in enumerate(model.blocks):
+        block.moe.experts = CallLog(block.moe.experts, log, f"moe{i}")
+        layers[f"blocks.{i}.moe"] = block.moe.experts
+    runtime.layers.update(layers)
+    S.schedule_model(model, layers)
+
+    tokens_BS = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    eager_loss = lm_loss(model(tokens_BS), tokens_BS)
+    eager_loss.backward()
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_loss = lm_loss(unmodified(tokens_BS), tokens_BS)
+    model.zero_grad(set_to_none=True)
+
+    torch._dynamo.reset()
+    B.reset_report()
+    log.clear()
+    a, b = _no_cache()
+    with a, b:
+        compiled = torch.compile(model, backend="themis", fullgraph=True)
+        loss = lm_loss(compiled(tokens_BS), tokens_BS)
+        forward_log = list(log)
+        log.clear()
+        loss.backward()
+    return dict(model=model, loss=loss, eager_loss=eager_loss, ref_loss=ref_loss, eager_grads=eager_grads,
+                forward_log=forward_log, backward_log=list(log), report=B.last_report())
+
+
+def test_compiled_matches_eager_and_unmodified(compiled_run):
+    r = compiled_run
+    torch.testing.assert_close(r["loss"], r["eager_loss"])
+    torch.testing.assert_close(r["loss"], r["ref_loss"])
+    for name, p in r["model"].named_parameters():
+        torch.testing.assert_close(p.grad, r["eager_grads"][name], msg=name)
+
+
+def test_compiled_graph_is_scheduled(compiled_run):
+    report = compiled_run["report"]
+    (dynamo,) = report.dynamo          # fullgraph: one graph, both layers in it
+    assert [s.fallback for s in dynamo] == [False, False]
+    assert [s.attention for s in dynamo] == ["custom:blocks.0.attn", "custom:blocks.1.attn"]
+    (forward,) = report.forward
+    assert all(not s.fallback for s in forward)
+    order = report.forward_order[0]
+    for s in forward:
+        # the SpAG start precedes the attention's first node; the wait is right before the MoE node
+        start = next(n for n in order if n.startswith("spag_start") and order.index(n) < order.index(s.start_before))
+        assert order.index(start) < order.index(s.start_before) < order.index(s.moe)
+        assert order[order.index(s.moe) - 1].startswith("spag_wait")
+    assert report.backward_fences == [2]
+    assert report.graphs_without_moe == 0
+
+
+def test_compiled_runtime_call_order(compiled_run):
+    fwd, bwd = compiled_run["forward_log"], compiled_run["backward_log"]
+    for layer in ("moe0", "moe1"):
+        idx = [fwd.index((e, layer)) for e in ("spag_start", "spag_wait", "moe")]
+        assert idx == sorted(idx)
+    # layer 1 starts its SpAG after MoE 0 ran: its window is attention 1, which follows MoE 0
+    assert fwd.index(("moe", "moe0")) < fwd.index(("spag_start", "moe1"))
+    assert bwd == [("sprs_wait", "moe1"), ("sprs_wait", "moe0")]
+
+
+def test_graph_without_moe_warns_loudly_or_raises_when_strict():
+    f = nn.Linear(4, 4)
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="themis_compile.optimize"):
+        out = torch.compile(f, backend="themis")(torch.randn(2, 4))
+    assert out.shape == (2, 4)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="themis_compile.optimize"):
+        torch.compile(f, backend=B.make_themis_backend(strict=True))(torch.randn(3, 4))
+    torch._dynamo.reset()
