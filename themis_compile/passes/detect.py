@@ -1,41 +1,771 @@
-"""Find the MoE layers of a model.
+"""Find the MoE layers of an arbitrary model by structure and by tracing its forward, never by class name.
 
-A module is an MoE layer when it has a router scoring E experts (a ``route`` method or a linear ``gate``
-with E outputs), a top-k, and E experts as an ``nn.ModuleList`` of identical MLPs or as stacked
-``[E, ...]`` weights in one module. Detection looks at module structure, not class names.
+A module is an MoE layer (the unit FSSDP shards, paper §3.1) when
+
+- one child holds E experts: an ``nn.ModuleList`` of identical MLPs, or one module whose parameters are
+  stacked ``[E, ...]``;
+- its forward (FX-traced with the experts, each expert and MLP-like children kept as leaves, the router
+  traced through) scores E experts with a learned router (an ``nn.Linear`` with E outputs or a weight
+  ``[E, H]``), optionally through softmax or sigmoid, and selects the top-k with ``torch.topk``; when FX
+  cannot trace the forward, ``make_fx`` records it at the aten level on a probe input instead;
+- the top-k weights reach the output (the weighted combine).
+
+Contract:
+    ``find_moe_layers(model)`` is read-only: probes run under ``torch.no_grad`` with the RNG forked and
+    every module attribute and buffer restored afterwards.
+    Each layer found records *how* its experts are called (``rewrite``): ``"none"`` when swapping the
+    experts child for any module with the interface ``experts(x_TH, ids_TK, weights_TK) -> out_TH``
+    reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
+    model in both forms); ``"inline-loop"`` when the forward loops over a ``ModuleList`` of experts
+    itself, which :mod:`themis_compile.passes.shard` rewrites.
+    Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
+    their forward) but fail a check are returned as ``(name, reason)``.
+
+Pseudo-code:
+    for module in model.named_modules():
+        experts = child that is a ModuleList of MLPs or has stacked [E, ...] weights      # Step 1
+        graph = fx_trace(module) or make_fx(module)(probe)                                  # Step 2
+        if no router of width E and no top-k in graph: skip (not MoE-like)
+        check identical experts, top-k, router width == E, weighted combine              # Step 3
+        rewrite = "none" if a stand-in experts(x, ids, weights) reproduces the forward     # Step 4
+                  else "inline-loop" if every expert is called one by one
+        describe router, scores, activation, shared experts, auxiliary losses              # Step 5
+
+Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, NamedTuple
 
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+logger = logging.getLogger(__name__)
+
+PROBE_SEED = 1234
+PROBE_BATCH, PROBE_SEQ = 2, 4
 
 
 @dataclass
 class MoELayerInfo:
+    """One MoE layer found in a model: where its parts are and how its experts are called."""
+
     name: str
     module: nn.Module
     num_experts: int
     top_k: int
     experts_form: str          # "modulelist" | "stacked"
-    router: str                # how the router scores experts
+    router: str                # how the router scores experts, e.g. "linear gate [E=8, H=64] -> softmax -> top-k"
     activation: str
     shared_experts: bool
+    experts_attr: str = "experts"              # attribute of ``module`` holding the experts
+    rewrite: str = "none"                      # "none" | "inline-loop" (see module docstring)
+    router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
+    score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
+    hidden_size: int = 0
+    shared_expert_names: tuple[str, ...] = ()
+    aux_losses: tuple[str, ...] = ()           # what else the forward produces: stored losses, buffer updates
+    rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
+    probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
+
+    @property
+    def experts(self) -> nn.Module:
+        return getattr(self.module, self.experts_attr)
 
     def describe(self) -> str:
-        return (f"{self.num_experts} experts ({self.experts_form}), top-{self.top_k}, router {self.router}, "
-                f"activation {self.activation}, shared experts: {'yes' if self.shared_experts else 'no'}")
+        shared = ", ".join(self.shared_expert_names) if self.shared_expert_names else "no"
+        call = {"none": f"calls {self.experts_attr}(x, ids, weights)",
+                "inline-loop": "loops over its experts inline (rewritten to one experts call)"}.get(self.rewrite,
+                                                                                                 self.rewrite)
+        text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
+                f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
+        if self.aux_losses:
+            text += f"; auxiliary: {'; '.join(self.aux_losses)}"
+        return text
 
 
-def _num_experts(experts: nn.Module) -> tuple[int, str] | None:
-    if isinstance(experts, nn.ModuleList):
-        return len(experts), "modulelist"
-    if callable(getattr(type(experts), "expert_forward", None)):
-        first = next(iter(experts.parameters()), None)
-        if first is not None and first.dim() >= 2:
-            return first.shape[0], "stacked"
+# --- Step 1: structure -------------------------------------------------------------------------------
+
+def _is_mlp_like(m: nn.Module) -> bool:
+    """A small dense module: at least two weight matrices, no parameter above 2-D, no nested module lists."""
+    params = list(m.parameters())
+    if sum(p.dim() == 2 for p in params) < 2 or any(p.dim() > 2 for p in params):
+        return False
+    subs = list(m.modules())
+    return len(subs) <= 16 and not any(isinstance(s, (nn.ModuleList, nn.ModuleDict)) for s in subs)
+
+
+def _stacked_width(m: nn.Module) -> int | None:
+    """E when every parameter of ``m`` is stacked along a common leading dimension E >= 2."""
+    params = list(m.parameters())
+    if not params or isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    if any(p.dim() < 2 for p in params) or not any(p.dim() >= 3 for p in params):
+        return None
+    widths = {p.shape[0] for p in params}
+    return widths.pop() if len(widths) == 1 and params[0].shape[0] >= 2 else None
+
+
+def _is_sharded(m: nn.Module) -> bool:
+    """Experts already replaced by a themis_compile runtime (they carry the owner table)."""
+    return hasattr(m, "owner_E")
+
+
+@dataclass(frozen=True)
+class _ExpertsChild:
+    attr: str
+    module: nn.Module
+    num_experts: int
+    form: str
+
+
+def _experts_children(module: nn.Module) -> list[_ExpertsChild]:
+    found = []
+    for attr, child in module.named_children():
+        if _is_sharded(child):
+            continue
+        if isinstance(child, nn.ModuleList) and len(child) >= 2 and all(_is_mlp_like(c) for c in child):
+            found.append(_ExpertsChild(attr, child, len(child), "modulelist"))
+        elif (E := _stacked_width(child)) is not None:
+            found.append(_ExpertsChild(attr, child, E, "stacked"))
+    return found
+
+
+def _expert_signature(m: nn.Module) -> tuple:
+    return (type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()))
+
+
+def _non_identical_reason(experts: nn.ModuleList) -> str | None:
+    sig0 = _expert_signature(experts[0])
+    for e, expert in enumerate(experts):
+        sig = _expert_signature(expert)
+        if sig != sig0:
+            shapes = lambda s: ", ".join(f"{n} {list(shape)}" for n, shape, _ in s[1])  # noqa: E731
+            return (f"experts are not identical: expert {e} is {sig[0].__name__}({shapes(sig)}) but expert 0 is "
+                    f"{sig0[0].__name__}({shapes(sig0)}); FSSDP needs equal-sized expert chunks")
     return None
+
+
+def _router_widths(module: nn.Module, experts: nn.Module) -> list[tuple[str, int, int]]:
+    """(path, scored width, input width) of every Linear or bare 2-D weight outside the experts."""
+    inside = {id(p) for p in experts.parameters()}
+    out = []
+    for path, sub in module.named_modules():
+        if sub is experts:
+            continue
+        if isinstance(sub, nn.Linear):
+            if id(sub.weight) not in inside:
+                out.append((path, sub.out_features, sub.in_features))
+            continue
+        for pname, p in sub.named_parameters(recurse=False):
+            if p.dim() == 2 and id(p) not in inside:
+                out.append((f"{path}.{pname}" if path else pname, p.shape[0], p.shape[1]))
+    return out
+
+
+def _hidden_size(child: _ExpertsChild, routers: list[tuple[str, int, int]]) -> int | None:
+    for _, width, h in routers:
+        if width == child.num_experts:
+            return h
+    if child.form == "modulelist":
+        for sub in child.module[0].modules():
+            if isinstance(sub, nn.Linear):
+                return sub.in_features
+        for p in child.module[0].parameters():
+            if p.dim() == 2:
+                return p.shape[1]
+    return routers[0][2] if routers else None
+
+
+def _probe_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype, p.device
+    return torch.get_default_dtype(), torch.device("cpu")
+
+
+def probe_input(module: nn.Module, hidden_size: int, flat: bool = False) -> torch.Tensor:
+    """Seeded random hidden states [2, 4, H] (or [8, H] when ``flat``) in the layer's dtype and device."""
+    dtype, device = _probe_dtype_device(module)
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    shape = (PROBE_BATCH * PROBE_SEQ, hidden_size) if flat else (PROBE_BATCH, PROBE_SEQ, hidden_size)
+    return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Run a probe without leaving traces: module attributes, buffers, modes and the RNG are restored."""
+    dicts = {m: dict(m.__dict__) for m in module.modules()}
+    inner = {m: (dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in dicts}
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = [p.device for p in module.parameters() if p.device.type == "cuda"]
+    with torch.random.fork_rng(devices=devices[:1]):
+        try:
+            yield
+        finally:
+            for m, saved in dicts.items():
+                for key in [k for k in m.__dict__ if k not in saved]:
+                    del m.__dict__[key]
+                m.__dict__.update(saved)
+                params, bufs, mods = inner[m]
+                for d, s in ((m._parameters, params), (m._buffers, bufs), (m._modules, mods)):
+                    d.clear()
+                    d.update(s)
+            with torch.no_grad():
+                for b, saved_b in buffers:
+                    if b.shape == saved_b.shape:
+                        b.copy_(saved_b)
+
+
+def run_probe(module: nn.Module, x: torch.Tensor, *, training: bool | None = None) -> Any:
+    """``module(x)`` seeded, without gradients, leaving no state behind (see :func:`preserved_state`)."""
+    with preserved_state(module), torch.no_grad():
+        modes = [(m, m.training) for m in module.modules()]
+        if training is not None:
+            module.train(training)
+        try:
+            torch.manual_seed(PROBE_SEED)
+            return module(x)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+
+# --- Step 2: tracing ---------------------------------------------------------------------------------
+
+class _MutableProxy(fx.Proxy):
+    """A Proxy that also records ``proxy[index] = value`` (``out[idx] += y`` in expert loops)."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
+class _LeafTracer(fx.Tracer):
+    """Keeps the given modules (and torch.nn's own) as call_module leaves; records branches on traced
+    values (taken as False) so that a rewrite can check they only guarded the expert loop."""
+
+    def __init__(self, leaves: set[int]) -> None:
+        super().__init__()
+        self._leaves = leaves
+        self.branch_nodes: list[fx.Node] = []
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return id(m) in self._leaves or super().is_leaf_module(m, module_qualified_name)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _MutableProxy(node, self)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        self.branch_nodes.append(obj.node)
+        return False
+
+
+@dataclass
+class TracedBlock:
+    """The FX graph of one block's forward, traced in one mode (``training``)."""
+
+    gm: fx.GraphModule
+    training: bool
+    branch_nodes: list[fx.Node]
+    attr_stores: dict[tuple[str, str], Any]      # (submodule path, attribute) -> Node / constant set by forward
+    meta: dict[fx.Node, Any] = field(default_factory=dict)   # node -> (shape, dtype) per tensor, from a probe
+
+
+def leaf_modules(module: nn.Module, experts: nn.Module) -> set[int]:
+    leaves = {id(experts)}
+    if isinstance(experts, nn.ModuleList):
+        leaves |= {id(e) for e in experts}
+    leaves |= {id(c) for c in module.children() if c is not experts and _is_mlp_like(c)}
+    return leaves
+
+
+def trace_block(module: nn.Module, experts: nn.Module, *, training: bool | None = None) -> TracedBlock:
+    """FX-trace ``module.forward`` with experts, each expert and MLP-like children as leaves.
+
+    Raises whatever FX raises when the forward is not symbolically traceable."""
+    tracer = _LeafTracer(leaf_modules(module, experts))
+    mode = module.training if training is None else training
+    with preserved_state(module):
+        modes = [(m, m.training) for m in module.modules()]
+        module.train(mode)
+        try:
+            graph = tracer.trace(module)
+            stores = _attribute_stores(module)
+            # Built before the state is restored: tensor constants the tracer put on the module go with it.
+            gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
+        finally:
+            for m, old in modes:
+                m.training = old
+    return TracedBlock(gm=gm, training=mode, branch_nodes=tracer.branch_nodes, attr_stores=stores)
+
+
+def _attribute_stores(module: nn.Module) -> dict[tuple[str, str], Any]:
+    """Attributes whose current value holds a Proxy: the forward stored a traced value there."""
+    stores = {}
+    for path, m in module.named_modules():
+        for key, value in m.__dict__.items():
+            if isinstance(value, fx.Proxy):
+                stores[(path, key)] = value.node
+    return stores
+
+
+class TensorMeta(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _MetaRecorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.meta: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        self.meta[n] = tree_map(lambda v: TensorMeta(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None, out)
+        return out
+
+
+def record_meta(traced: TracedBlock, module: nn.Module, x: torch.Tensor) -> None:
+    """Run the traced graph on a probe and keep each node's (shape, dtype)."""
+    rec = _MetaRecorder(traced.gm)
+    with preserved_state(module), torch.no_grad():
+        torch.manual_seed(PROBE_SEED)
+        rec.run(x)
+    traced.meta = rec.meta
+
+
+# Node predicates.
+_TOPK = {torch.topk, torch.Tensor.topk}
+_SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax}
+_SIGMOID = {torch.sigmoid, F.sigmoid, torch.Tensor.sigmoid, torch.special.expit}
+_INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _is_fn(node: fx.Node, fns: set, method: str) -> bool:
+    return ((node.op == "call_function" and node.target in fns)
+            or (node.op == "call_method" and node.target == method))
+
+
+def is_topk(node: fx.Node) -> bool:
+    return _is_fn(node, _TOPK, "topk")
+
+
+def is_inplace(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_")
+    return node.op == "call_function" and node.target in _INPLACE_FUNCTIONS
+
+
+def _score_kind(node: fx.Node) -> str | None:
+    if _is_fn(node, _SOFTMAX, "softmax"):
+        return "softmax"
+    if _is_fn(node, _SIGMOID, "sigmoid"):
+        return "sigmoid"
+    return None
+
+
+def topk_outputs(topk: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(values nodes, indices nodes) taken from a topk node by index or by name."""
+    values, indices = [], []
+    for u in topk.users:
+        if u.op == "call_function" and u.target is operator.getitem:
+            (values if u.args[1] == 0 else indices).append(u)
+        elif u.op == "call_function" and u.target is getattr:
+            (values if u.args[1] == "values" else indices).append(u)
+    return values, indices
+
+
+def effective_users(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Data-flow successors with in-place mutation taken into account: a node that reads a tensor after
+    an in-place op on it (``out.index_add_(...)``, ``out[i] = v``) depends on that op, not on the
+    tensor's allocation, so that a chain of in-place updates reads as the value flowing through it."""
+    base: dict[fx.Node, fx.Node] = {}
+    version: dict[fx.Node, fx.Node] = {}
+    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in graph.nodes}
+    for n in graph.nodes:
+        for a in dict.fromkeys(n.all_input_nodes):
+            src = version.get(base.get(a, a), a)
+            if n not in users[src]:
+                users[src].append(n)
+        if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node):
+            b = base.get(n.args[0], n.args[0])
+            base[n] = b
+            version[b] = n
+    return users
+
+
+def reachable(starts: list[fx.Node], succ: Callable[[fx.Node], list[fx.Node]], *, avoid: fx.Node | None = None
+              ) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [s for s in starts if s is not avoid]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(u for u in succ(n) if u is not avoid and u not in seen)
+    return seen
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    return reachable([node], lambda n: n.all_input_nodes) - {node}
+
+
+def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
+    return reachable(nodes, lambda n: list(n.users))
+
+
+def _router_of(gm: fx.GraphModule, topk: fx.Node) -> tuple[str, int, int] | None:
+    """(path, E, H) of the learned weight nearest before the top-k: a Linear leaf or a 2-D weight."""
+    best = None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in _ancestors(topk) | {topk}:
+        hit = None
+        if n.op == "call_module":
+            mod = gm.get_submodule(n.target)
+            if isinstance(mod, nn.Linear):
+                hit = (n.target, mod.out_features, mod.in_features)
+        elif n.op == "get_attr":
+            try:
+                t = gm.get_parameter(n.target)
+            except AttributeError:
+                t = None
+            if t is not None and t.dim() == 2:
+                hit = (n.target, t.shape[0], t.shape[1])
+        if hit is not None and (best is None or order[n] > best[0]):
+            best = (order[n], hit)
+    return None if best is None else best[1]
+
+
+def _topk_k(node: fx.Node, meta: dict) -> int | None:
+    k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
+    if isinstance(k, int):
+        return k
+    m = meta.get(node)
+    return m[0].shape[-1] if m else None
+
+
+class _CallRecorder(TorchFunctionMode):
+    """Records, in order, the top-k and score functions a forward calls (at the torch-function level)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ks: list[int] = []
+        self.scores: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TOPK:
+            k = args[1] if len(args) > 1 else kwargs.get("k")
+            self.ks.append(int(k))
+        elif func in _SOFTMAX:
+            self.scores.append("softmax")
+        elif func in _SIGMOID:
+            self.scores.append("sigmoid")
+        return func(*args, **kwargs)
+
+
+def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
+    """When FX cannot trace the forward (``len(proxy)``, iterating a traced tensor ...): record it while it
+    runs on a probe. ``make_fx`` is no help there: it stops at the same data-dependent code (``one_hot``,
+    ``nonzero`` loops). Returns the k of every top-k and the score functions seen, in call order."""
+    rec = _CallRecorder()
+    with preserved_state(module), torch.no_grad(), rec:
+        torch.manual_seed(PROBE_SEED)
+        module(x)
+    return rec.ks, rec.scores
+
+
+# --- Step 4: how the experts are called --------------------------------------------------------------
+
+class _ExpertsStandIn(nn.Module):
+    """Stands in for a layer's experts during a probe: records how it is called and answers with the
+    interface ``(x_TH, ids_TK, weights_TK) -> out_TH`` computed by the original experts."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.inner = experts
+        self.calls: list[tuple] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls.append(tuple(args) + tuple(kwargs.values()))
+        if isinstance(self.inner, nn.ModuleList):
+            from themis_compile.passes.shard import loop_combine
+
+            return loop_combine(self.inner, *args, *kwargs.values())
+        return self.inner(*args, **kwargs)
+
+
+def _outputs_close(a: Any, b: Any) -> bool:
+    flat_a, flat_b = [], []
+    tree_map(lambda v: flat_a.append(v), a)
+    tree_map(lambda v: flat_b.append(v), b)
+    if len(flat_a) != len(flat_b):
+        return False
+    for u, v in zip(flat_a, flat_b):
+        if isinstance(u, torch.Tensor) != isinstance(v, torch.Tensor):
+            return False
+        if isinstance(u, torch.Tensor):
+            if u.shape != v.shape or not torch.allclose(u.float(), v.float(), rtol=1e-4, atol=1e-5):
+                return False
+    return True
+
+
+def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int) -> tuple[str, str]:
+    """("none" | "inline-loop" | "unsupported", detail): can the experts child be swapped for a module
+    with the interface experts(x_TH, ids_TK, weights_TK)? Decided on a probe, not by reading code."""
+    experts = getattr(module, attr)
+    expected = run_probe(module, x)
+    stand_in = _ExpertsStandIn(experts)
+    error = None
+    setattr(module, attr, stand_in)
+    try:
+        got = run_probe(module, x)
+    except Exception as exc:  # the forward relies on the experts' own type (iterates, indexes ...)
+        got, error = None, exc
+    finally:
+        setattr(module, attr, experts)
+    calls = stand_in.calls
+    if error is None and len(calls) == 1 and len(calls[0]) == 3:
+        x_TH, ids_TK, weights_TK = calls[0]
+        ok = (isinstance(x_TH, torch.Tensor) and x_TH.dim() == 2
+              and isinstance(ids_TK, torch.Tensor) and not ids_TK.is_floating_point()
+              and isinstance(weights_TK, torch.Tensor) and weights_TK.is_floating_point()
+              and ids_TK.shape == weights_TK.shape == (x_TH.shape[0], top_k))
+        if ok and _outputs_close(expected, got):
+            return "none", f"calls {attr}(x_TH, ids_TK, weights_TK)"
+    if isinstance(experts, nn.ModuleList):
+        counts = [0] * len(experts)
+        hooks = [e.register_forward_pre_hook(lambda m, a, i=i: counts.__setitem__(i, counts[i] + 1))
+                 for i, e in enumerate(experts)]
+        try:
+            run_probe(module, x)
+        finally:
+            for h in hooks:
+                h.remove()
+        if sum(counts) > 0:
+            return "inline-loop", f"calls its {len(experts)} experts one by one ({sum(counts)} calls on the probe)"
+        return "unsupported", "the forward never calls its experts on the probe"
+    if error is not None:
+        return "unsupported", f"swapping '{attr}' for an experts(x, ids, weights) module fails: {error}"
+    shapes = ", ".join(f"{type(a).__name__}{list(a.shape) if isinstance(a, torch.Tensor) else ''}"
+                       for a in (calls[0] if calls else ()))
+    return "unsupported", (f"stacked experts '{attr}' are called as {attr}({shapes}), not as "
+                           f"{attr}(x_TH, ids_TK, weights_TK)")
+
+
+# --- Step 5: description -----------------------------------------------------------------------------
+
+_ACTIVATIONS = {F.silu: "silu", F.gelu: "gelu", F.relu: "relu", torch.relu: "relu", torch.tanh: "tanh",
+                torch.sigmoid: "sigmoid", F.mish: "mish", F.elu: "elu", F.leaky_relu: "leaky_relu"}
+_ACTIVATION_MODULES = (nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.LeakyReLU)
+
+
+def _named_activation(m: nn.Module) -> str | None:
+    for attr in ("activation", "act_fn", "act", "activation_fn", "hidden_act"):
+        v = getattr(m, attr, None)
+        if isinstance(v, str):
+            return v
+        if isinstance(v, nn.Module):
+            return type(v).__name__.lower().replace("activation", "") or None
+        if callable(v):
+            return getattr(v, "__name__", None)
+    return None
+
+
+def describe_activation(expert: nn.Module) -> str:
+    """The expert MLP's activation: its own name for it, else what its traced forward calls."""
+    named = _named_activation(expert)
+    if named:
+        return named
+    try:
+        gm = fx.symbolic_trace(expert)
+    except Exception:
+        return "unknown"
+    acts, gated = [], False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _ACTIVATIONS:
+            acts.append(_ACTIVATIONS[n.target])
+        elif n.op == "call_module" and isinstance(gm.get_submodule(n.target), _ACTIVATION_MODULES):
+            acts.append(type(gm.get_submodule(n.target)).__name__.lower())
+        elif n.op == "call_method" and n.target in ("relu", "sigmoid", "tanh"):
+            acts.append(n.target)
+    for n in gm.graph.nodes:
+        if _is_fn(n, {operator.mul, torch.mul}, "mul") and len(n.all_input_nodes) == 2:
+            a, b = n.all_input_nodes
+            if (_ancestors(a) | {a}) & {m for m in gm.graph.nodes if m.op == "call_module"} and \
+                    (_ancestors(b) | {b}) & {m for m in gm.graph.nodes if m.op == "call_module"}:
+                gated = True
+    if not acts:
+        return "unknown"
+    return f"{acts[0]} (gated)" if gated else acts[0]
+
+
+_ADDS = {operator.add, torch.add, operator.iadd}
+
+
+def _shared_experts(traced: TracedBlock, module: nn.Module, combined: list[fx.Node], experts_attr: str
+                    ) -> tuple[str, ...]:
+    """MLP-like children called in the forward whose output is added to the experts' combined output."""
+    if not combined:
+        return ()
+    succ = effective_users(traced.gm.graph)
+    after_experts = reachable(combined, lambda n: succ[n])
+    names = []
+    for n in traced.gm.graph.nodes:
+        if n.op != "call_module" or "." in n.target or n.target == experts_attr:
+            continue
+        if not _is_mlp_like(module.get_submodule(n.target)):
+            continue
+        mine = reachable([n], lambda m: succ[m])
+        for add in mine & after_experts:
+            if _is_fn(add, _ADDS, "add") or _is_fn(add, _ADDS, "add_"):
+                inputs = [p for p, us in succ.items() if add in us]
+                if any(i in mine and i not in after_experts for i in inputs) and any(i in after_experts for i in inputs):
+                    names.append(n.target)
+                    break
+    return tuple(names)
+
+
+def _auxiliary(traced: TracedBlock, combined: list[fx.Node]) -> tuple[str, ...]:
+    """What the forward produces besides the combined output: attributes it stores (auxiliary losses,
+    statistics), buffers it updates in place, extra outputs computed from the router alone."""
+    graph = traced.gm.graph
+    aux = [f"stores self.{p + '.' if p else ''}{a}" for p, a in traced.attr_stores]
+    for n in graph.nodes:
+        if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr":
+            aux.append(f"updates buffer {n.args[0].target} in place")
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    results = out.args[0]
+    if isinstance(results, (tuple, list)) and len(results) > 1 and combined:
+        succ = effective_users(graph)
+        after_experts = reachable(combined, lambda n: succ[n])
+        for i, r in enumerate(results):
+            if isinstance(r, fx.Node) and r not in after_experts:
+                aux.append(f"returns output {i} from the router alone (e.g. logits for an auxiliary loss)")
+    return tuple(aux)
+
+
+# --- The detector ------------------------------------------------------------------------------------
+
+class _Reject(Exception):
+    pass
+
+
+def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """The layer ``module`` is, None when it does not look MoE-like; raises _Reject with the reason."""
+    # Step 1: an experts-like child, preferably the one a router of its width scores.
+    children = _experts_children(module)
+    if not children:
+        return None
+    routers_all = {c.attr: _router_widths(module, c.module) for c in children}
+    child = next((c for c in children if any(w == c.num_experts for _, w, _ in routers_all[c.attr])), children[0])
+    routers, E = routers_all[child.attr], child.num_experts
+    H = _hidden_size(child, routers)
+
+    # Step 2: trace (FX first; when FX fails, record the calls on a probe).
+    traced, fx_error = None, None
+    try:
+        traced = trace_block(module, child.module)
+    except Exception as exc:
+        fx_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    topks = [n for n in traced.gm.graph.nodes if is_topk(n)] if traced else []
+    if not topks and not any(w == E for _, w, _ in routers):
+        return None   # not MoE-like: no top-k and no router of the experts' width
+
+    # Step 3: checks, cheapest first.
+    if child.form == "modulelist" and (why := _non_identical_reason(child.module)):
+        raise _Reject(why)
+    if H is None:
+        raise _Reject(f"no router weight [E, H] next to its {E} experts and no Linear to tell the hidden size")
+    router = None
+    if traced is not None:
+        if not topks:
+            raise _Reject("no top-k selection (torch.topk) in the traced forward of the block or its router")
+        router = _router_of(traced.gm, topks[-1])
+        if router is None:
+            raise _Reject("the top-k does not select over scores of a learned router (no Linear or weight [E, H] "
+                          "before it)")
+        if router[1] != E:
+            raise _Reject(f"router '{router[0]}' scores {router[1]} experts but '{child.attr}' holds {E}")
+    x, errors = None, []
+    for flat in (False, True):
+        try:
+            x = probe_input(module, H, flat=flat)
+            run_probe(module, x)
+            break
+        except Exception as exc:
+            errors.append(f"{list(x.shape)}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
+            x = None
+    if x is None:
+        raise _Reject(f"the forward fails on probe hidden states ({'; '.join(errors)})")
+
+    if traced is not None:
+        try:
+            record_meta(traced, module, x)
+        except Exception as exc:
+            raise _Reject(f"the traced forward does not run on a probe: {exc}")
+        topk = topks[-1]
+        top_k = _topk_k(topk, traced.meta)
+        router_path, width, H_router = router
+        values, indices = topk_outputs(topk)
+        before = {_score_kind(n) for n in _ancestors(topk)} - {None}
+        after = {_score_kind(n) for n in _descendants(values)} - {None}
+        succ = effective_users(traced.gm.graph)
+        if not any(n.op == "output" for n in reachable(values + indices, lambda n: succ[n])):
+            raise _Reject("the top-k weights and ids never reach the output (no weighted combine)")
+    else:
+        ks, scores = _recorded_topk(module, x)
+        if not ks:
+            raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and none ran on a probe")
+        top_k = ks[-1]
+        router_path, width, H_router = next((r for r in routers if r[1] == E), None) or (None, None, H)
+        if router_path is None:
+            widths = sorted({w for _, w, _ in routers})
+            raise _Reject(f"no router scores its {E} experts (Linear/weight widths {widths}); FX tracing failed "
+                          f"({fx_error})")
+        before, after = set(scores[:1]), set(scores[1:])
+    if top_k is None or not 1 <= top_k <= E:
+        raise _Reject(f"top-k of {top_k} is not in [1, {E}]")
+
+    # Step 4: how the experts are called.
+    form, detail = experts_call_form(module, child.attr, x, top_k)
+    if form == "unsupported":
+        raise _Reject(detail)
+    if form == "inline-loop" and traced is None:
+        raise _Reject(f"its forward loops over the experts inline and cannot be traced to rewrite it ({fx_error})")
+
+    # Step 5: description.
+    score = sorted(before)[0] if before else (sorted(after)[0] if after else "none")
+    order = f"{score} -> top-{top_k}" if before else f"top-{top_k} -> {score}" if after else f"top-{top_k}"
+    how = "FX graph" if traced is not None else "recorded on a probe (FX failed)"
+    router_text = f"'{router_path}' [E={width}, H={H_router}]: {order} ({how})"
+    expert0 = child.module[0] if child.form == "modulelist" else child.module
+    combined: list[fx.Node] = []
+    if traced is not None:
+        combined = [n for n in traced.gm.graph.nodes if n.op == "call_module" and n.target == child.attr]
+        if not combined:
+            from themis_compile.passes.shard import combine_node
+
+            y = combine_node(traced, child.attr)
+            combined = [y] if y is not None else []
+    shared = _shared_experts(traced, module, combined, child.attr) if traced is not None else ()
+    aux = _auxiliary(traced, combined) if traced is not None else ()
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=int(top_k), experts_form=child.form, router=router_text,
+        activation=describe_activation(expert0), shared_experts=bool(shared), experts_attr=child.attr,
+        rewrite=form, router_path=router_path, score_fn=score, hidden_size=H, shared_expert_names=shared,
+        aux_losses=aux, probe_flat=x.dim() == 2,
+    )
 
 
 def find_moe_layers(model: nn.Module) -> tuple[list[MoELayerInfo], list[tuple[str, str]]]:
@@ -43,29 +773,46 @@ def find_moe_layers(model: nn.Module) -> tuple[list[MoELayerInfo], list[tuple[st
     found: list[MoELayerInfo] = []
     rejected: list[tuple[str, str]] = []
     for name, module in model.named_modules():
-        experts = getattr(module, "experts", None)
-        if not isinstance(experts, nn.Module) or not callable(getattr(module, "route", None)):
+        name = name or "<root>"
+        try:
+            info = _inspect(name, module)
+        except _Reject as why:
+            rejected.append((name, str(why)))
+            logger.debug("rejected %s: %s", name, why)
             continue
-        ne = _num_experts(experts)
-        if ne is None:
-            if hasattr(experts, "owner_E"):  # already sharded by themis_compile
-                continue
-            rejected.append((name, f"experts of type {type(experts).__name__} are neither a ModuleList nor stacked"))
+        except Exception as exc:  # detection must never break on a model it does not understand
+            rejected.append((name, f"could not be analysed: {type(exc).__name__}: {exc}".splitlines()[0]))
             continue
-        num_experts, form = ne
-        top_k = getattr(module, "top_k", None)
-        if top_k is None:
-            rejected.append((name, "no top_k attribute"))
-            continue
-        gate = getattr(module, "gate", None)
-        if isinstance(gate, nn.Linear) and gate.out_features != num_experts:
-            rejected.append((name, f"router scores {gate.out_features} experts but there are {num_experts}"))
-            continue
-        act = getattr(experts, "activation", None) or getattr(experts[0], "activation", "unknown") \
-            if form == "modulelist" else getattr(experts, "activation", "unknown")
-        found.append(MoELayerInfo(
-            name=name or "<root>", module=module, num_experts=num_experts, top_k=int(top_k), experts_form=form,
-            router=str(getattr(module, "routing", "custom")), activation=str(act),
-            shared_experts=getattr(module, "shared_expert", None) is not None,
-        ))
+        if info is not None:
+            found.append(info)
+            logger.debug("MoE layer %s: %s", name, info.describe())
     return found, rejected
+
+
+SEARCHED = ("modules with a child holding E experts (an nn.ModuleList of identical MLPs or stacked [E, ...] "
+            "weights), a router scoring E experts (Linear with E outputs or weight [E, H]), a torch.topk "
+            "selection and a weighted combine")
+
+
+def explain_moe_layers(model: nn.Module) -> str:
+    """A readable report of the MoE layers found and of the MoE-like modules rejected, with reasons."""
+    infos, rejected = find_moe_layers(model)
+    lines = [f"{len(infos)} MoE layer(s) found"]
+    for info in infos:
+        lines.append(f"  {info.name}:")
+        lines.append(f"    router:         {info.router}")
+        lines.append(f"    experts:        {info.num_experts} ({info.experts_form}, attribute "
+                     f"'{info.experts_attr}'), top-{info.top_k}")
+        lines.append(f"    activation:     {info.activation}")
+        lines.append(f"    shared experts: {', '.join(info.shared_expert_names) or 'none'}")
+        for aux in info.aux_losses:
+            lines.append(f"    auxiliary:      {aux}")
+        lines.append(f"    experts call:   " + ("experts(x, ids, weights)" if info.rewrite == "none" else
+                                                "inline loop over the experts (rewritten by optimize)"))
+    if rejected:
+        lines.append(f"{len(rejected)} MoE-like module(s) rejected")
+        for name, why in rejected:
+            lines.append(f"  {name}: {why}")
+    if not infos and not rejected:
+        lines.append(f"  searched for {SEARCHED}")
+    return "\n".join(lines)

@@ -1,0 +1,384 @@
+"""Make every detected MoE layer call its experts through one interface the runtime can swap.
+
+The FSSDP runtime (paper §3.1, Fig. 5) replaces a layer's experts with a module holding only this rank's
+experts and computing ``experts(x_TH, ids_TK, weights_TK) -> out_TH``. Blocks that already call their
+experts that way (HF transformers >= 5, torchtitan-like blocks, both forms of the reference model) need
+nothing. Blocks that loop over an ``nn.ModuleList`` of experts inline in their forward (old HF style) get
+a generated forward: the user's routing code is kept node for node and the expert loop plus the weighted
+combine become one call ``self.experts(x, ids, weights)``, where ``self.experts`` is an
+:class:`ExpertLoop` over the same expert modules (the same loop, numerically; same parameter names).
+
+Contract:
+    ``rewrite_moe_layer(info)`` changes only the layer's class (a subclass of the user's whose forward
+    is the rewritten graph, traced once per train/eval mode) and its experts attribute (an
+    ``ExpertLoop`` holding the very same expert modules): parameters, buffers, state-dict keys and the
+    routing computation are unchanged. ``prepare_moe_layers`` rewrites a copy of each layer first and
+    compares it with the original on a probe; on any mismatch it raises ``ValueError`` naming the layer
+    and the model is left untouched.
+
+Pseudo-code of the graph rewrite (``replace_expert_loop``):
+    C = calls into the experts                                  # Step 1
+    Y = nearest node all of C's outputs flow through (in-place updates followed as versions)
+    x, ids, weights = last [T, H] input, [T, K] top-k ids and [T, K] weights feeding every expert
+    out = self.experts(x, ids, weights); uses of Y after it read out   # Step 2
+    erase every node that only served Y                         # Step 3
+
+Shape suffixes: T tokens, H hidden size, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+import math
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from themis_compile.passes.detect import (
+    SEARCHED,
+    MoELayerInfo,
+    TensorMeta,
+    TracedBlock,
+    effective_users,
+    find_moe_layers,
+    is_inplace,
+    is_topk,
+    probe_input,
+    reachable,
+    record_meta,
+    run_probe,
+    topk_outputs,
+    trace_block,
+)
+
+logger = logging.getLogger(__name__)
+
+SELF_PLACEHOLDER = "_themis_self"
+
+
+def loop_combine(experts: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                 weights_TK: torch.Tensor) -> torch.Tensor:
+    """sum_k weights_TK[t, k] * experts[ids_TK[t, k]](x_TH[t]): one expert at a time, HF-Mixtral style."""
+    out_TH = torch.zeros_like(x_TH)
+    for e, expert in enumerate(experts):
+        token_N, k_N = torch.where(ids_TK == e)
+        y_NH = expert(x_TH[token_N]) * weights_TK[token_N, k_N, None]
+        out_TH.index_add_(0, token_N, y_NH.to(out_TH.dtype))
+    return out_TH
+
+
+class ExpertLoop(nn.ModuleList):
+    """The experts of a rewritten layer: the user's expert modules (same names ``0 .. E-1``) called as
+    ``experts(x_TH, ids_TK, weights_TK) -> out_TH``. Still a ModuleList, so the runtime's ExpertBank
+    reads it as per-expert modules and can replace it with sharded experts."""
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return loop_combine(self, x_TH, ids_TK, weights_TK)
+
+
+def _store_attribute(owner: nn.Module, path: str, name: str, value: Any) -> None:
+    """What ``self.<path>.<name> = value`` in the user's forward did (e.g. an auxiliary loss)."""
+    setattr(owner.get_submodule(path) if path else owner, name, value)
+
+
+# --- Step 1: the expert computation in the graph ------------------------------------------------------
+
+def _expert_index(node: fx.Node, attr: str) -> str | None:
+    """The expert a node belongs to (``experts.3`` or ``experts.3.w1.weight`` -> "3"), else None."""
+    if node.op in ("call_module", "get_attr") and isinstance(node.target, str) and node.target.startswith(attr + "."):
+        return node.target[len(attr) + 1:].split(".")[0]
+    return None
+
+
+def _expert_nodes(graph: fx.Graph, attr: str) -> list[fx.Node]:
+    return [n for n in graph.nodes if _expert_index(n, attr) is not None]
+
+
+def _output_node(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
+    """Y: the nearest node every expert's output flows through on its way to the output (the combined
+    value), following in-place updates as versions. None when there is none besides the output."""
+    graph = traced.gm.graph
+    calls = _expert_nodes(graph, attr)
+    if not calls:
+        return None
+    succ = effective_users(graph)
+    out = _output_node(graph)
+    after = reachable(calls, lambda n: succ[n])
+    if out not in after:
+        return None
+    for y in graph.nodes:
+        if y in after and y not in calls and y is not out:
+            if out not in reachable(calls, lambda n: succ[n], avoid=y):
+                return y
+    return None
+
+
+def _base(node: fx.Node) -> fx.Node:
+    while is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _remove_dead_branches(graph: fx.Graph, branch_nodes: list[fx.Node]) -> list[set[fx.Node]]:
+    """Erase the dead conditions the tracer evaluated (taken as False); return their inputs' ancestry."""
+    ancestries = []
+    for b in branch_nodes:
+        ancestries.append(reachable([b], lambda n: n.all_input_nodes) - {b})
+        todo = [b]
+        while todo:
+            n = todo.pop()
+            if n.users or n.op not in ("call_function", "call_method", "get_attr") or is_inplace(n):
+                continue
+            inputs = n.all_input_nodes
+            graph.erase_node(n)
+            todo.extend(inputs)
+    return ancestries
+
+
+class RewriteError(ValueError):
+    pass
+
+
+def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModule:
+    """Replace the inline expert loop + weighted combine of a traced block with one
+    ``self.<experts_attr>(x, ids, weights)`` call; needs ``traced.meta`` (shapes from a probe)."""
+    gm, meta, attr, layer = traced.gm, traced.meta, info.experts_attr, info.name
+    graph = gm.graph
+    branch_ancestries = _remove_dead_branches(graph, traced.branch_nodes)
+
+    # Step 1: the expert calls C, the combined value Y, and the inputs x, ids, weights feeding every expert.
+    calls = _expert_nodes(graph, attr)
+    y = combine_node(traced, attr)
+    if y is None:
+        raise RewriteError(f"MoE layer {layer!r}: the experts' outputs do not merge into one combined value")
+    succ = effective_users(graph)
+    pred: dict[fx.Node, list[fx.Node]] = {n: [] for n in graph.nodes}
+    for n, us in succ.items():
+        for u in us:
+            pred[u].append(n)
+    after_calls = reachable(calls, lambda n: succ[n])
+    before_y = reachable([y], lambda n: pred[n])
+    before_calls = reachable(calls, lambda n: pred[n])
+    by_expert: dict[str, set[fx.Node]] = {}
+    for c in calls:
+        by_expert.setdefault(_expert_index(c, attr), set()).update(reachable([c], lambda n: succ[n]))
+    private = [nodes - set().union(*(o for k, o in by_expert.items() if o is not nodes))
+               for nodes in by_expert.values()]
+
+    def feeds_every_expert(n: fx.Node) -> bool:
+        reach = reachable([n], lambda m: succ[m])
+        return all(reach & p for p in private)
+
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+
+    def last(cands: list[fx.Node]) -> fx.Node | None:
+        cands = [n for n in cands if feeds_every_expert(n)]
+        return max(cands, key=pos.__getitem__) if cands else None
+
+    topks = [t for t in graph.nodes if is_topk(t) and set(topk_outputs(t)[1]) & before_y]
+    if not topks:
+        raise RewriteError(f"MoE layer {layer!r}: no top-k ids feed the expert loop")
+    topk = topks[-1]
+    values_meta = meta[topk][0]
+    tok, K, H = values_meta.shape[:-1], values_meta.shape[-1], info.hidden_size
+    after_topk = reachable([topk], lambda n: succ[n])
+    after_ids = reachable(topk_outputs(topk)[1], lambda n: succ[n])
+
+    def tensor(n: fx.Node, shape: tuple, floating: bool) -> bool:
+        m = meta.get(n)
+        return (isinstance(m, TensorMeta) and m.shape == shape and m.dtype.is_floating_point == floating
+                and m.dtype != torch.bool)
+
+    region_in = [n for n in before_y if n not in after_calls]
+    ids = last([n for n in region_in if n in after_ids and tensor(n, tok + (K,), False)])
+    weights = last([n for n in region_in if n in after_topk and tensor(n, tok + (K,), True)])
+    x = last([n for n in before_calls if n not in after_calls and n not in after_topk
+              and tensor(n, tok + (H,), True)])
+    for what, node in (("hidden states [T, H]", x), ("top-k ids [T, K]", ids), ("top-k weights [T, K]", weights)):
+        if node is None:
+            raise RewriteError(f"MoE layer {layer!r}: cannot find the {what} that feed every expert")
+
+    # Step 2: one experts call in place of Y; later reads of Y (or of the tensor it updated) read it.
+    y_meta = meta.get(_base(y)) if meta.get(y) is None else meta.get(y)
+    if not isinstance(y_meta, TensorMeta) or y_meta.shape not in (tok + (H,), (math.prod(tok), H)):
+        raise RewriteError(f"MoE layer {layer!r}: the combined value has shape {getattr(y_meta, 'shape', None)}, "
+                           f"not {tok + (H,)}")
+    with graph.inserting_before(y):
+        args = (x, ids, weights)
+        if len(tok) != 1:
+            args = (graph.call_method("reshape", (x, -1, H)), graph.call_method("reshape", (ids, -1, K)),
+                    graph.call_method("reshape", (weights, -1, K)))
+        out = graph.call_module(attr, args)
+        if len(tok) != 1 and y_meta.shape == tok + (H,):
+            out = graph.call_method("view_as", (out, x))
+        if y_meta.dtype != meta[x].dtype:
+            out = graph.call_method("to", (out, y_meta.dtype))
+    aliases = {n for n in graph.nodes if _base(n) is _base(y)} | {y}
+    for u in list(graph.nodes)[list(graph.nodes).index(y) + 1:]:
+        for a in aliases & set(u.all_input_nodes):
+            u.replace_input_with(a, out)
+
+    # Step 3: erase what only served Y: the loop, its masks, the accumulator.
+    succ = effective_users(graph)
+    keep = {out, x, ids, weights} | set(out.all_input_nodes)
+    region: set[fx.Node] = set()
+    for n in reversed(graph.nodes):
+        if n in keep or n.op in ("placeholder", "output"):
+            continue
+        if n in aliases or (succ[n] and all(u in region for u in succ[n])):
+            region.add(n)
+    if not set(calls) <= region:
+        used = sorted(c.name for c in calls if c not in region)
+        raise RewriteError(f"MoE layer {layer!r}: expert outputs ({', '.join(used)}) are used besides the combine")
+    for ancestry in branch_ancestries:
+        if ancestry and not ancestry & region:
+            raise RewriteError(f"MoE layer {layer!r}: the forward branches on a traced value outside the expert "
+                               "loop; a generated forward cannot keep that branch")
+    stored = {key: node for key, node in traced.attr_stores.items()}
+    for (path, name), node in stored.items():
+        if node in region:
+            raise RewriteError(f"MoE layer {layer!r}: the forward stores {name!r} computed inside the expert loop")
+    for n in reversed(graph.nodes):
+        if n in region:
+            if any(u not in region for u in n.users):
+                raise RewriteError(f"MoE layer {layer!r}: {n.name} of the expert loop is still used")
+            graph.erase_node(n)
+
+    # The generated forward takes the block as an explicit first input to replay attribute stores.
+    first = next(iter(graph.nodes))
+    with graph.inserting_before(first):
+        owner = graph.placeholder(SELF_PLACEHOLDER)
+    for (path, name), node in stored.items():
+        with graph.inserting_after(node):
+            graph.call_function(_store_attribute, (owner, path, name, node))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+# --- Applying and verifying a rewrite -----------------------------------------------------------------
+
+def _rewritten_class(base: type, forwards: dict[bool, Callable]) -> type:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Traced once per mode: branches on self.training in the user's forward stay as written.
+        return forwards[self.training](self, self, *args, **kwargs)
+
+    forward.__doc__ = f"{base.__name__}.forward with its expert loop replaced by one experts(x, ids, weights) call."
+    return type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+                                         "_themis_original_class": base})
+
+
+def rewrite_moe_layer(info: MoELayerInfo) -> None:
+    """Make ``info.module`` call its experts as ``experts(x_TH, ids_TK, weights_TK)``, in place.
+
+    Nothing to do when it already does (``info.rewrite == "none"``). For an inline expert loop the
+    forward is traced in train and eval mode, each graph rewritten by :func:`replace_expert_loop`, and
+    the module's class becomes a subclass of its own with that forward; its experts ModuleList becomes an
+    :class:`ExpertLoop` of the same modules."""
+    if info.rewrite == "none" or info.rewritten:
+        return
+    if info.rewrite != "inline-loop":
+        raise ValueError(f"MoE layer {info.name!r}: unknown rewrite {info.rewrite!r}")
+    module, experts = info.module, info.experts
+    if not isinstance(experts, nn.ModuleList):
+        raise ValueError(f"MoE layer {info.name!r}: an inline expert loop needs an nn.ModuleList of experts")
+    forwards, constants = {}, {}
+    for training in (True, False):
+        traced = trace_block(module, experts, training=training)
+        x = probe_input(module, info.hidden_size, flat=info.probe_flat)
+        record_meta(traced, module, x)
+        gm = replace_expert_loop(traced, info)
+        forwards[training] = type(gm).forward
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                try:
+                    module.get_submodule(n.target.rpartition(".")[0]).__getattr__(n.target.rpartition(".")[2])
+                except AttributeError:
+                    constants[n.target] = getattr(gm, n.target)
+    for name, value in constants.items():  # tensor constants the tracer lifted out of the forward
+        module.register_buffer(name, value, persistent=False)
+    module.__class__ = _rewritten_class(type(module), forwards)
+    setattr(module, info.experts_attr, ExpertLoop(list(experts)))
+    info.rewritten = True
+    logger.info("MoE layer %s: expert loop rewritten to one %s(x, ids, weights) call", info.name, info.experts_attr)
+
+
+def _mismatch(a: Any, b: Any, rtol: float = 1e-4, atol: float = 1e-5) -> str | None:
+    """Why two outputs (nested tuples of tensors) differ beyond fp32 tolerance, or None when they agree."""
+    flat_a, flat_b = [], []
+    tree_map(flat_a.append, a)
+    tree_map(flat_b.append, b)
+    if len(flat_a) != len(flat_b):
+        return f"{len(flat_a)} outputs vs {len(flat_b)}"
+    for u, v in zip(flat_a, flat_b):
+        if isinstance(u, torch.Tensor) != isinstance(v, torch.Tensor):
+            return "a tensor output vs a non-tensor"
+        if isinstance(u, torch.Tensor):
+            if u.shape != v.shape:
+                return f"shapes {list(u.shape)} vs {list(v.shape)}"
+            if not torch.allclose(u.double(), v.double(), rtol=rtol, atol=atol, equal_nan=True):
+                return f"values differ by up to {float((u.double() - v.double()).abs().max()):.3g}"
+    return None
+
+
+def verify_rewrite(original: nn.Module, rewritten: nn.Module, probe: torch.Tensor, *, layer: str = "") -> None:
+    """Run ``probe`` through both modules (seeded, no grad, in train and in eval mode) and raise
+    ``ValueError`` naming ``layer`` unless the outputs agree within fp32 tolerance."""
+    for training in (True, False):
+        expected = run_probe(original, probe, training=training)
+        try:
+            got = run_probe(rewritten, probe, training=training)
+        except Exception as exc:
+            raise ValueError(f"MoE layer {layer!r}: the rewritten layer fails on a probe input: {exc}") from exc
+        why = _mismatch(expected, got)
+        if why is not None:
+            raise ValueError(f"MoE layer {layer!r}: the rewritten layer does not match the original on a probe "
+                             f"input ({'train' if training else 'eval'} mode: {why}); the model was left unchanged")
+
+
+def _probe_for(info: MoELayerInfo) -> torch.Tensor:
+    return probe_input(info.module, info.hidden_size, flat=info.probe_flat)
+
+
+def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerInfo]:
+    """Detect the MoE layers of ``model``, rewrite those that loop over their experts inline, verify each
+    rewrite on a probe, and return the layers ready for sharding (``getattr(info.module,
+    info.experts_attr)`` is what the runtime replaces).
+
+    No MoE layer found: warn naming what was searched and what was rejected and return ``[]`` (the model
+    is unchanged), or raise ``ValueError`` when ``strict``. A rewrite that does not reproduce the
+    original on the probe raises ``ValueError`` naming the layer; no layer of the model is changed then.
+    """
+    infos, rejected = find_moe_layers(model)
+    if not infos:
+        msg = f"themis_compile found no MoE layer (searched for {SEARCHED})"
+        if rejected:
+            msg += "; rejected: " + "; ".join(f"{n}: {why}" for n, why in rejected)
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=3)
+        return []
+    for name, why in rejected:
+        logger.warning("MoE-like module %s left as it is: %s", name, why)
+
+    # Rewrite copies (sharing parameters and buffers) and compare with the originals before touching any.
+    todo = [info for info in infos if info.rewrite != "none" and not info.rewritten]
+    for info in todo:
+        shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
+        trial = copy.deepcopy(info.module, shared)
+        rewrite_moe_layer(dataclasses.replace(info, module=trial))
+        verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
+    for info in todo:
+        rewrite_moe_layer(info)
+    return infos
