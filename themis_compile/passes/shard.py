@@ -269,11 +269,30 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
 
 # --- Applying and verifying a rewrite -----------------------------------------------------------------
 
-def _rewritten_class(base: type, forwards: dict[bool, Callable]) -> type:
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Traced once per mode: branches on self.training in the user's forward stay as written.
-        return forwards[self.training](self, self, *args, **kwargs)
+def _rewritten_class(base: type, forwards: dict[bool, Callable], placeholders: list[fx.Node]) -> type:
+    """A subclass of ``base`` whose forward runs the rewritten graph of the current mode.
 
+    The forward is generated with the user's own parameter names and defaults (the graph's
+    placeholders), so that the rewritten block can itself be FX-traced like the original."""
+    params, names, defaults = [], [], {}
+    for i, ph in enumerate(placeholders):
+        name = ph.target
+        if name.startswith("*"):
+            params.append(name)
+            names.append(name)
+            continue
+        if ph.args:
+            defaults[f"_default_{i}"] = ph.args[0]
+            params.append(f"{name}=_default_{i}")
+        else:
+            params.append(name)
+        names.append(name)
+    src = (f"def forward(self, {', '.join(params)}):\n"
+           f"    return _forwards[self.training](self, self, {', '.join(names)})\n")
+    scope = {"_forwards": forwards, **defaults}
+    exec(compile(src, f"<themis rewritten {base.__name__}.forward>", "exec"), scope)
+    forward = scope["forward"]
+    # Traced once per mode: branches on self.training in the user's forward stay as written.
     forward.__doc__ = f"{base.__name__}.forward with its expert loop replaced by one experts(x, ids, weights) call."
     return type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
                                          "_themis_original_class": base})
@@ -308,7 +327,8 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
                     constants[n.target] = getattr(gm, n.target)
     for name, value in constants.items():  # tensor constants the tracer lifted out of the forward
         module.register_buffer(name, value, persistent=False)
-    module.__class__ = _rewritten_class(type(module), forwards)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and n.target != SELF_PLACEHOLDER]
+    module.__class__ = _rewritten_class(type(module), forwards, placeholders)
     setattr(module, info.experts_attr, ExpertLoop(list(experts)))
     info.rewritten = True
     logger.info("MoE layer %s: expert loop rewritten to one %s(x, ids, weights) call", info.name, info.experts_attr)

@@ -1,0 +1,152 @@
+"""Detection of MoE layers by structure and tracing: the reference model, HF Mixtral / Qwen3-MoE, and
+blocks in other styles; rejected look-alikes with their reasons; explain()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import themis_compile
+from themis_compile.models import build_model
+from themis_compile.passes.detect import SEARCHED, explain_moe_layers, find_moe_layers
+from tests.passes import moe_zoo as zoo
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: threads only contend on the shared CPUs.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _hf_models():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=128))
+    qwen = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, vocab_size=128, norm_topk_prob=True))
+    return {"mixtral": mixtral, "qwen3_moe": qwen}
+
+
+@pytest.mark.parametrize("form,expected_form", [("loop", "modulelist"), ("stacked", "stacked")])
+def test_reference_model_both_forms(form, expected_form):
+    model = build_model("tiny-moe", experts_form=form, shared_expert=True)
+    infos, rejected = find_moe_layers(model)
+    assert rejected == []
+    assert [i.name for i in infos] == ["blocks.0.moe", "blocks.1.moe"]
+    for info in infos:
+        assert info.module is model.blocks[int(info.name.split(".")[1])].moe
+        assert (info.num_experts, info.top_k, info.hidden_size) == (8, 2, 64)
+        assert info.experts_form == expected_form and info.experts_attr == "experts"
+        assert info.rewrite == "none"          # combine_experts dispatches to a non-ModuleList experts module
+        assert info.router_path == "gate" and info.score_fn == "softmax"
+        assert "softmax -> top-2" in info.router
+        assert info.activation == "swiglu"
+        assert info.shared_experts and info.shared_expert_names == ("shared_expert",)
+        assert any("aux_loss" in a for a in info.aux_losses)
+
+
+def test_reference_topk_softmax_routing_and_no_shared_expert():
+    model = build_model("tiny-moe", experts_form="stacked", routing="topk_softmax", activation="gelu", top_k=1)
+    infos, _ = find_moe_layers(model)
+    assert len(infos) == 2
+    assert all("top-1 -> softmax" in i.router and i.top_k == 1 for i in infos)
+    assert all(i.activation == "gelu" and not i.shared_experts for i in infos)
+
+
+@pytest.mark.parametrize("which", ["mixtral", "qwen3_moe"])
+def test_hf_transformers_blocks(which):
+    model = _hf_models()[which]
+    infos, rejected = find_moe_layers(model)
+    assert rejected == []
+    assert [i.name for i in infos] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    for info in infos:
+        assert (info.num_experts, info.top_k, info.hidden_size) == (4, 2, 32)
+        assert info.experts_form == "stacked" and info.rewrite == "none"
+        assert info.router_path == "gate.weight" and info.score_fn == "softmax"
+        assert info.activation == "silu"
+        assert not info.shared_experts
+
+
+def test_blocks_in_other_styles():
+    model = nn.ModuleDict({"old_hf": zoo.OldHFBlock(), "setitem": zoo.SetitemLoopBlock(), "titan": zoo.TitanMoE(),
+                           "untraceable": zoo.UntraceableBlock()})
+    infos, rejected = find_moe_layers(model)
+    assert rejected == []
+    by_name = {i.name: i for i in infos}
+    assert sorted(by_name) == ["old_hf", "setitem", "titan", "untraceable"]
+
+    old = by_name["old_hf"]
+    assert (old.rewrite, old.experts_form, old.num_experts, old.top_k) == ("inline-loop", "modulelist", 4, 2)
+    assert old.activation == "silu (gated)"
+    assert any("returns output 1" in a for a in old.aux_losses)   # router logits for the auxiliary loss
+
+    setitem = by_name["setitem"]
+    assert (setitem.rewrite, setitem.experts_attr, setitem.score_fn) == ("inline-loop", "mlps", "sigmoid")
+    assert setitem.shared_expert_names == ("shared",)
+
+    titan = by_name["titan"]
+    assert (titan.rewrite, titan.experts_form, titan.router_path) == ("none", "stacked", "router.gate")
+    assert titan.score_fn == "sigmoid" and titan.shared_expert_names == ("shared_experts",)
+    assert any("tokens_per_expert" in a for a in titan.aux_losses)
+
+    untraceable = by_name["untraceable"]
+    assert untraceable.rewrite == "none" and "recorded on a probe" in untraceable.router
+    assert untraceable.top_k == 2 and untraceable.router_path == "router.gate"
+
+
+def test_stored_auxiliary_loss_is_reported():
+    infos, _ = find_moe_layers(nn.Sequential(zoo.OldHFBlock(store_aux=True)))
+    assert "stores self.aux_loss" in infos[0].aux_losses
+
+
+@pytest.mark.parametrize("block,reason", [
+    (lambda: zoo.OldHFBlock(expert_ffns=[64, 128, 64, 64]), "experts are not identical: expert 1"),
+    (lambda: zoo.OldHFBlock(gate_width=6), "router 'gate' scores 6 experts but 'experts' holds 4"),
+    (zoo.DenseSoftMoE, "no top-k selection"),
+    (zoo.CurrentHFLoopBlock, "loops over the experts inline and cannot be traced"),
+])
+def test_look_alikes_are_rejected_with_a_reason(block, reason):
+    infos, rejected = find_moe_layers(nn.Sequential(block()))
+    assert infos == []
+    assert len(rejected) == 1 and rejected[0][0] == "0"
+    assert reason in rejected[0][1]
+
+
+def test_dense_models_are_neither_found_nor_rejected():
+    for model in (zoo.DenseModel(), nn.TransformerEncoderLayer(32, 4, 64)):
+        assert find_moe_layers(model) == ([], [])
+
+
+def test_detection_leaves_the_model_untouched():
+    model = nn.Sequential(zoo.OldHFBlock(store_aux=True), zoo.TitanMoE())
+    model[1].tokens_per_expert.fill_(3.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    aux = model[0].aux_loss
+    infos, _ = find_moe_layers(model)
+    assert len(infos) == 2
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model[0].aux_loss is aux and not hasattr(model[1], "last_load")
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert type(model[0]) is zoo.OldHFBlock and type(model[0].experts) is nn.ModuleList
+
+
+def test_explain_reports_layers_and_rejections():
+    model = nn.ModuleDict({"moe": zoo.TitanMoE(), "odd": zoo.OldHFBlock(gate_width=6)})
+    text = explain_moe_layers(model)
+    assert text.startswith("1 MoE layer(s) found")
+    for needle in ("moe:", "'router.gate' [E=4, H=32]: sigmoid -> top-2", "4 (stacked, attribute 'experts'), top-2",
+                   "activation:     silu", "shared experts: shared_experts", "1 MoE-like module(s) rejected",
+                   "odd: router 'gate' scores 6 experts"):
+        assert needle in text, needle
+    short = themis_compile.explain(model)
+    assert "moe: 4 experts (stacked" in short and "rejected odd: router 'gate' scores 6" in short
+    assert SEARCHED in explain_moe_layers(zoo.DenseModel())
