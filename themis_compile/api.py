@@ -26,6 +26,7 @@ class ThemisRuntime:
     group: object
     layers: dict[str, nn.Module] = field(default_factory=dict)   # layer name -> ShardedExperts
     fssdp: object = None                                           # FSSDPState under themis / themis-rm
+    reshard_scheduler: object = None                               # ReshardScheduler (Alg. 2 every k steps)
 
     @property
     def stats(self) -> list:
@@ -125,6 +126,12 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         runtime.layers[info.name] = experts
         sharded.append(experts)
 
+    if fssdp and config.reshard_interval:
+        from themis_compile.runtime.reshard import ReshardScheduler
+
+        sharded_ids = {id(p) for m in sharded for p in m.parameters()}
+        dense = [p for p in model.parameters() if id(p) not in sharded_ids]
+        runtime.reshard_scheduler = ReshardScheduler(runtime, config.reshard_interval, dense)
     if world_size > 1:
         from torch.distributed._composable.replicate import replicate
 

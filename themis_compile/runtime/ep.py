@@ -63,12 +63,19 @@ class ShardedExperts(nn.Module):
             for p in self.shards.parameters():
                 p.register_hook(lambda g: g * scale)
 
+    def set_shard_placement(self, shard: Placement) -> None:
+        """Adopt a new shard placement after re-sharding moved the experts (``self.shards`` updated)."""
+        if sorted(int(e) for e in self.shards.keys()) != [int(e) for e in shard.experts_on(self.rank)]:
+            raise RuntimeError(f"MoE layer {self.layer!r}: held experts do not match the new shard placement")
+        self.shard_placement = shard
+        self.owner_E.copy_(torch.tensor(shard.owners().tolist(), dtype=torch.int64))
+
     def owned_experts(self) -> list[int]:
         return [int(e) for e in self.shards.keys()]
 
     def local_chunks(self) -> dict[int, list[torch.Tensor]]:
-        """Owned experts' parameters, by global expert id."""
-        return {int(e): list(m.parameters()) for e, m in self.shards.items()}
+        """Owned experts' parameters, by global expert id (ascending)."""
+        return {int(e): list(self.shards[e].parameters()) for e in sorted(self.shards.keys(), key=int)}
 
     def _check_routing(self, ids_TK: torch.Tensor) -> None:
         if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= self.num_experts):

@@ -103,6 +103,16 @@ class ExpertBank:
             return experts[e]
         return ExpertShard(self.names, self.chunk(experts, e))
 
+    def new_shard(self, tensors: Sequence[torch.Tensor]) -> nn.Module:
+        """A module owning copies of ``tensors`` as one expert (an expert arriving at a new owner)."""
+        if self.per_expert_modules:
+            module = copy.deepcopy(self._template).to_empty(device=tensors[0].device if tensors else "cpu")
+            with torch.no_grad():
+                for p, t in zip(module.parameters(), tensors):
+                    p.copy_(t)
+            return module
+        return ExpertShard(self.names, tensors)
+
     def empty_chunk(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """Uninitialised tensors shaped like one chunk (receive buffers for materialized replicas)."""
         return [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.spec]

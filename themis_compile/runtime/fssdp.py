@@ -126,6 +126,10 @@ class FSSDPExperts(ShardedExperts):
         self._replica_leaves: dict[int, list[torch.Tensor]] = {}
         self._rematerialize_handle = None
 
+    def set_shard_placement(self, shard: Placement) -> None:
+        super().set_shard_placement(shard)
+        self._planned, self._spag = None, None
+
     # ------------------------------------------------------------------ materialization (steps 1-2)
     def start_materialization(self) -> None:
         """Plan P' for this iteration and start SpAG; idempotent until the layer's forward consumed it."""
@@ -203,7 +207,9 @@ class FSSDPExperts(ShardedExperts):
         dest_TK = kernels.assign_destinations(ids_TK, splits_ED.to(ids_TK.device))
 
         owned = self.local_chunks()
-        track = torch.is_grad_enabled() and any(p.requires_grad for c in owned.values() for p in c)
+        # Decided the same way on every rank: a rank holding only replicas (it may own no expert of this
+        # layer after re-sharding) must still take part in the SpRS.
+        track = torch.is_grad_enabled()
         if track:
             held = {e: [p.detach().requires_grad_() for p in c] for e, c in owned.items()}
             for e, c in replicas.items():
@@ -241,6 +247,8 @@ class FSSDPExperts(ShardedExperts):
 
     # ------------------------------------------------------------------ backward (steps 8-9)
     def _register_reduction(self, held: dict[int, list[torch.Tensor]], placement: Placement) -> None:
+        if not held:
+            return        # holds nothing: this rank has no part in this layer's SpRS
         experts = sorted(held)
         leaves = [t for e in experts for t in held[e]]
         sizes = [len(held[e]) for e in experts]

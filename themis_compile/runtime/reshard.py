@@ -1,0 +1,163 @@
+"""Heterogeneous re-sharding (paper §4.3): move experts, with their optimizer state, to Alg. 2's owners.
+
+Every ``reshard_interval`` optimizer steps all FSSDP layers are re-sharded at once. The optimizer is
+found without any call in the user's loop: a global optimizer step post-hook recognises the optimizer
+that holds this model's owned expert parameters. An expert that changes owner travels as one chunk of
+its parameters and its optimizer state tensors (e.g. AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``)
+through the same SparseAllGather that materializes replicas: SpAG(P_old, P_old ∪ P_new) delivers exactly
+the experts each new owner lacks. The new owner then registers fresh parameters in the optimizer's
+param group with the received state, and the old owner drops its parameters and their state. Training
+continues exactly as without re-sharding (the test holds it to the single-process reference).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from themis_compile.planner import Placement, heterogeneous_sharding
+from themis_compile.runtime.collectives import sparse_all_gather
+
+logger = logging.getLogger(__name__)
+
+
+def _state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[list[tuple]] | None:
+    """Per parameter, the optimizer's tensor state entries as (key, shape, dtype); None without state."""
+    layout = []
+    for p in params:
+        state = optimizer.state.get(p)
+        if not state:
+            return None
+        layout.append([(k, tuple(v.shape), v.dtype) for k, v in sorted(state.items()) if torch.is_tensor(v)])
+    return layout
+
+
+def _find_group(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> int:
+    ids = {id(p) for p in params}
+    for i, group in enumerate(optimizer.param_groups):
+        if any(id(p) in ids for p in group["params"]):
+            return i
+    return 0
+
+
+def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
+    """Re-shard every FSSDP layer of ``runtime`` with Alg. 2; returns how many experts changed owner.
+
+    Collective: every rank of the model's group must call it at the same step.
+    """
+    state = runtime.fssdp
+    layers = list(runtime.layers.values())
+    if state is None or not layers:
+        return 0
+    num_experts = {layer.num_experts for layer in layers}
+    if len(num_experts) != 1:
+        logger.warning("themis_compile: re-sharding skipped: MoE layers have different expert counts %s",
+                       sorted(num_experts))
+        return 0
+    load_LE = np.stack([layer.predictor.predict(0) for layer in layers])
+    overlap_degree = max(layer.overlap_degree for layer in layers)
+    new_shards = heterogeneous_sharding(load_LE, overlap_degree, state.topology)
+
+    # Step 1: agree on the optimizer-state layout of an expert chunk (a rank may own no expert).
+    local = {}
+    all_params = [p for layer in layers for c in layer.local_chunks().values() for p in c]
+    group_index = _find_group(optimizer, all_params)
+    for li, layer in enumerate(layers):
+        chunks = layer.local_chunks()
+        if chunks:
+            local[li] = _state_layout(optimizer, next(iter(chunks.values())))
+    gathered: list[Any] = [None] * state.world_size
+    dist.all_gather_object(gathered, local, group=state.group)
+    moved = 0
+    for li, (layer, new_shard) in enumerate(zip(layers, new_shards)):
+        layouts = [g[li] for g in gathered if li in g]
+        state_layout = layouts[0] if layouts else None
+        moved += _move_layer(layer, new_shard, optimizer, state_layout, group_index)
+    logger.info("themis_compile: re-sharded %d MoE layers, %d experts changed owner", len(layers), moved)
+    return moved
+
+
+def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimizer,
+                state_layout: list[list[tuple]] | None, group_index: int) -> int:
+    old_shard: Placement = layer.shard_placement
+    if new_shard == old_shard:
+        return 0
+    state = layer.state
+    rank = state.rank
+    old_owner_E, new_owner_E = old_shard.owners(), new_shard.owners()
+    moving = [int(e) for e in np.flatnonzero(old_owner_E != new_owner_E)]
+    param_spec = list(layer.bank.spec)
+    state_spec = [(shape, dt) for per_param in (state_layout or []) for (_, shape, dt) in per_param]
+
+    # Step 2: one chunk per expert = parameters + optimizer state tensors; SpAG delivers the movers.
+    chunks = {}
+    for e, params in layer.local_chunks().items():
+        extra = []
+        if state_layout is not None:
+            for p, per_param in zip(params, state_layout):
+                extra += [optimizer.state[p][k].detach() for (k, _, _) in per_param]
+        chunks[e] = [p.detach() for p in params] + extra
+    target = Placement(old_shard.mask | new_shard.mask)
+    received = sparse_all_gather(chunks, old_shard, target, state.topology, state.comm_group,
+                                 spec=param_spec + state_spec, layer=layer.layer,
+                                 timeout_s=state.timeout_s).wait()
+
+    # Step 3: the new owner registers the arrivals; the old owner forgets the departures.
+    group = optimizer.param_groups[group_index]
+    for e in moving:
+        if old_owner_E[e] == rank:
+            module = layer.shards.pop(str(e))
+            leaving = {id(p) for p in module.parameters()}
+            for p in module.parameters():
+                optimizer.state.pop(p, None)
+            for g in optimizer.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) not in leaving]
+        if new_owner_E[e] == rank:
+            tensors = received[e]
+            n = len(param_spec)
+            module = layer.bank.new_shard(tensors[:n])
+            layer.shards[str(e)] = module
+            it = iter(tensors[n:])
+            for p, per_param in zip(module.parameters(), state_layout or [[] for _ in range(n)]):
+                group["params"].append(p)
+                if state_layout is not None:
+                    optimizer.state[p] = {k: next(it).clone() for (k, _, _) in per_param}
+    layer.set_shard_placement(new_shard)
+    return len(moving)
+
+
+class ReshardScheduler:
+    """Calls :func:`reshard` every ``interval`` steps of the optimizer that holds the owned experts."""
+
+    def __init__(self, runtime: Any, interval: int, dense_params: list[nn.Parameter]) -> None:
+        self.runtime = runtime
+        self._dense_ids = {id(p) for p in dense_params}
+        self.interval = interval
+        self.steps = 0
+        self.reshards = 0
+        self.moved = 0
+        self._handle = register_optimizer_step_post_hook(self._on_step)
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        ours = {id(p) for layer in self.runtime.layers.values() for c in layer.local_chunks().values() for p in c}
+        if not ours:
+            # A rank without experts: recognise the optimizer by the dense parameters instead.
+            ours = self._dense_ids
+        return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if not self._owns(optimizer):
+            return
+        self.steps += 1
+        if self.interval and self.steps % self.interval == 0:
+            self.moved += reshard(self.runtime, optimizer)
+            self.reshards += 1
+
+    def remove(self) -> None:
+        self._handle.remove()
