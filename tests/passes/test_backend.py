@@ -47,6 +47,7 @@ class CallLog(nn.Module):
         self.log.append(("sprs_wait", self.layer))
 
     def forward(self, x_TH, ids_TK, weights_TK):
+        self.wait_materialization()          # as the runtime does, just before dispatch
         self.log.append(("moe", self.layer))
         return self.inner(x_TH, ids_TK, weights_TK)
 

@@ -33,6 +33,7 @@ class FakeExperts(nn.Module):
         self.log.append(("sprs_wait", self.layer))
 
     def forward(self, x_TH, ids_TK, weights_TK):
+        self.wait_materialization()          # as the runtime does, just before dispatch
         self.log.append(("moe", self.layer))
         return (x_TH @ self.w) * weights_TK.sum(-1, keepdim=True)
 

@@ -8,8 +8,9 @@ Vocabulary (the ``themis::`` ops the pass places; each is one opaque node in any
 
 - ``themis::spag_start(layer) -> token``: plan P' (Alg. 1) and start SpAG of MoE layer ``layer``
   (``start_materialization()`` of the runtime; idempotent within an iteration).
-- ``themis::spag_wait(token, layer) -> ready``: wait for that SpAG (``wait_materialization()``).
-- ``themis::moe_experts(x_TH, ids_TK, weights_TK, ready, layer) -> (out_TH, handle)``: the sharded experts
+- ``themis::spag_wait(token, layer) -> ready``: the end of the SpAG window, just before the MoE block
+  (the runtime's forward waits for the SpAG itself, at token dispatch, which is no earlier).
+- ``themis::moe_experts(x_TH, ids_TK, weights_TK, ready, layer, keep_graph) -> (out_TH, handle)``: the sharded experts
   of a layer as one opaque node under ``torch.compile`` (the runtime runs eagerly inside; its autograd
   graph is kept for ``themis::moe_experts_backward``).
 - ``themis::reduction_fence(x, layer) -> x``: identity in forward on the input of attention l; its
@@ -160,9 +161,14 @@ def _(layer: int) -> torch.Tensor:
 
 @torch.library.custom_op("themis::spag_wait", mutates_args=())
 def spag_wait(token: torch.Tensor, layer: int) -> torch.Tensor:
-    """Wait for SpAG of MoE layer ``layer``; returns a token the MoE node consumes (ordering edge)."""
-    _call_runtime(layer, "wait_materialization", "themis::spag_wait")
-    return _token()
+    """The end of layer ``layer``'s SpAG window; returns a token the MoE node consumes (ordering edge).
+
+    The runtime's forward itself waits for the SpAG just before token dispatch (after the router and the
+    token-count exchange, i.e. no earlier than this node), and its ``wait_materialization`` hands the
+    replicas over to that forward; so this node only marks the window in the graph and the trace.
+    """
+    with torch.profiler.record_function("themis::spag_window_end"):
+        return _token()
 
 
 @spag_wait.register_fake

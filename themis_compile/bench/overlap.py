@@ -1,0 +1,268 @@
+"""`python -m themis_compile.bench overlap [--quick]`: is SpAG/SpRS hidden behind attention? (§4.2)
+
+Trains the reference GPT-MoE under FSSDP (policy "themis") on N gloo ranks, twice from the same seed:
+with the scheduling pass (``schedule_model``: SpAG starts before the preceding attention, SpRS is waited
+at the end of attention's backward) and without it (the runtime starts and waits SpAG inside the MoE
+forward, the earliest legal point of an unscheduled model). Prints one JSON document:
+
+- ``profile``: per MoE layer the profiled T_attn (forward and backward), bw (p2p microbenchmark), Ψ, and the
+  budgets t = ⌊T_attn·bw/Ψ⌋ and m the planner used (`themis_compile.cost_model.profile.budgets`);
+- ``pass_on`` / ``pass_off``: median step time, and for the sparse collectives of the measured steps their
+  total time (creation to completion, summed over collectives) and exposed time (time the training thread
+  spent blocked waiting for them), ``exposed_fraction = exposed / total``, per kind (spag, sprs) and in all;
+- ``targets``: exposed_fraction with the pass ≤ 0.10 (when the planned t fits the window), step time with
+  the pass ≤ step time without it.
+
+Launch it with ``torchrun --nproc-per-node 2 -m themis_compile.bench overlap`` (uses the torchrun ranks) or
+plainly (spawns ``--world-size`` gloo ranks itself). On CPU the ranks share the machine's cores, so the
+overlap measured is that of a communication thread next to compute on the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m themis_compile.bench overlap", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke test)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not under torchrun")
+    p.add_argument("--devices-per-node", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="measured steps per mode")
+    p.add_argument("--warmup", type=int, default=None, help="steps before measuring (profiling happens here)")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--router-skew", type=float, default=2.0)
+    p.add_argument("--policy", default="themis", choices=("themis", "themis-rm"))
+    p.add_argument("--trace", default=None, help="write a chrome trace of one scheduled step to this path")
+    return p.parse_args(argv)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    quick = args.quick
+    return dict(
+        d_model=args.d_model or (32 if quick else 256),
+        seq_len=args.seq_len or (32 if quick else 256),
+        batch=args.batch or (2 if quick else 4),
+        steps=args.steps or (2 if quick else 6),
+        warmup=args.warmup or (3 if quick else 4),
+        layers=args.layers, experts=args.experts, router_skew=args.router_skew, policy=args.policy,
+        trace=args.trace,
+    )
+
+
+class _CollectiveClock:
+    """Per-kind total (creation -> completion) and exposed (blocked in wait) seconds of sparse collectives."""
+
+    def __init__(self) -> None:
+        from themis_compile.runtime import collectives as C
+
+        self.C = C
+        self.records: list[dict[str, Any]] = []
+        self.enabled = False
+        cls = C.SparseCollectiveHandle
+        self._orig = (cls.__init__, cls._run, cls.wait)
+        clock = self
+        orig_init, orig_run, orig_wait = self._orig
+
+        def __init__(handle, *a, **k):
+            orig_init(handle, *a, **k)
+            handle._bench = {"kind": handle.collective, "t0": time.perf_counter(), "t1": None, "blocked": 0.0}
+            if clock.enabled:
+                clock.records.append(handle._bench)
+
+        def _run(handle, *a, **k):
+            try:
+                return orig_run(handle, *a, **k)
+            finally:
+                handle._bench["t1"] = time.perf_counter()
+
+        def wait(handle, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig_wait(handle, *a, **k)
+            finally:
+                handle._bench["blocked"] += time.perf_counter() - t0
+
+        cls.__init__, cls._run, cls.wait = __init__, _run, wait
+
+    def restore(self) -> None:
+        cls = self.C.SparseCollectiveHandle
+        cls.__init__, cls._run, cls.wait = self._orig
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for kind, short in ((self.C.SPAG if hasattr(self.C, "SPAG") else "SparseAllGather", "spag"),
+                            (self.C.SPRS if hasattr(self.C, "SPRS") else "SparseReduceScatter", "sprs")):
+            recs = [r for r in self.records if r["kind"] == kind and r["t1"] is not None]
+            total = sum(r["t1"] - r["t0"] for r in recs)
+            exposed = sum(min(r["blocked"], r["t1"] - r["t0"]) for r in recs)
+            out[short] = {"count": len(recs), "total_s": total, "exposed_s": exposed}
+        total = out["spag"]["total_s"] + out["sprs"]["total_s"]
+        exposed = out["spag"]["exposed_s"] + out["sprs"]["exposed_s"]
+        out.update(total_s=total, exposed_s=exposed, exposed_fraction=(exposed / total) if total > 0 else 0.0)
+        return out
+
+
+def _build(settings: dict[str, Any], world_size: int, schedule: bool, profile=None):
+    import themis_compile
+    from themis_compile.api import runtime_of
+    from themis_compile.cost_model import profile as P
+    from themis_compile.models.gpt_moe import GPTMoE, MoEModelConfig
+    from themis_compile.passes.schedule import schedule_model
+
+    torch.manual_seed(0)
+    cfg = MoEModelConfig(d_model=settings["d_model"], n_heads=4, n_layers=settings["layers"],
+                         d_ffn=2 * settings["d_model"], num_experts=settings["experts"], top_k=2,
+                         seq_len=settings["seq_len"], vocab_size=256, experts_form="stacked",
+                         router_skew=settings["router_skew"])
+    model = themis_compile.optimize(GPTMoE(cfg), themis_compile.ThemisConfig(policy=settings["policy"],
+                                                                               reshard_interval=0))
+    runtime = runtime_of(model)
+    layers = dict(runtime.layers)
+    budgets = None
+    if profile is not None:
+        psi = {name: int(layer.bank.chunk_bytes) for name, layer in layers.items()}
+        budgets = P.budgets(profile, psi, config=runtime.config, topology=getattr(runtime.fssdp, "topology", None))
+        P.apply_budgets(layers, budgets)
+    if schedule:
+        schedule_model(model, layers)
+    return model, cfg, budgets
+
+
+def _steps(model, cfg, settings, n: int, rank: int, opt) -> list[float]:
+    from themis_compile.models.gpt_moe import lm_loss
+
+    g = torch.Generator().manual_seed(100 + rank)
+    times = []
+    for _ in range(n):
+        tokens = torch.randint(0, cfg.vocab_size, (settings["batch"], cfg.seq_len), generator=g)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _bench_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, Any]:
+    from themis_compile.api import runtime_of
+    from themis_compile.cost_model import profile as P
+
+    torch.set_num_threads(1)
+    clock = _CollectiveClock()
+    try:
+        # Step 1: profile T_attn on the scheduled model's first steps, and bw on the process group.
+        model, cfg, _ = _build(settings, world_size, schedule=True)
+        runtime = runtime_of(model)
+        moe_blocks = {name: dict(model.named_modules())[name] for name in runtime.layers}
+        profiler = P.AttentionProfiler(model, moe_blocks, warmup_steps=1, measure_steps=max(settings["warmup"] - 2, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        _steps(model, cfg, settings, settings["warmup"], rank, opt)
+        profile = profiler.finish()
+        topology = getattr(runtime.fssdp, "topology", None)
+        bw = P.measure_bandwidth(topology=topology, nbytes=1 << 20, iters=3)
+        if profile is not None:
+            profile.intra_node_bw, profile.inter_node_bw = bw.get("intra"), bw.get("inter")
+            # every rank plans with the same numbers: take rank 0's T_attn
+            timings = [profile.to_json()]
+            dist.broadcast_object_list(timings, src=0)
+            profile = P.Profile.from_json(timings[0], source="measured")
+        del model, opt
+
+        results: dict[str, Any] = {}
+        for mode, schedule in (("pass_off", False), ("pass_on", True)):
+            model, cfg, budgets = _build(settings, world_size, schedule=schedule, profile=profile)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            _steps(model, cfg, settings, settings["warmup"], rank, opt)
+            clock.records.clear()
+            clock.enabled = True
+            times = _steps(model, cfg, settings, settings["steps"], rank, opt)
+            clock.enabled = False
+            results[mode] = {"step_s": statistics.median(times), **clock.summary()}
+            if schedule and settings.get("trace") and rank == 0:
+                from themis_compile.models.gpt_moe import lm_loss
+
+                tokens = torch.randint(0, cfg.vocab_size, (settings["batch"], cfg.seq_len))
+                handles = P.annotate_attention(model)
+                P.export_chrome_trace(lambda: lm_loss(model(tokens), tokens).backward(), settings["trace"])
+                for h in handles:
+                    h.remove()
+            results["budgets"] = {k: v.to_json() for k, v in (budgets or {}).items()}
+            del model, opt
+        layers = {}
+        for name, b in results.pop("budgets").items():
+            window = profile.preceding_attention.get(name) if profile else None
+            timing = profile.attention.get(window) if profile and window else None
+            layers[name] = {**b, "attention": window,
+                            "T_attn_backward_s": timing.backward_s if timing else None}
+        results["profile"] = {"layers": layers, "bw": bw, "hardware": P.hardware_id()}
+        return results
+    finally:
+        clock.restore()
+
+
+def _report(results: dict[str, Any], world_size: int, settings: dict[str, Any]) -> dict[str, Any]:
+    on, off = results["pass_on"], results["pass_off"]
+    fits = all(layer["t"] >= 1 for layer in results["profile"]["layers"].values())
+    out = {
+        "benchmark": "overlap",
+        "world_size": world_size,
+        "settings": {k: v for k, v in settings.items() if k != "trace"},
+        "profile": results["profile"],
+        "pass_on": on,
+        "pass_off": off,
+        "targets": {
+            "exposed_fraction_with_pass": on["exposed_fraction"],
+            "exposed_fraction_without_pass": off["exposed_fraction"],
+            "exposed_le_10pct": on["exposed_fraction"] <= 0.10,
+            "planned_t_fits_window": fits,
+            "step_time_ratio_on_over_off": on["step_s"] / off["step_s"] if off["step_s"] else None,
+            "step_time_not_worse": on["step_s"] <= off["step_s"],
+        },
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse(argv)
+    settings = _settings(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        results = _bench_rank(rank, world_size, settings)
+        out = _report(results, world_size, settings)
+        if rank == 0:
+            print(json.dumps(out, indent=1))
+        dist.barrier()
+        dist.destroy_process_group()
+        return out
+    from themis_compile.testing import run_multirank
+
+    world_size = args.world_size
+    if world_size < 2:
+        raise SystemExit("the overlap benchmark needs at least 2 ranks (sparse collectives move nothing on 1)")
+    per_rank = run_multirank(_bench_rank, world_size, args=(settings,), devices_per_node=args.devices_per_node,
+                             timeout_s=600)
+    out = _report(per_rank[0], world_size, settings)
+    print(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
