@@ -1,0 +1,578 @@
+"""`make demo`: train a tiny GPT-MoE on the Python standard library's own sources, policies side by side.
+
+    python -m themis_compile.demo [--steps 200] [--policies ep,themis] [--out runs/demo] [--nproc 2]
+                                  [--seq-len 128] [--batch 8]
+
+What happens:
+
+1. A byte-level corpus (vocab 256) is built from the ``.py`` files of the running interpreter's standard
+   library (``sysconfig.get_paths()["stdlib"]``, sorted paths, ``site-packages`` and test suites left out)
+   and saved as ``corpus.bin`` under the output folder. It exists offline on every machine.
+2. ``torchrun --standalone --nproc-per-node N`` (``python -m torch.distributed.run``) starts N gloo ranks
+   on CPU, one thread each, running this module with ``--worker``. Every policy in ``--policies`` trains
+   the same model from the same seed on the same global batches, one policy after the other in the same
+   process group, for ``--steps`` AdamW steps. Rank 0 shows a progress bar (loss, tokens/s, per-layer
+   load imbalance) and writes, per policy, a routing trace ``trace_<policy>.jsonl`` and the per-step
+   metrics ``metrics_<policy>.json``.
+3. The launcher reads those files back and writes ``summary.json``, the PNG plots (``loss.png``,
+   ``imbalance.png``, ``delta_p.png``) and prints a short text summary.
+
+Routing trace format (the simulator reads it, ``themis_compile.cost_model.traces``): a header line
+``{"header": {"num_experts": E, "top_k": k, "world_size": D, "model": name, "policy": p}}``, then one
+line per step and MoE layer ``{"step", "layer", "tokens_per_expert": [E ints], "tokens_per_device_expert":
+[[E ints] x D]}`` where row d counts the (token, k) pairs that originate on rank d, plus ``"delta_p"``
+(the number of replicas |ΔP| of the realized placement, §3.1) when the runtime reports one.
+
+Two imbalance figures are reported per MoE layer, both as max/mean:
+- *expert imbalance*: over experts, of the global tokens per expert (the router's skew; the same for
+  every policy, since routing is the model's own);
+- *device imbalance*: over ranks, of the tokens each rank's experts process (what a policy changes:
+  EP sends all of an expert's tokens to its owner; Themis spreads hot experts over replicas).
+
+Shape suffixes: B batch, S sequence, E experts, D devices (ranks), L MoE layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OUT = "runs/demo"
+DEFAULT_POLICIES = ("ep", "themis")
+# Loss curves of two policies "coincide" when every step's loss agrees to this relative tolerance. The
+# equivalence tests hold policies to 1e-5 over 20 steps; fp32 reduction-order differences grow slowly over
+# the demo's longer run, so the demo allows a little more.
+LOSS_COINCIDE_RTOL = 1e-4
+# Policies that train exactly the model's own numerics (the paper's claim for Themis, §3).
+EXACT_POLICIES = ("ep", "themis", "themis-rm")
+# Directories of the stdlib that are not "the standard library's sources" in the sense we want: installed
+# third-party packages, and the test suites (large, repetitive, full of deliberately odd bytes).
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+# ----------------------------------------------------------------------------------------------- corpus
+def stdlib_sources(root: str | os.PathLike | None = None) -> list[Path]:
+    """The ``.py`` files under the standard library ``root`` (default: this interpreter's), sorted by
+    their path relative to ``root`` so that the order is the same on every run and every rank."""
+    root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    if not root.is_dir():
+        raise ValueError(f"standard library directory {str(root)!r} does not exist")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def build_corpus(max_bytes: int = 4 << 20, root: str | os.PathLike | None = None) -> np.ndarray:
+    """Byte-level corpus (tokens in [0, 256)) from the standard library's ``.py`` sources.
+
+    Files are concatenated in :func:`stdlib_sources` order, each followed by a newline, and the result is
+    cut at ``max_bytes``. Deterministic for a given interpreter installation.
+
+    Returns a 1-D ``uint8`` array.
+    """
+    if max_bytes < 2:
+        raise ValueError(f"max_bytes must be >= 2, got {max_bytes}")
+    chunks, total = [], 0
+    for path in stdlib_sources(root):
+        data = path.read_bytes() + b"\n"
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    corpus = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+    if corpus.size < 2:
+        raise ValueError(f"no Python sources found under {root!r}")
+    return corpus
+
+
+def sample_batch(corpus: np.ndarray, step: int, global_batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
+    """The global batch of ``step``: ``global_batch`` windows of ``seq_len`` bytes at seeded offsets.
+
+    A pure function of (corpus, step, sizes, seed), so every policy and every rank sees the same data.
+    Returns int64 ``[global_batch, seq_len]``.
+    """
+    if seq_len > corpus.size:
+        raise ValueError(f"seq_len={seq_len} exceeds the corpus ({corpus.size} bytes)")
+    rng = np.random.default_rng([seed, step])
+    starts_B = rng.integers(0, corpus.size - seq_len + 1, size=global_batch)
+    return np.stack([corpus[s:s + seq_len] for s in starts_B]).astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------------- statistics
+def imbalance(load: Sequence[float] | np.ndarray) -> float:
+    """max / mean of a load vector (1.0 is perfect balance; 0 load counts as balanced)."""
+    load = np.asarray(load, dtype=np.float64)
+    mean = load.mean() if load.size else 0.0
+    return float(load.max() / mean) if mean > 0 else 1.0
+
+
+def max_relative_difference(a: Sequence[float], b: Sequence[float]) -> float:
+    """max_i |a_i - b_i| / |b_i| over the common prefix of two loss curves."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return float("nan")
+    a_N, b_N = np.asarray(a[:n], dtype=np.float64), np.asarray(b[:n], dtype=np.float64)
+    return float(np.max(np.abs(a_N - b_N) / np.maximum(np.abs(b_N), 1e-12)))
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """What one MoE layer did in one step, as every rank agrees on it."""
+
+    tokens_per_expert: list[int]                 # E, global
+    tokens_per_device_expert: list[list[int]]    # D x E, by originating rank
+    tokens_per_device: list[int]                 # D, processed by each rank's experts (and replicas)
+    delta_p: int | None                          # |ΔP| of the realized placement, if reported
+
+    def to_trace(self, step: int, layer: int) -> dict[str, Any]:
+        line = {"step": step, "layer": layer, "tokens_per_expert": self.tokens_per_expert,
+                "tokens_per_device_expert": self.tokens_per_device_expert}
+        if self.delta_p is not None:
+            line["delta_p"] = self.delta_p
+        return line
+
+
+def runtime_stats_of_step(runtime: Any, step: int) -> dict[str, Any]:
+    """The FSSDP runtime's load statistics of iteration ``step``, by layer name.
+
+    ``runtime.stats`` (``themis_compile.api.ThemisRuntime``) lists one ``LayerStats`` per layer and
+    iteration (global tokens per expert and per originating device, rows computed per device under the
+    realized plan, |ΔP|, the realized placement P'); it is empty for static policies.
+    """
+    found: dict[str, Any] = {}
+    for stats in reversed(list(getattr(runtime, "stats", None) or [])):
+        if stats.iteration < step:
+            break
+        if stats.iteration == step:
+            found.setdefault(stats.layer, stats)
+    return found
+
+
+def _tokens_per_device_ep(tokens_per_expert: Sequence[int], owners_E: Sequence[int], world: int) -> list[int]:
+    # EP: every token of expert e is processed by its owner.
+    load_D = np.zeros(world, dtype=np.int64)
+    np.add.at(load_D, np.asarray(owners_E, dtype=np.int64), np.asarray(tokens_per_expert, dtype=np.int64))
+    return load_D.tolist()
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m themis_compile.demo",
+        description="Train a tiny GPT-MoE on the Python stdlib sources on N CPU ranks, policies side by side.",
+    )
+    p.add_argument("--steps", type=int, default=200, help="AdamW steps per policy (default 200)")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="comma-separated ThemisConfig policies, run in this order (default ep,themis)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc-per-node, default 2)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default 8)")
+    p.add_argument("--model", default="tiny-moe", help="model preset (default tiny-moe)")
+    p.add_argument("--router-skew", type=float, default=1.0,
+                   help="router bias towards a seeded expert order, p_e ~ (rank+1)^-skew (default 1.0)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
+    p.add_argument("--corpus-bytes", type=int, default=4 << 20, help="corpus size cap (default 4 MiB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds before a hanging collective (or the whole torchrun) fails (default 120)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _policies(text: str) -> list[str]:
+    from themis_compile.config import ThemisConfig
+
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies:
+        raise ValueError("--policies names no policy")
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"--policies names a policy twice: {text!r}")
+    for p in policies:
+        ThemisConfig(policy=p)   # raises ValueError naming the valid policies
+    return policies
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("steps", "nproc", "seq_len", "batch", "corpus_bytes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq_len < 2:
+        raise ValueError("--seq-len must be >= 2 (next-byte prediction needs two tokens)")
+    if args.timeout <= 0:
+        raise ValueError("--timeout must be > 0")
+
+
+# ----------------------------------------------------------------------------------------------- worker
+def _local_counts_recorder(block: Any) -> dict[str, Any]:
+    """Record the (token, k) pairs per expert that this rank's router produced in the last forward.
+
+    Wraps the block's ``tokens_per_expert`` (the model's own counting) on the instance; the runtime's
+    hooks (``global_tokens_per_expert``) are left as they are.
+    """
+    record: dict[str, Any] = {"counts_E": None}
+    original = block.tokens_per_expert
+
+    def tokens_per_expert(ids_TK):
+        counts_E = original(ids_TK)
+        record["counts_E"] = counts_E.detach()
+        return counts_E
+
+    block.tokens_per_expert = tokens_per_expert
+    return record
+
+
+class _Skip(Exception):
+    """This policy cannot run on the current runtime; the message says why."""
+
+
+def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, rank: int, world: int,
+                  out: Path) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import themis_compile
+    from themis_compile.api import runtime_of
+    from themis_compile.models import build_model, lm_loss
+    from themis_compile.runtime.ep import ShardedExperts
+
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, router_skew=args.router_skew,
+                        seq_len=args.seq_len)
+    cfg = model.config
+    if cfg.vocab_size < 256:
+        raise ValueError(f"model {args.model!r} has vocab {cfg.vocab_size}; the byte corpus needs 256")
+    config = themis_compile.ThemisConfig(policy=policy, collective_timeout_s=args.timeout)
+    try:
+        model = themis_compile.optimize(model, config)
+    except NotImplementedError as exc:
+        raise _Skip(f"optimize does not implement policy {policy!r} yet: {exc}") from exc
+    runtime = runtime_of(model)
+    names = list(runtime.layers)
+    if (policy in ("themis", "themis-rm") and world > 1
+            and all(type(runtime.layers[n]) is ShardedExperts for n in names)):
+        raise _Skip(f"the runtime built static EP experts for policy {policy!r}: the FSSDP runtime is not "
+                    "available yet")
+    blocks = model.moe_layers()
+    recorders = [_local_counts_recorder(b) for b in blocks]
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if hasattr(runtime, "attach_optimizer"):
+        runtime.attach_optimizer(opt)
+
+    E, L, B, S = cfg.num_experts, len(blocks), args.batch, args.seq_len
+    trace_path = out / f"trace_{policy}.jsonl"
+    trace = open(trace_path, "w") if rank == 0 else None
+    if trace is not None:
+        trace.write(json.dumps({"header": {"num_experts": E, "top_k": cfg.top_k, "world_size": world,
+                                           "model": cfg.name, "policy": policy, "seq_len": S,
+                                           "batch_per_rank": B}}) + "\n")
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc=f"{policy:>9}", unit="step", dynamic_ncols=True, file=sys.stderr)
+    metrics: dict[str, list] = {"loss": [], "lm_loss": [], "step_time_s": [], "expert_imbalance": [],
+                                "device_imbalance": [], "delta_p": []}
+    tokens_per_step = B * S * world
+    try:
+        for step in range(args.steps):
+            tokens_BS = torch.from_numpy(sample_batch(corpus, step, B * world, S, args.seed)[rank * B:(rank + 1) * B])
+            t0 = time.perf_counter()
+            logits = model(tokens_BS)
+            lm = lm_loss(logits, tokens_BS)
+            loss = lm + model.aux_loss()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            # One all-gather carries both losses and this rank's per-layer routing counts.
+            local_LE = torch.stack([r["counts_E"] if r["counts_E"] is not None else torch.zeros(E, dtype=torch.int64)
+                                    for r in recorders]).to(torch.float64)
+            packed = torch.cat([torch.stack([loss.detach(), lm.detach()]).to(torch.float64), local_LE.reshape(-1)])
+            gathered_D = [torch.empty_like(packed) for _ in range(world)] if world > 1 else [packed]
+            if world > 1:
+                dist.all_gather(gathered_D, packed)
+            step_time = time.perf_counter() - t0   # the gather ends the step on every rank: a global time
+            all_D = torch.stack(gathered_D)
+            losses_D2 = all_D[:, :2]
+            per_device_DLE = all_D[:, 2:].round().to(torch.int64).view(world, L, E)
+            layer_steps = []
+            reported = runtime_stats_of_step(runtime, step)
+            for li, name in enumerate(names):
+                stats = reported.get(name)
+                if stats is not None:
+                    tpe, tpde = list(stats.tokens_per_expert), [list(r) for r in stats.tokens_per_device_expert]
+                    tpd, delta = list(stats.device_load), int(stats.delta_p)
+                else:
+                    tpe, tpde = per_device_DLE[:, li].sum(0).tolist(), per_device_DLE[:, li].tolist()
+                    # No report: the layer computes where its shard placement says, and a static
+                    # placement materializes nothing (P' = P, |ΔP| = 0).
+                    tpd = _tokens_per_device_ep(tpe, runtime.layers[name].owner_E.tolist(), world)
+                    delta = 0 if type(runtime.layers[name]) is ShardedExperts else None
+                layer_steps.append(LayerStep(tpe, tpde, tpd, delta))
+            mean_loss = float(losses_D2[:, 0].mean())
+            metrics["loss"].append(mean_loss)
+            metrics["lm_loss"].append(float(losses_D2[:, 1].mean()))
+            metrics["step_time_s"].append(step_time)
+            metrics["expert_imbalance"].append([imbalance(ls.tokens_per_expert) for ls in layer_steps])
+            metrics["device_imbalance"].append([imbalance(ls.tokens_per_device) for ls in layer_steps])
+            deltas = [ls.delta_p for ls in layer_steps]
+            metrics["delta_p"].append(None if all(d is None for d in deltas) else sum(d or 0 for d in deltas))
+            if trace is not None:
+                for li, ls in enumerate(layer_steps):
+                    trace.write(json.dumps(ls.to_trace(step, li)) + "\n")
+            if bar is not None:
+                postfix = {"loss": f"{mean_loss:.3f}", "tok/s": f"{tokens_per_step / step_time:,.0f}",
+                           "imb": "/".join(f"{x:.2f}" for x in metrics["expert_imbalance"][-1]),
+                           "dev-imb": "/".join(f"{x:.2f}" for x in metrics["device_imbalance"][-1])}
+                if metrics["delta_p"][-1] is not None:
+                    postfix["|dP|"] = metrics["delta_p"][-1]
+                bar.set_postfix(postfix, refresh=False)
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        if trace is not None:
+            trace.close()
+    return {"policy": policy, "world_size": world, "num_layers": L, "num_experts": E, "top_k": cfg.top_k,
+            "model": cfg.name, "tokens_per_step": tokens_per_step, "trace": trace_path.name, **metrics}
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """One rank under torchrun: train every policy in turn, rank 0 writing the per-policy files."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        out = Path(args.out)
+        corpus = np.fromfile(out / "corpus.bin", dtype=np.uint8)
+        for policy in _policies(args.policies):
+            try:
+                result = _train_policy(policy, args, corpus, rank, world, out)
+            except _Skip as exc:
+                result = {"policy": policy, "skipped": str(exc)}
+                if rank == 0:
+                    print(f"note: skipping policy {policy!r}: {exc}", file=sys.stderr, flush=True)
+            if rank == 0:
+                (out / f"metrics_{policy}.json").write_text(json.dumps(result))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def summarize(out: Path, policies: Sequence[str], warmup: int = 2) -> dict[str, Any]:
+    """Read the per-policy metrics under ``out``; return the summary (also written as summary.json)."""
+    summary: dict[str, Any] = {"policies": {}, "skipped": {}}
+    runs = {}
+    for policy in policies:
+        path = out / f"metrics_{policy}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: the run of policy {policy!r} did not finish")
+        run = json.loads(path.read_text())
+        if "skipped" in run:
+            summary["skipped"][policy] = run["skipped"]
+            continue
+        runs[policy] = run
+        times = run["step_time_s"]
+        timed = times[warmup:] if len(times) > warmup else times
+        step_time = float(np.mean(timed))
+        exp_LS = np.asarray(run["expert_imbalance"], dtype=np.float64).T
+        dev_LS = np.asarray(run["device_imbalance"], dtype=np.float64).T
+        deltas = [d for d in run["delta_p"] if d is not None]
+        summary["policies"][policy] = {
+            "steps": len(times),
+            "step_time_s": step_time,
+            "tokens_per_s": run["tokens_per_step"] / step_time,
+            "mean_expert_imbalance": exp_LS.mean(1).tolist(),
+            "mean_device_imbalance": dev_LS.mean(1).tolist(),
+            "final_loss": run["loss"][-1],
+            "final_lm_loss": run["lm_loss"][-1],
+            "mean_delta_p": float(np.mean(deltas)) if deltas else None,
+            "trace": run["trace"],
+        }
+        summary.setdefault("world_size", run["world_size"])
+        summary.setdefault("model", run["model"])
+        summary.setdefault("num_experts", run["num_experts"])
+        summary.setdefault("top_k", run["top_k"])
+        summary.setdefault("tokens_per_step", run["tokens_per_step"])
+    # "uniform" replaces the router's choices on purpose, so only the exact policies must coincide.
+    names = [p for p in runs if p in EXACT_POLICIES]
+    if len(names) >= 2:
+        base = names[0]
+        summary["loss_max_rel_diff"] = {p: max_relative_difference(runs[p]["loss"], runs[base]["loss"])
+                                        for p in names[1:]}
+        summary["loss_baseline"] = base
+        summary["loss_coincide"] = {p: d <= LOSS_COINCIDE_RTOL for p, d in summary["loss_max_rel_diff"].items()}
+    if "ep" in summary["policies"]:
+        ep_time = summary["policies"]["ep"]["step_time_s"]
+        for stats in summary["policies"].values():
+            stats["speedup_vs_ep"] = ep_time / stats["step_time_s"]
+    summary["plots"] = _plot(out, runs)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
+    if not runs:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (policy, run) in enumerate(runs.items()):
+        # Later curves dashed so that coinciding curves stay visible.
+        ax.plot(run["loss"], label=policy, linestyle=("-", "--", ":", "-.")[i % 4], linewidth=1.5)
+    ax.set(xlabel="step", ylabel="training loss (lm + aux)", title="Loss per policy (should coincide)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=100)
+    plt.close(fig)
+    written.append("loss.png")
+
+    L = next(iter(runs.values()))["num_layers"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for policy, run in runs.items():
+        exp_SL = np.asarray(run["expert_imbalance"])
+        dev_SL = np.asarray(run["device_imbalance"])
+        for li in range(L):
+            axes[0].plot(exp_SL[:, li], label=f"{policy} layer {li}", linewidth=1)
+            axes[1].plot(dev_SL[:, li], label=f"{policy} layer {li}", linewidth=1)
+    axes[0].set(xlabel="step", ylabel="max / mean", title="Tokens per expert")
+    axes[1].set(xlabel="step", title="Tokens processed per device")
+    for ax in axes:
+        ax.axhline(1.0, color="gray", linewidth=0.5)
+        ax.legend(fontsize=7)
+    fig.suptitle("Load imbalance per MoE layer")
+    fig.tight_layout()
+    fig.savefig(out / "imbalance.png", dpi=100)
+    plt.close(fig)
+    written.append("imbalance.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    any_delta = False
+    for policy, run in runs.items():
+        if any(d is not None for d in run["delta_p"]):
+            any_delta = True
+            ax.plot([d if d is not None else math.nan for d in run["delta_p"]], label=policy, linewidth=1.5)
+        else:
+            ax.plot([], [], label=f"{policy} (no placement reported)")
+    ax.set(xlabel="step", ylabel="|ΔP| (replicas, all layers)", title="Replicas materialized per step")
+    if not any_delta:
+        ax.text(0.5, 0.5, "no policy reported a realized placement", transform=ax.transAxes, ha="center")
+    ax.set_ylim(bottom=-0.5)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "delta_p.png", dpi=100)
+    plt.close(fig)
+    written.append("delta_p.png")
+    return written
+
+
+def format_summary(summary: dict[str, Any], out: Path) -> str:
+    """The text summary printed at the end of the demo."""
+    lines = [f"themis_compile demo: {summary.get('model', '?')}, E={summary.get('num_experts', '?')}, "
+             f"top-{summary.get('top_k', '?')}, {summary.get('world_size', '?')} ranks, "
+             f"{summary.get('tokens_per_step', '?')} tokens/step"]
+    header = f"{'policy':>10} {'step ms':>8} {'tokens/s':>9} {'expert imb':>14} {'device imb':>14} " \
+             f"{'|dP|':>6} {'final loss':>10} {'vs ep':>6}"
+    lines.append(header)
+    for policy, s in summary["policies"].items():
+        exp = "/".join(f"{x:.2f}" for x in s["mean_expert_imbalance"])
+        dev = "/".join(f"{x:.2f}" for x in s["mean_device_imbalance"])
+        dp = "-" if s["mean_delta_p"] is None else f"{s['mean_delta_p']:.1f}"
+        speedup = f"{s['speedup_vs_ep']:.2f}x" if "speedup_vs_ep" in s else "-"
+        lines.append(f"{policy:>10} {s['step_time_s'] * 1e3:8.1f} {s['tokens_per_s']:9.0f} {exp:>14} {dev:>14} "
+                     f"{dp:>6} {s['final_loss']:10.4f} {speedup:>6}")
+    for policy, why in summary["skipped"].items():
+        lines.append(f"{policy:>10} skipped: {why}")
+    for policy, diff in summary.get("loss_max_rel_diff", {}).items():
+        verdict = "coincide" if summary["loss_coincide"][policy] else "DIFFER"
+        lines.append(f"loss curves {policy} vs {summary['loss_baseline']}: max relative difference {diff:.2e} "
+                     f"({verdict}, tolerance {LOSS_COINCIDE_RTOL:g})")
+    lines.append("imbalance = max/mean per MoE layer (layers separated by /), averaged over steps; "
+                 "expert imb = tokens per expert, device imb = tokens computed per rank")
+    lines.append(f"written to {out}: summary.json, " + ", ".join(
+        [s["trace"] for s in summary["policies"].values()] + summary["plots"]))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- launch
+def launch(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the corpus, run the ranks under torchrun, then summarize; returns the summary."""
+    policies = _policies(args.policies)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("metrics_*.json"), *out.glob("trace_*.jsonl"), out / "summary.json"]:
+        stale.unlink(missing_ok=True)
+    corpus = build_corpus(args.corpus_bytes)
+    if corpus.size <= args.seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the corpus ({corpus.size} bytes)")
+    corpus.tofile(out / "corpus.bin")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "themis_compile.demo", "--worker",
+           "--steps", str(args.steps), "--policies", ",".join(policies), "--out", str(out),
+           "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--model", args.model,
+           "--router-skew", str(args.router_skew), "--lr", str(args.lr), "--seed", str(args.seed),
+           "--timeout", str(args.timeout)]
+    if args.no_progress:
+        cmd.append("--no-progress")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    print(f"corpus: {corpus.size:,} bytes of Python stdlib sources; launching {args.nproc} ranks "
+          f"({', '.join(policies)}; {args.steps} steps each)", flush=True)
+    # A hanging collective fails after --timeout inside the ranks; torchrun then stops the others.
+    proc = subprocess.run(cmd, env=env)
+    finished = [p for p in policies if (out / f"metrics_{p}.json").exists()]
+    summary = summarize(out, finished) if finished else {}
+    if finished:
+        print(format_summary(summary, out), flush=True)
+    if proc.returncode != 0:
+        missing = [p for p in policies if p not in finished]
+        raise RuntimeError(f"torchrun exited with code {proc.returncode}; policies that did not finish: "
+                           f"{', '.join(missing) or 'none'}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        _check_args(args)
+        _policies(args.policies)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.worker:
+        worker_main(args)
+        return
+    try:
+        launch(args)
+    except RuntimeError as exc:
+        raise SystemExit(f"demo failed: {exc}") from exc
+
+
+if __name__ == "__main__":
+    main()
