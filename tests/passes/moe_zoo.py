@@ -27,9 +27,10 @@ class OldHFBlock(nn.Module):
     """HF Mixtral before transformers 5: the block loops over a ModuleList of experts inline."""
 
     def __init__(self, num_experts: int = E, top_k: int = K, gate_width: int | None = None,
-                 expert_ffns: list[int] | None = None, store_aux: bool = False) -> None:
+                 expert_ffns: list[int] | None = None, store_aux: bool = False, jitter_noise: float = 0.0) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.store_aux = num_experts, top_k, store_aux
+        self.jitter_noise = jitter_noise
         self.gate = nn.Linear(H, gate_width or num_experts, bias=False)
         ffns = expert_ffns or [FFN] * num_experts
         self.experts = nn.ModuleList(SwiGLU(H, f) for f in ffns)
@@ -37,6 +38,8 @@ class OldHFBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch_size, sequence_length, hidden_dim = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         hidden_states = hidden_states.view(-1, hidden_dim)
         router_logits = self.gate(hidden_states)
         routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
@@ -130,6 +133,31 @@ class TitanMoE(nn.Module):
         out_TH = self.experts(x_TH, ids_TK, top_TK)
         out_TH = out_TH + self.shared_experts(x_TH)
         return out_TH.reshape(bs, slen, dim)
+
+
+class SortedTitanMoE(TitanMoE):
+    """torchtitan's sort-based call: experts(x_sorted, num_tokens_per_expert). Not the (x, ids, weights)
+    interface, so it is rejected with the call seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = SortedGroupedExperts()
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        top_TK, ids_TK, counts_E = self.router(x_TH, self.expert_bias)
+        order_N = torch.argsort(ids_TK.view(-1), stable=True)
+        rows_NH = x_TH[order_N // K] * top_TK.view(-1)[order_N, None]
+        y_NH = self.experts(rows_NH, counts_E.long())
+        return torch.zeros_like(x_TH).index_add_(0, order_N // K, y_NH).view_as(x_BSH)
+
+
+class SortedGroupedExperts(GroupedExperts):
+    def forward(self, rows_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(torch.split(rows_NH, counts_E.tolist())):
+            outs.append((F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())) @ self.w2[e].t())
+        return torch.cat(outs)
 
 
 class UntraceableBlock(TitanMoE):

@@ -111,6 +111,7 @@ def test_stored_auxiliary_loss_is_reported():
     (lambda: zoo.OldHFBlock(gate_width=6), "router 'gate' scores 6 experts but 'experts' holds 4"),
     (zoo.DenseSoftMoE, "no top-k selection"),
     (zoo.CurrentHFLoopBlock, "loops over the experts inline and cannot be traced"),
+    (zoo.SortedTitanMoE, "stacked experts 'experts' are called as experts(Tensor[16, 32], Tensor[4])"),
 ])
 def test_look_alikes_are_rejected_with_a_reason(block, reason):
     infos, rejected = find_moe_layers(nn.Sequential(block()))

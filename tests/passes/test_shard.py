@@ -47,8 +47,9 @@ def _rewritten(block: nn.Module) -> tuple[nn.Module, nn.Module, list]:
     return model, reference, infos
 
 
-@pytest.mark.parametrize("make", [lambda: zoo.OldHFBlock(store_aux=True), zoo.SetitemLoopBlock],
-                         ids=["old_hf", "setitem_bs_routing"])
+@pytest.mark.parametrize("make", [lambda: zoo.OldHFBlock(store_aux=True), zoo.SetitemLoopBlock,
+                                  lambda: zoo.OldHFBlock(jitter_noise=0.1)],
+                         ids=["old_hf", "setitem_bs_routing", "old_hf_jitter"])
 @pytest.mark.parametrize("training", [True, False])
 def test_rewrite_matches_original_forward_and_backward(make, training):
     model, reference, infos = _rewritten(make())
@@ -62,14 +63,19 @@ def test_rewrite_matches_original_forward_and_backward(make, training):
     for seed in range(3):
         x = torch.randn(3, 5, zoo.H, generator=torch.Generator().manual_seed(seed), requires_grad=True)
         x_ref = x.detach().clone().requires_grad_(True)
-        out, out_ref = model(x), reference(x_ref)
+        torch.manual_seed(seed)   # the same jitter noise in train mode
+        out = model(x.clone())
+        torch.manual_seed(seed)
+        out_ref = reference(x_ref.clone())
         torch.testing.assert_close(_first(out), _first(out_ref), rtol=1e-6, atol=1e-6)
         if getattr(reference[0], "store_aux", False):
             torch.testing.assert_close(block.aux_loss, reference[0].aux_loss)
         model.zero_grad()
         reference.zero_grad()
-        _loss(model, x).backward()
-        _loss(reference, x_ref).backward()
+        torch.manual_seed(seed)
+        _loss(model, x.clone()).backward()
+        torch.manual_seed(seed)
+        _loss(reference, x_ref.clone()).backward()
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
         for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
             torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-6, atol=1e-6, msg=name)
@@ -200,3 +206,13 @@ def test_rewrite_rejects_branches_on_routing_values():
     with pytest.raises(ValueError, match="branches on a traced value outside the expert loop"):
         rewrite_moe_layer(info)
     assert type(model[0]) is GuardedBlock
+
+
+@pytest.mark.parametrize("top_k,message", [(9, "top_k=9 exceeds its 8 experts"), (0, "top_k=0 must be >= 1")])
+def test_broken_top_k_raises_naming_the_layer(top_k, message):
+    model = build_model("tiny-moe")
+    model.blocks[1].moe.top_k = top_k
+    infos, _ = find_moe_layers(model)
+    assert [i.name for i in infos] == ["blocks.0.moe", "blocks.1.moe"] and infos[1].top_k == top_k
+    with pytest.raises(ValueError, match=f"'blocks.1.moe': {message}"):
+        prepare_moe_layers(model)

@@ -76,6 +76,7 @@ class MoELayerInfo:
     aux_losses: tuple[str, ...] = ()           # what else the forward produces: stored losses, buffer updates
     rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
     probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
+    plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
 
     @property
     def experts(self) -> nn.Module:
@@ -234,7 +235,7 @@ def run_probe(module: nn.Module, x: torch.Tensor, *, training: bool | None = Non
             module.train(training)
         try:
             torch.manual_seed(PROBE_SEED)
-            return module(x)
+            return module(x.clone())   # forwards may update their input in place (HF jitter noise)
         finally:
             for m, mode in modes:
                 m.training = mode
@@ -339,7 +340,7 @@ def record_meta(traced: TracedBlock, module: nn.Module, x: torch.Tensor) -> None
     rec = _MetaRecorder(traced.gm)
     with preserved_state(module), torch.no_grad():
         torch.manual_seed(PROBE_SEED)
-        rec.run(x)
+        rec.run(x.clone())
     traced.meta = rec.meta
 
 
@@ -481,7 +482,7 @@ def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[
     rec = _CallRecorder()
     with preserved_state(module), torch.no_grad(), rec:
         torch.manual_seed(PROBE_SEED)
-        module(x)
+        module(x.clone())
     return rec.ks, rec.scores
 
 
@@ -697,6 +698,15 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
                           "before it)")
         if router[1] != E:
             raise _Reject(f"router '{router[0]}' scores {router[1]} experts but '{child.attr}' holds {E}")
+        k = _topk_k(topks[-1], {})
+        if isinstance(k, int) and not 1 <= k <= E:
+            # An MoE layer with a broken top-k: reported as found so that sharding it fails loudly,
+            # naming the layer (check_layer), rather than leaving it silently unsharded.
+            return MoELayerInfo(
+                name=name, module=module, num_experts=E, top_k=k, experts_form=child.form,
+                router=f"'{router[0]}' [E={router[1]}, H={router[2]}]: top-{k} (FX graph)",
+                activation=_named_activation(child.module[0] if child.form == "modulelist" else child.module)
+                or "unknown", shared_experts=False, experts_attr=child.attr, router_path=router[0], hidden_size=H)
     x, errors = None, []
     for flat in (False, True):
         try:
@@ -766,6 +776,14 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         rewrite=form, router_path=router_path, score_fn=score, hidden_size=H, shared_expert_names=shared,
         aux_losses=aux, probe_flat=x.dim() == 2,
     )
+
+
+def check_layer(info: MoELayerInfo) -> None:
+    """Raise ValueError naming the layer when it cannot be sharded as found (a top-k outside [1, E])."""
+    if info.top_k < 1:
+        raise ValueError(f"MoE layer {info.name!r}: top_k={info.top_k} must be >= 1")
+    if info.top_k > info.num_experts:
+        raise ValueError(f"MoE layer {info.name!r}: top_k={info.top_k} exceeds its {info.num_experts} experts")
 
 
 def find_moe_layers(model: nn.Module) -> tuple[list[MoELayerInfo], list[tuple[str, str]]]:

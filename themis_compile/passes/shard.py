@@ -46,6 +46,7 @@ from themis_compile.passes.detect import (
     MoELayerInfo,
     TensorMeta,
     TracedBlock,
+    check_layer,
     effective_users,
     find_moe_layers,
     is_inplace,
@@ -105,6 +106,14 @@ def _output_node(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
+def _reach_by_expert(calls: list[fx.Node], attr: str, succ: dict[fx.Node, list[fx.Node]]
+                     ) -> dict[str, set[fx.Node]]:
+    groups: dict[str, list[fx.Node]] = {}
+    for c in calls:
+        groups.setdefault(_expert_index(c, attr), []).append(c)
+    return {e: reachable(cs, lambda n: succ[n]) for e, cs in groups.items()}
+
+
 def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
     """Y: the nearest node every expert's output flows through on its way to the output (the combined
     value), following in-place updates as versions. None when there is none besides the output."""
@@ -114,11 +123,12 @@ def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
         return None
     succ = effective_users(graph)
     out = _output_node(graph)
-    after = reachable(calls, lambda n: succ[n])
-    if out not in after:
+    reach = _reach_by_expert(calls, attr, succ)
+    common = set.intersection(*reach.values())
+    if out not in common:
         return None
-    for y in graph.nodes:
-        if y in after and y not in calls and y is not out:
+    for y in graph.nodes:  # topological order: the first post-dominator is the nearest
+        if y in common and y not in calls and y is not out:
             if out not in reachable(calls, lambda n: succ[n], avoid=y):
                 return y
     return None
@@ -170,21 +180,25 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     after_calls = reachable(calls, lambda n: succ[n])
     before_y = reachable([y], lambda n: pred[n])
     before_calls = reachable(calls, lambda n: pred[n])
-    by_expert: dict[str, set[fx.Node]] = {}
-    for c in calls:
-        by_expert.setdefault(_expert_index(c, attr), set()).update(reachable([c], lambda n: succ[n]))
-    private = [nodes - set().union(*(o for k, o in by_expert.items() if o is not nodes))
-               for nodes in by_expert.values()]
+    # Nodes only one expert's output reaches: a weights/ids/x candidate must feed all of them.
+    times_reached: dict[fx.Node, int] = {}
+    reach = _reach_by_expert(calls, attr, succ)
+    for nodes in reach.values():
+        for n in nodes:
+            times_reached[n] = times_reached.get(n, 0) + 1
+    private = [{n for n in nodes if times_reached[n] == 1} for nodes in reach.values()]
 
     def feeds_every_expert(n: fx.Node) -> bool:
-        reach = reachable([n], lambda m: succ[m])
-        return all(reach & p for p in private)
+        downstream = reachable([n], lambda m: succ[m])
+        return all(downstream & p for p in private)
 
     pos = {n: i for i, n in enumerate(graph.nodes)}
 
     def last(cands: list[fx.Node]) -> fx.Node | None:
-        cands = [n for n in cands if feeds_every_expert(n)]
-        return max(cands, key=pos.__getitem__) if cands else None
+        for n in sorted(cands, key=pos.__getitem__, reverse=True):
+            if feeds_every_expert(n):
+                return n
+        return None
 
     topks = [t for t in graph.nodes if is_topk(t) and set(topk_outputs(t)[1]) & before_y]
     if not topks:
@@ -298,38 +312,60 @@ def _rewritten_class(base: type, forwards: dict[bool, Callable], placeholders: l
                                          "_themis_original_class": base})
 
 
+@dataclasses.dataclass(frozen=True)
+class RewritePlan:
+    """How to rewrite one layer: the class to give it and tensor constants its graphs read. Depends only
+    on the layer's code and structure, so a plan made on a module applies to a copy of it too."""
+
+    cls: type
+    constants: dict[str, torch.Tensor]
+
+
+def _has_path(module: nn.Module, target: str) -> bool:
+    owner_path, _, name = target.rpartition(".")
+    try:
+        owner = module.get_submodule(owner_path)
+    except AttributeError:
+        return False
+    return hasattr(owner, name)
+
+
+def plan_rewrite(info: MoELayerInfo) -> RewritePlan:
+    """Trace ``info.module`` in train and in eval mode and rewrite each graph (:func:`replace_expert_loop`)."""
+    module, experts = info.module, info.experts
+    if not isinstance(experts, nn.ModuleList):
+        raise ValueError(f"MoE layer {info.name!r}: an inline expert loop needs an nn.ModuleList of experts")
+    forwards, constants = {}, {}
+    x = probe_input(module, info.hidden_size, flat=info.probe_flat)
+    for training in (True, False):
+        traced = trace_block(module, experts, training=training)
+        record_meta(traced, module, x)
+        gm = replace_expert_loop(traced, info)
+        forwards[training] = type(gm).forward
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and not _has_path(module, n.target):
+                constants[n.target] = getattr(gm, n.target)   # a tensor constant the tracer lifted out
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and n.target != SELF_PLACEHOLDER]
+    return RewritePlan(_rewritten_class(type(module), forwards, placeholders), constants)
+
+
 def rewrite_moe_layer(info: MoELayerInfo) -> None:
     """Make ``info.module`` call its experts as ``experts(x_TH, ids_TK, weights_TK)``, in place.
 
     Nothing to do when it already does (``info.rewrite == "none"``). For an inline expert loop the
     forward is traced in train and eval mode, each graph rewritten by :func:`replace_expert_loop`, and
     the module's class becomes a subclass of its own with that forward; its experts ModuleList becomes an
-    :class:`ExpertLoop` of the same modules."""
+    :class:`ExpertLoop` of the same modules. ``info.plan``, when set, is used instead of tracing again."""
     if info.rewrite == "none" or info.rewritten:
         return
     if info.rewrite != "inline-loop":
         raise ValueError(f"MoE layer {info.name!r}: unknown rewrite {info.rewrite!r}")
-    module, experts = info.module, info.experts
-    if not isinstance(experts, nn.ModuleList):
-        raise ValueError(f"MoE layer {info.name!r}: an inline expert loop needs an nn.ModuleList of experts")
-    forwards, constants = {}, {}
-    for training in (True, False):
-        traced = trace_block(module, experts, training=training)
-        x = probe_input(module, info.hidden_size, flat=info.probe_flat)
-        record_meta(traced, module, x)
-        gm = replace_expert_loop(traced, info)
-        forwards[training] = type(gm).forward
-        for n in gm.graph.nodes:
-            if n.op == "get_attr":
-                try:
-                    module.get_submodule(n.target.rpartition(".")[0]).__getattr__(n.target.rpartition(".")[2])
-                except AttributeError:
-                    constants[n.target] = getattr(gm, n.target)
-    for name, value in constants.items():  # tensor constants the tracer lifted out of the forward
+    plan = info.plan if info.plan is not None else plan_rewrite(info)
+    module = info.module
+    for name, value in plan.constants.items():
         module.register_buffer(name, value, persistent=False)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and n.target != SELF_PLACEHOLDER]
-    module.__class__ = _rewritten_class(type(module), forwards, placeholders)
-    setattr(module, info.experts_attr, ExpertLoop(list(experts)))
+    module.__class__ = plan.cls
+    setattr(module, info.experts_attr, ExpertLoop(list(info.experts)))
     info.rewritten = True
     logger.info("MoE layer %s: expert loop rewritten to one %s(x, ids, weights) call", info.name, info.experts_attr)
 
@@ -389,12 +425,15 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
             raise ValueError(msg)
         warnings.warn(msg, stacklevel=3)
         return []
+    for info in infos:
+        check_layer(info)
     for name, why in rejected:
         logger.warning("MoE-like module %s left as it is: %s", name, why)
 
     # Rewrite copies (sharing parameters and buffers) and compare with the originals before touching any.
     todo = [info for info in infos if info.rewrite != "none" and not info.rewritten]
     for info in todo:
+        info.plan = plan_rewrite(info)
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
