@@ -331,7 +331,8 @@ class _MetaRecorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        self.meta[n] = tree_map(lambda v: TensorMeta(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None, out)
+        self.meta[n] = tree_map(
+            lambda v: TensorMeta(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None, out)
         return out
 
 
@@ -631,7 +632,8 @@ def _shared_experts(traced: TracedBlock, module: nn.Module, combined: list[fx.No
         for add in mine & after_experts:
             if _is_fn(add, _ADDS, "add") or _is_fn(add, _ADDS, "add_"):
                 inputs = [p for p, us in succ.items() if add in us]
-                if any(i in mine and i not in after_experts for i in inputs) and any(i in after_experts for i in inputs):
+                from_shared = any(i in mine and i not in after_experts for i in inputs)
+                if from_shared and any(i in after_experts for i in inputs):
                     names.append(n.target)
                     break
     return tuple(names)
