@@ -434,6 +434,10 @@ def summarize(out: Path, policies: Sequence[str], warmup: int = 2) -> dict[str, 
     return summary
 
 
+# Later policies dashed/dotted so that coinciding curves stay visible.
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
 def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
     if not runs:
         return []
@@ -445,8 +449,7 @@ def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
     written = []
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (policy, run) in enumerate(runs.items()):
-        # Later curves dashed so that coinciding curves stay visible.
-        ax.plot(run["loss"], label=policy, linestyle=("-", "--", ":", "-.")[i % 4], linewidth=1.5)
+        ax.plot(run["loss"], label=policy, linestyle=_LINESTYLES[i % len(_LINESTYLES)], linewidth=1.5)
     ax.set(xlabel="step", ylabel="training loss (lm + aux)", title="Loss per policy (should coincide)")
     ax.legend()
     fig.tight_layout()
@@ -456,12 +459,13 @@ def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
 
     L = next(iter(runs.values()))["num_layers"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for policy, run in runs.items():
+    for i, (policy, run) in enumerate(runs.items()):
         exp_SL = np.asarray(run["expert_imbalance"])
         dev_SL = np.asarray(run["device_imbalance"])
+        style = _LINESTYLES[i % len(_LINESTYLES)]
         for li in range(L):
-            axes[0].plot(exp_SL[:, li], label=f"{policy} layer {li}", linewidth=1)
-            axes[1].plot(dev_SL[:, li], label=f"{policy} layer {li}", linewidth=1)
+            axes[0].plot(exp_SL[:, li], label=f"{policy} layer {li}", linewidth=1, linestyle=style)
+            axes[1].plot(dev_SL[:, li], label=f"{policy} layer {li}", linewidth=1, linestyle=style)
     axes[0].set(xlabel="step", ylabel="max / mean", title="Tokens per expert")
     axes[1].set(xlabel="step", title="Tokens processed per device")
     for ax in axes:
@@ -478,7 +482,8 @@ def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
     for policy, run in runs.items():
         if any(d is not None for d in run["delta_p"]):
             any_delta = True
-            ax.plot([d if d is not None else math.nan for d in run["delta_p"]], label=policy, linewidth=1.5)
+            ax.plot([d if d is not None else math.nan for d in run["delta_p"]], label=policy, linewidth=1.5,
+                    linestyle=_LINESTYLES[list(runs).index(policy) % len(_LINESTYLES)])
         else:
             ax.plot([], [], label=f"{policy} (no placement reported)")
     ax.set(xlabel="step", ylabel="|ΔP| (replicas, all layers)", title="Replicas materialized per step")
