@@ -15,6 +15,7 @@ BENCHMARKS = {
     "kernels": "themis_compile.bench.kernels",
     "step": "themis_compile.bench.step",
     "overlap": "themis_compile.bench.overlap",
+    "simulator": "themis_compile.bench.simulator",
 }
 
 
