@@ -184,26 +184,44 @@ def _bench_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[st
             profile = P.Profile.from_json(timings[0], source="measured")
         del model, opt
 
-        results: dict[str, Any] = {}
+        # Step 2: both models from the same seed; measured steps alternate between them so that the load
+        # of a shared machine hits both alike.
+        runs = {}
         for mode, schedule in (("pass_off", False), ("pass_on", True)):
             model, cfg, budgets = _build(settings, world_size, schedule=schedule, profile=profile)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             _steps(model, cfg, settings, settings["warmup"], rank, opt)
-            clock.records.clear()
-            clock.enabled = True
-            times = _steps(model, cfg, settings, settings["steps"], rank, opt)
-            clock.enabled = False
+            runs[mode] = (model, cfg, opt, [], [])
+        for _ in range(settings["steps"]):
+            for mode, (model, cfg, opt, times, records) in runs.items():
+                clock.records.clear()
+                clock.enabled = True
+                times += _steps(model, cfg, settings, 1, rank, opt)
+                clock.enabled = False
+                records += clock.records
+        results: dict[str, Any] = {}
+        for mode, (model, cfg, opt, times, records) in runs.items():
+            clock.records = records
             results[mode] = {"step_s": statistics.median(times), **clock.summary()}
-            if schedule and settings.get("trace") and rank == 0:
-                from themis_compile.models.gpt_moe import lm_loss
+        model, cfg, _opt, _t, _r = runs["pass_on"]
+        if settings.get("trace"):
+            # A training step is collective: every rank runs it, rank 0 records and writes the trace.
+            from themis_compile.models.gpt_moe import lm_loss
 
-                tokens = torch.randint(0, cfg.vocab_size, (settings["batch"], cfg.seq_len))
-                handles = P.annotate_attention(model)
-                P.export_chrome_trace(lambda: lm_loss(model(tokens), tokens).backward(), settings["trace"])
-                for h in handles:
-                    h.remove()
-            results["budgets"] = {k: v.to_json() for k, v in (budgets or {}).items()}
-            del model, opt
+            tokens = torch.randint(0, cfg.vocab_size, (settings["batch"], cfg.seq_len))
+            handles = P.annotate_attention(model)
+
+            def step() -> None:
+                lm_loss(model(tokens), tokens).backward()
+
+            if rank == 0:
+                P.export_chrome_trace(step, settings["trace"])
+            else:
+                step()
+            for h in handles:
+                h.remove()
+        results["budgets"] = {k: v.to_json() for k, v in (budgets or {}).items()}
+        del runs, model, opt
         layers = {}
         for name, b in results.pop("budgets").items():
             window = profile.preceding_attention.get(name) if profile else None
