@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from themis_compile.config import ThemisConfig
-from themis_compile.passes.detect import MoELayerInfo, find_moe_layers
+from themis_compile.passes.detect import MoELayerInfo, explain_moe_layers
+from themis_compile.passes.shard import prepare_moe_layers
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +51,6 @@ def _resolve_group(group) -> tuple[object, int, int]:
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _check_layer(info: MoELayerInfo) -> None:
-    if info.top_k < 1:
-        raise ValueError(f"MoE layer {info.name!r}: top_k={info.top_k} must be >= 1")
-    if info.top_k > info.num_experts:
-        raise ValueError(f"MoE layer {info.name!r}: top_k={info.top_k} exceeds its {info.num_experts} experts")
-
-
 def _broadcast_experts(module: nn.Module, group) -> None:
     # Every rank built the model; rank 0's experts are the truth (as DDP does for dense parameters), so
     # a rank seeded differently cannot silently train different experts.
@@ -86,20 +80,13 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     if not isinstance(config, ThemisConfig):
         raise TypeError(f"config must be a ThemisConfig, got {type(config).__name__}")
     group, rank, world_size = _resolve_group(group)
-    infos, rejected = find_moe_layers(model)
-    if not infos:
-        msg = ("themis_compile.optimize found no MoE layer (searched for modules with a router over E experts, "
-               "top-k selection and E experts as an nn.ModuleList or stacked [E, ...] weights)")
-        if rejected:
-            msg += "; rejected: " + "; ".join(f"{n}: {why}" for n, why in rejected)
-        if strict:
-            raise ValueError(msg)
-        warnings.warn(msg, stacklevel=2)
-        return model
-    for info in infos:
-        _check_layer(info)
     if getattr(model, "_themis_runtime", None) is not None:
         raise ValueError("this model was already optimized by themis_compile")
+    # Detect, rewrite expert loops into one experts(x, ids, weights) call, verify on a probe; warns (or
+    # raises with strict=True) when nothing is found, raises naming the layer on a bad top-k.
+    infos = prepare_moe_layers(model, strict=strict)
+    if not infos:
+        return model
 
     runtime = ThemisRuntime(config=config, rank=rank, world_size=world_size, group=group)
     fssdp = config.policy in ("themis", "themis-rm") and world_size > 1
@@ -109,19 +96,21 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     sharded = []
     for index, info in enumerate(infos):
         block = info.module
+        original = getattr(block, info.experts_attr)
         if world_size > 1:
-            _broadcast_experts(block.experts, group)
-        bank = ExpertBank(block.experts, layer=info.name)
+            _broadcast_experts(original, group)
+        bank = ExpertBank(original, layer=info.name)
         shard = Placement.contiguous(bank.num_experts, world_size)
         if fssdp:
-            experts = _fssdp_experts(bank, block.experts, shard, state, index, info, config)
+            experts = _fssdp_experts(bank, original, shard, state, index, info, config)
         else:
-            experts = ShardedExperts(bank, block.experts, shard, rank=rank, world_size=world_size, group=group,
-                                     layer=info.name)
-        block.experts = experts
-        if world_size > 1:
+            experts = ShardedExperts(bank, original, shard, rank=rank, world_size=world_size, group=group,
+                                     layer=info.name, uniform_routing=config.policy == "uniform")
+        setattr(block, info.experts_attr, experts)
+        if world_size > 1 and hasattr(block, "global_tokens_per_expert"):
             block.global_tokens_per_expert = _make_count_reducer(group)
-        if config.policy == "uniform":
+        if config.policy == "uniform" and callable(getattr(block, "route", None)):
+            # So that the block's own counts and aux loss see the uniform assignment too.
             block.route = _make_uniform_route(block.route, bank.num_experts)
         runtime.layers[info.name] = experts
         sharded.append(experts)
@@ -179,6 +168,12 @@ def _make_count_reducer(group):
     return global_tokens_per_expert
 
 
+def uniform_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pair (t, k) -> expert (t*K + k) mod E: every expert gets the same number of pairs (up to one)."""
+    T, K = ids_TK.shape
+    return torch.arange(T * K, device=ids_TK.device).view(T, K) % num_experts
+
+
 def _make_uniform_route(route, num_experts: int):
     """The reference gate of the paper's "Uniform": pairs spread round-robin over the experts (top-k
     distinct per token), gate weights and gradients from the user's router. Benchmarking only."""
@@ -186,8 +181,7 @@ def _make_uniform_route(route, num_experts: int):
     def uniform_route(x_TH: torch.Tensor):
         weights_TK, ids_TK, probs_TE = route(x_TH)
         T, K = ids_TK.shape
-        ids_TK = (torch.arange(T * K, device=ids_TK.device).view(T, K)) % num_experts
-        return weights_TK, ids_TK, probs_TE
+        return weights_TK, uniform_ids(ids_TK, num_experts), probs_TE
 
     return uniform_route
 
@@ -200,11 +194,6 @@ def runtime_of(model: nn.Module) -> ThemisRuntime:
 
 
 def explain(model: nn.Module) -> str:
-    """A report of the MoE layers ``optimize`` would shard, and of MoE-like modules it rejected and why."""
-    infos, rejected = find_moe_layers(model)
-    lines = [f"{len(infos)} MoE layer(s) found"]
-    for info in infos:
-        lines.append(f"  {info.name}: {info.describe()}")
-    for name, why in rejected:
-        lines.append(f"  rejected {name}: {why}")
-    return "\n".join(lines)
+    """A report of the MoE layers ``optimize`` would shard (router kind, experts form, top-k, activation,
+    shared experts) and of MoE-like modules it rejected, with the reason."""
+    return explain_moe_layers(model)

@@ -45,8 +45,10 @@ class ShardedExperts(nn.Module):
         group=None,
         layer: str = "",
         scale_grads: bool = True,
+        uniform_routing: bool = False,
     ) -> None:
         super().__init__()
+        self.uniform_routing = uniform_routing
         if shard.num_devices != world_size or not shard.is_shard_placement():
             raise ValueError(f"MoE layer {layer!r}: not a shard placement over {world_size} ranks")
         self.bank = bank
@@ -106,6 +108,11 @@ class ShardedExperts(nn.Module):
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         self._check_routing(ids_TK)
+        if self.uniform_routing:
+            # The paper's "Uniform" reference gate (benchmarking only: it changes the model on purpose).
+            from themis_compile.api import uniform_ids
+
+            ids_TK = uniform_ids(ids_TK, self.num_experts)
         chunks = self.local_chunks()
         return dispatch_compute_combine(
             x_TH, ids_TK, weights_TK, self.destinations(ids_TK), self.num_experts,

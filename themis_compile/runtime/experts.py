@@ -68,6 +68,9 @@ class ExpertBank:
             # the user's own module with E = 1 slices, every row routed to it with weight 1.
             self._stacked = type(experts) if callable(getattr(type(experts), "expert_forward", None)) else None
             self._template = None if self._stacked else copy.deepcopy(experts).to("meta")
+            if self._template is not None and isinstance(getattr(self._template, "num_experts", None), int):
+                # The copy runs one expert at a time (E = 1 slices): code sized by num_experts must agree.
+                self._template.num_experts = 1
             params = list(experts.named_parameters())
             self.names = tuple(n for n, _ in params)
             self.num_experts = params[0][1].shape[0]
