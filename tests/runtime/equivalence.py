@@ -20,14 +20,46 @@ def _batches(steps: int, global_batch: int, seq_len: int, vocab: int, seed: int 
     return [torch.randint(0, vocab, (global_batch, seq_len), generator=g) for _ in range(steps)]
 
 
+def make_model(spec: dict):
+    """A reference model (``build_model(**spec)``) or, with ``hf="mixtral"|"qwen3-moe"``, a tiny
+    random-init Hugging Face MoE model (no download)."""
+    torch.manual_seed(0)
+    spec = dict(spec)
+    spec.pop("lr", None)
+    family = spec.pop("hf", None)
+    if family is None:
+        return build_model(**spec)
+    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=spec.pop("top_k", 2))
+    if family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        cfg = MixtralConfig(intermediate_size=64, num_local_experts=spec.pop("num_experts", 4), **common)
+        return MixtralForCausalLM(cfg)
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=spec.pop("num_experts", 4),
+                         decoder_sparse_step=1, mlp_only_layers=[], head_dim=8, **common)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def model_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    if hasattr(model, "aux_loss"):
+        return lm_loss(model(tokens), tokens) + model.aux_loss()
+    return model(input_ids=tokens, labels=tokens).loss
+
+
 def _expert_chunks_reference(model) -> dict[tuple[int, int], list[torch.Tensor]]:
+    from themis_compile.passes.detect import find_moe_layers
     from themis_compile.runtime.experts import ExpertBank
 
     out = {}
-    for li, block in enumerate(model.moe_layers()):
-        bank = ExpertBank(block.experts)
+    infos, _ = find_moe_layers(model)
+    for li, info in enumerate(infos):
+        experts = getattr(info.module, info.experts_attr)
+        bank = ExpertBank(experts)
         for e in range(bank.num_experts):
-            out[(li, e)] = [t.detach().clone() for t in bank.chunk(block.experts, e)]
+            out[(li, e)] = [t.detach().clone() for t in bank.chunk(experts, e)]
     return out
 
 
@@ -35,20 +67,19 @@ def _dense_params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." not in n}
 
 
-def make_optimizer(params, optimizer: str):
+def make_optimizer(params, optimizer: str, lr: float = LR):
     # AdamW is invariant to a constant gradient scale; SGD is not, so it checks the gradient scaling.
     if optimizer == "sgd":
         return torch.optim.SGD(params, lr=0.1)
-    return torch.optim.AdamW(params, lr=LR)
+    return torch.optim.AdamW(params, lr=lr)
 
 
 def train_reference(model_kwargs: dict, steps: int, global_batch: int, seq_len: int, optimizer: str = "adamw"):
-    torch.manual_seed(0)
-    model = build_model(**model_kwargs)
-    opt = make_optimizer(model.parameters(), optimizer)
+    model = make_model(model_kwargs)
+    opt = make_optimizer(model.parameters(), optimizer, model_kwargs.get("lr", LR))
     losses = []
     for tokens in _batches(steps, global_batch, seq_len, model.config.vocab_size):
-        loss = lm_loss(model(tokens), tokens) + model.aux_loss()
+        loss = model_loss(model, tokens)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -59,10 +90,9 @@ def train_reference(model_kwargs: dict, steps: int, global_batch: int, seq_len: 
 def train_distributed(rank: int, world_size: int, model_kwargs: dict, config_kwargs: dict, steps: int,
                       global_batch: int, seq_len: int, step_callback=None, optimizer: str = "adamw"):
     """Runs on every rank; returns (global losses, dense params, owned expert chunks, extra)."""
-    torch.manual_seed(0)
-    model = build_model(**model_kwargs)
+    model = make_model(model_kwargs)
     model = themis_compile.optimize(model, themis_compile.ThemisConfig(**config_kwargs))
-    opt = make_optimizer(model.parameters(), optimizer)
+    opt = make_optimizer(model.parameters(), optimizer, model_kwargs.get("lr", LR))
     runtime = themis_compile.api.runtime_of(model)
     if hasattr(runtime, "attach_optimizer"):
         runtime.attach_optimizer(opt)
@@ -70,7 +100,7 @@ def train_distributed(rank: int, world_size: int, model_kwargs: dict, config_kwa
     losses, extra = [], []
     for step, tokens in enumerate(_batches(steps, global_batch, seq_len, model.config.vocab_size)):
         tokens = tokens[rank * local:(rank + 1) * local]
-        loss = lm_loss(model(tokens), tokens) + model.aux_loss()
+        loss = model_loss(model, tokens)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -87,12 +117,15 @@ def train_distributed(rank: int, world_size: int, model_kwargs: dict, config_kwa
     return losses, _dense_params(model), owned, extra
 
 
-def assert_equivalent(reference, results, *, loss_rtol: float = 1e-5, rtol: float = 1e-4, atol: float = 1e-4) -> None:
+def assert_equivalent(reference, results, *, loss_rtol: float = 1e-5, rtol: float = 1e-4, atol: float = 5e-4) -> None:
     """Losses per step within ``loss_rtol`` relative; parameters allclose at the end.
 
     Parameters get a looser tolerance than losses: AdamW divides each gradient by its own running RMS,
-    so a 1e-7 reduction-order difference in a rarely touched weight (an embedding row seen once) can
-    move that weight by ~1e-5 after a few steps, while the loss stays equal to 1e-6.
+    so a 1e-7 reduction-order difference in a rarely touched weight (an embedding row seen once, an
+    expert that gets a token every few steps) can move that weight by a fraction of one step (lr = 1e-2)
+    over 20 steps, while the loss stays equal to ~1e-7. ``atol`` = 5e-4 is 5% of one AdamW step: a lost
+    or misplaced optimizer state moves weights by whole steps. SGD runs (no normalisation) are compared
+    with ``atol=1e-5``, which also pins the gradient scale that AdamW cannot see.
     """
     ref_losses, ref_dense, ref_experts = reference
     for rank, (losses, dense, owned, _) in enumerate(results):
