@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from themis_compile.config import ThemisConfig
-from themis_compile.passes.detect import MoELayerInfo, explain_moe_layers
+from themis_compile.passes.detect import MoELayerInfo, explain_moe_layers, find_moe_layers
 from themis_compile.passes.shard import prepare_moe_layers
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,13 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
 
         replicate(model, ignored_modules=sharded, process_group=group)
     model._themis_runtime = runtime
+    import themis_compile.passes.backend  # noqa: F401  registers torch.compile(backend="themis") without install
+    if config.schedule and fssdp:
+        # Place each layer's SpAG start before the attention that precedes it (§4.2); layers in no
+        # traceable module keep the runtime's own start at their forward (logged).
+        from themis_compile.passes.schedule import schedule_model
+
+        schedule_model(model)
     logger.info("themis_compile: %d MoE layers sharded over %d ranks (policy %s)", len(infos), world_size,
                 config.policy)
     return model
@@ -193,7 +200,14 @@ def runtime_of(model: nn.Module) -> ThemisRuntime:
     return runtime
 
 
-def explain(model: nn.Module) -> str:
+def explain(model: nn.Module, verbose: bool = False) -> str:
     """A report of the MoE layers ``optimize`` would shard (router kind, experts form, top-k, activation,
-    shared experts) and of MoE-like modules it rejected, with the reason."""
-    return explain_moe_layers(model)
+    shared experts) and of MoE-like modules it rejected, with the reason; ``verbose`` adds the router
+    path, score function, auxiliary outputs and how the experts are called."""
+    if verbose:
+        return explain_moe_layers(model)
+    infos, rejected = find_moe_layers(model)
+    lines = [f"{len(infos)} MoE layer(s) found"]
+    lines += [f"  {info.name}: {info.describe()}" for info in infos]
+    lines += [f"  rejected {name}: {why}" for name, why in rejected]
+    return "\n".join(lines)

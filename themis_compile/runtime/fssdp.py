@@ -123,12 +123,13 @@ class FSSDPExperts(ShardedExperts):
         self.iteration = 0
         self._planned: Placement | None = None
         self._spag = None
+        self._replicas: dict[int, list[torch.Tensor]] | None = None
         self._replica_leaves: dict[int, list[torch.Tensor]] = {}
         self._rematerialize_handle = None
 
     def set_shard_placement(self, shard: Placement) -> None:
         super().set_shard_placement(shard)
-        self._planned, self._spag = None, None
+        self._planned, self._spag, self._replicas = None, None, None
 
     # ------------------------------------------------------------------ materialization (steps 1-2)
     def start_materialization(self) -> None:
@@ -150,11 +151,17 @@ class FSSDPExperts(ShardedExperts):
                                  timeout_s=self.state.timeout_s)
 
     def wait_materialization(self) -> dict[int, list[torch.Tensor]]:
+        """Wait for this iteration's SpAG; idempotent until the layer's forward consumed the replicas."""
         if self._spag is None:
             self.start_materialization()
-        with record_function("themis::spag_wait"):
-            replicas = self._spag.wait()
-        self._spag = None
+        if self._replicas is None:
+            with record_function("themis::spag_wait"):
+                self._replicas = self._spag.wait()
+        return self._replicas
+
+    def _consume_materialization(self) -> dict[int, list[torch.Tensor]]:
+        replicas = self.wait_materialization()
+        self._spag, self._replicas = None, None
         return replicas
 
     # ------------------------------------------------------------------ global token counts (step 3)
@@ -186,7 +193,7 @@ class FSSDPExperts(ShardedExperts):
         self.start_materialization()
         tokens_ED = self._global_tokens(ids_TK, weights_TK)
         load_E = tokens_ED.sum(axis=1)
-        replicas = self.wait_materialization()
+        replicas = self._consume_materialization()
         placement = self._planned
         calibrated = False
         if self.state.calibrate:
