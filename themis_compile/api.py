@@ -126,6 +126,10 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
 
         replicate(model, ignored_modules=sharded, process_group=group)
     model._themis_runtime = runtime
+    if fssdp and (config.overlap_degree is None or config.materialization_budget is None):
+        from themis_compile.runtime.budgets import BudgetController
+
+        state.budget_controller = BudgetController(model, runtime)
     import themis_compile.passes.backend  # noqa: F401  registers torch.compile(backend="themis") without install
     if config.schedule and fssdp:
         # Place each layer's SpAG start before the attention that precedes it (§4.2); layers in no

@@ -88,6 +88,7 @@ class FSSDPState:
     calibrate: bool
     timeout_s: float
     check_plans: bool
+    budget_controller: Any = None         # applies profiled t, m (runtime/budgets.py)
     layer_order: list["FSSDPExperts"] = field(default_factory=list)
     pending: list[tuple["FSSDPExperts", Any]] = field(default_factory=list)
     callback_queued: bool = False
@@ -136,6 +137,9 @@ class FSSDPExperts(ShardedExperts):
         """Plan P' for this iteration and start SpAG; idempotent until the layer's forward consumed it."""
         if self._spag is not None:
             return
+        if self.layer_index == 0 and self.state.budget_controller is not None:
+            # Iteration start on every rank: adopt a finished cost-model profile (collective).
+            self.state.budget_controller.maybe_update()
         with record_function("themis::plan"):
             load_E = self.predictor.predict(0)
             planned = sparse_materialization(self.shard_placement, load_E, self.overlap_degree,

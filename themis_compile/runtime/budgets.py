@@ -1,0 +1,102 @@
+"""Where the planner's t and m come from during training (§4.2): the profiled cost model.
+
+At ``optimize`` time, unless the config fixes both t and m:
+
+1. a cached profile for this model, world size and hardware (``ThemisConfig.profile_path``) is used if one
+   exists (rank 0 reads it; every rank plans with rank 0's numbers);
+2. otherwise training starts with conservative defaults (logged), the link bandwidth is measured once on
+   the process group (intra- and inter-node pairs), and an :class:`AttentionProfiler` times every
+   attention's forward and backward at the real shapes over the first steps (warm-up excluded). When it
+   is done, at the start of the next iteration every rank adopts rank 0's profile, t = floor(T_attn*bw/Ψ)
+   and m from the memory budget are applied to each layer, and rank 0 caches the profile.
+
+Profiling never blocks training: any failure keeps the defaults with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class BudgetController:
+    """Owns the cost-model inputs of one optimized model and applies t, m to its FSSDP layers."""
+
+    def __init__(self, model: nn.Module, runtime: Any, *, warmup_steps: int = 1, measure_steps: int = 3) -> None:
+        from themis_compile.cost_model import profile as P
+
+        self.runtime = runtime
+        self.config = runtime.config
+        self.state = runtime.fssdp
+        self.psi = {name: layer.bank.chunk_bytes for name, layer in runtime.layers.items()}
+        self.cache = P.ProfileCache(self.config.profile_path)
+        self.profile = None
+        self.profiler = None
+        self._pending = None
+        self._bw: dict[str, float] = {}
+        cached = self._rank0(lambda: self._cached(model))
+        if cached is not None:
+            self._apply(P.Profile.from_json(cached, source="cache"))
+            return
+        self._apply(None)   # conservative defaults until measured
+        try:
+            self._bw = P.measure_bandwidth(self.state.group, self.state.topology, nbytes=1 << 20, iters=3)
+        except Exception as exc:  # noqa: BLE001 - profiling must never block training
+            logger.warning("themis: bandwidth measurement failed (%s); using configured bandwidths", exc)
+        moe_blocks = dict(model.named_modules())
+        blocks = {name: moe_blocks[name] for name in runtime.layers if name in moe_blocks}
+        self.profiler = P.AttentionProfiler(model, blocks, warmup_steps=warmup_steps, measure_steps=measure_steps,
+                                            on_done=self._on_profiled)
+        self._key_model = model
+
+    def _cached(self, model: nn.Module):
+        from themis_compile.cost_model import profile as P
+
+        found = P.resolve_profile(model, world_size=self.state.world_size, cache=self.cache)
+        return None if found is None else found.to_json()
+
+    def _rank0(self, fn):
+        """Run ``fn`` on rank 0 and give its (picklable) result to every rank."""
+        box = [fn() if self.state.rank == 0 else None]
+        if self.state.world_size > 1:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.state.group, 0), group=self.state.group)
+        return box[0]
+
+    def _on_profiled(self, profile) -> None:
+        # Called from inside a hook; the collective exchange happens at the next iteration start.
+        self._pending = profile
+
+    def maybe_update(self) -> None:
+        """At an iteration start on every rank: adopt a finished profile (collective, same step everywhere)."""
+        if self._pending is None:
+            return
+        from themis_compile.cost_model import profile as P
+
+        measured, self._pending = self._pending, None
+        measured.intra_node_bw = self._bw.get("intra")
+        measured.inter_node_bw = self._bw.get("inter")
+        data = self._rank0(lambda: measured.to_json())
+        profile = P.Profile.from_json(data, source="measured")
+        self._apply(profile)
+        if self.state.rank == 0:
+            try:
+                profile.key = P.profile_key(self._key_model, self.state.world_size)
+                self.cache.put(profile)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("themis: could not cache the profile (%s)", exc)
+
+    def _apply(self, profile) -> None:
+        from themis_compile.cost_model import profile as P
+
+        self.profile = profile
+        layer_budgets = P.budgets(profile, self.psi, config=self.config, topology=self.state.topology)
+        P.apply_budgets(self.runtime.layers, layer_budgets)
+        self.budgets = layer_budgets
+        if self.state.rank == 0:
+            logger.info("themis: budgets %s", {n: (b.overlap_degree, b.materialization_budget, b.source)
+                                               for n, b in layer_budgets.items()})
