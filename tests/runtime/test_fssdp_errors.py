@@ -1,0 +1,95 @@
+"""Bad input and edge cases of the FSSDP runtime: every rank fails with the layer's name, nothing hangs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import themis_compile
+from themis_compile import ThemisConfig
+from themis_compile.models import build_model, lm_loss
+from themis_compile.testing import RankError, run_multirank
+
+
+def _nan_router_on_rank_one(rank, world_size):
+    torch.manual_seed(0)
+    model = themis_compile.optimize(build_model("tiny-moe"), ThemisConfig(policy="themis", overlap_degree=2,
+                                                                          materialization_budget=1))
+    tokens = torch.randint(0, 256, (2, 16))
+    model(tokens)   # the first forward also lets DDP broadcast rank 0's dense parameters
+    if rank == 1:
+        with torch.no_grad():
+            model.blocks[1].moe.gate.weight.fill_(float("nan"))
+    try:
+        model(tokens)
+    except FloatingPointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_non_finite_router_output_raises_on_every_rank():
+    messages = run_multirank(_nan_router_on_rank_one, 2, timeout_s=30)
+    for msg in messages:
+        assert "blocks.1.moe" in msg and "non-finite router output on ranks [1]" in msg
+
+
+def _few_experts(rank, world_size):
+    # E = 3 < 4 ranks: one rank owns no expert; it still computes replicas and takes part in SpRS.
+    torch.manual_seed(0)
+    model = themis_compile.optimize(build_model("tiny-moe", num_experts=3, top_k=1, router_skew=2.0),
+                                    ThemisConfig(policy="themis", overlap_degree=3, materialization_budget=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    runtime = themis_compile.api.runtime_of(model)
+    for _ in range(3):
+        tokens = torch.randint(0, 256, (2, 16))
+        lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    return [len(layer.shards) for layer in runtime.layers.values()], sum(s.delta_p for s in runtime.stats)
+
+
+def test_fewer_experts_than_ranks():
+    out = run_multirank(_few_experts, 4, timeout_s=60)
+    owned = [o for o, _ in out]
+    assert [sum(o[i] for o in owned) for i in range(2)] == [3, 3]
+    assert any(o[0] == 0 for o in owned)
+    assert out[0][1] > 0
+
+
+def test_world_size_one_themis_policy_matches_unmodified_model():
+    torch.manual_seed(0)
+    ref = build_model("tiny-moe")
+    torch.manual_seed(0)
+    model = themis_compile.optimize(build_model("tiny-moe"), ThemisConfig(policy="themis"))
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
+
+
+class _Dense(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        return self.ff(x)
+
+
+def test_model_without_moe_is_returned_unchanged_with_warning():
+    model = _Dense()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = themis_compile.optimize(model)
+    assert out is model and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert any("no MoE layer" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match="no MoE layer"):
+        themis_compile.optimize(_Dense(), strict=True)
+
+
+def test_optimizing_twice_is_refused():
+    model = themis_compile.optimize(build_model("tiny-moe"), ThemisConfig(policy="ep"))
+    with pytest.raises(ValueError, match="already optimized"):
+        themis_compile.optimize(model)
