@@ -50,6 +50,10 @@ def check_tokens(tokens_ED: np.ndarray, num_experts: int, num_devices: int) -> n
     arr = np.asarray(tokens_ED)
     if arr.shape != (num_experts, num_devices):
         raise ValueError(f"tokens must have shape [E, D] = [{num_experts}, {num_devices}], got {arr.shape}")
+    if arr.dtype == np.int64:   # the common case: one reduction
+        if arr.size and arr.min() < 0:
+            raise ValueError("tokens contain negative counts")
+        return arr
     if arr.dtype.kind == "f":
         if not np.isfinite(arr).all() or (arr != np.floor(arr)).any():
             raise ValueError("tokens must be whole numbers")
@@ -61,17 +65,59 @@ def check_tokens(tokens_ED: np.ndarray, num_experts: int, num_devices: int) -> n
     return tokens_ED
 
 
-def _split_evenly(targets_XDD: np.ndarray, tokens_XD: np.ndarray, experts_X: np.ndarray) -> np.ndarray:
-    """Split tokens_XD[x, d] evenly over the True entries of targets_XDD[x, d, :] with the module's
-    remainder rule; returns int64 [X, D, D]."""
-    k_XD = targets_XDD.sum(axis=2, dtype=np.int64)
-    k_safe_XD = np.maximum(k_XD, 1)
-    q_XD, r_XD = np.divmod(tokens_XD, k_safe_XD)
-    pos_XDD = np.cumsum(targets_XDD, axis=2, dtype=np.int64) - 1   # position j among the targets
-    D = tokens_XD.shape[1]
-    offset_XD = (experts_X[:, None] + np.arange(D, dtype=np.int64)[None, :]) % k_safe_XD
-    extra_XDD = ((pos_XDD - offset_XD[:, :, None]) % k_safe_XD[:, :, None]) < r_XD[:, :, None]
-    return (q_XD[:, :, None] + extra_XDD) * targets_XDD
+_FLAT_BASE_CACHE: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _flat_base(num_experts: int, num_devices: int) -> np.ndarray:
+    """[E, D] int64 flat offsets ``e·D·D + d·D`` of the rows R[e, d, :] (cached per shape, read-only)."""
+    key = (num_experts, num_devices)
+    base_ED = _FLAT_BASE_CACHE.get(key)
+    if base_ED is None:
+        D = num_devices
+        base_ED = (np.arange(num_experts, dtype=np.int64)[:, None] * (D * D)
+                   + np.arange(D, dtype=np.int64)[None, :] * D)
+        base_ED.setflags(write=False)
+        if len(_FLAT_BASE_CACHE) > 64:
+            _FLAT_BASE_CACHE.clear()
+        _FLAT_BASE_CACHE[key] = base_ED
+    return base_ED
+
+
+def _split_replicated(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np.ndarray,
+                      topology: Topology) -> np.ndarray:
+    """Alg. 3 l.6-12 for experts with several holders: [X, D (source), D (destination)] token counts of
+    the sources that do not hold the expert (rows of holders are zero: the caller writes R[e, d, d]).
+    The integer dtype is the narrowest that holds the counts; the caller stores them into the int64 plan.
+
+    A source's targets depend only on its node (l.7-12), so target sets and target positions are built
+    per (expert, node) — [X, N, D] — and gathered per source. The remainder rule
+    ``(j - (e + d)) mod k < r`` is evaluated without an integer modulo: with ``u = j - offset`` in
+    (-k, k), ``u mod k`` is ``min(u, u + k)`` in unsigned arithmetic (a negative u wraps to a huge
+    value). Non-targets get a position far out of range, so no remainder lands there.
+    """
+    X, D = holds_XD.shape
+    node_D = topology.node_ids
+    upos = np.uint16 if 4 * D < 2 ** 16 else np.uint64
+    holders_XN = np.add.reduceat(holds_XD, topology.node_offsets[:-1], axis=1, dtype=np.int64)
+    copies_X = holders_XN.sum(axis=1)
+    has_local_XN = holders_XN > 0                                          # l.8-9: D^elocal ≠ ∅
+    local_XND = holds_XD[:, None, :] & topology.same_node[topology.node_offsets[:-1]][None, :, :]
+    targets_XND = np.where(has_local_XN[:, :, None], local_XND, holds_XD[:, None, :])   # l.10 / l.12
+    k_XN = np.where(has_local_XN, holders_XN, copies_X[:, None])
+    # j + 1 at targets (position among the source's targets, ascending device id); far off elsewhere.
+    pos_XND = np.where(targets_XND, np.cumsum(targets_XND, axis=2), 4 * D).astype(upos)
+    k_XD = k_XN[:, node_D]
+    tokens_XD = np.where(holds_XD, 0, tokens_XD)
+    q_XD, r_XD = np.divmod(tokens_XD, k_XD)
+    offset1_XD = ((experts_X[:, None] + np.arange(D)) % k_XD + 1).astype(upos)
+    u_XDD = pos_XND[:, node_D]
+    u_XDD -= offset1_XD[:, :, None]                                        # u = j - offset (wrapping)
+    extra_XDD = np.minimum(u_XDD, u_XDD + k_XD.astype(upos)[:, :, None]) < r_XD.astype(upos)[:, :, None]
+    qmax = int(q_XD.max(initial=0))
+    qtype = np.int16 if qmax < 2 ** 15 - 1 else np.int32 if qmax < 2 ** 31 - 1 else np.int64
+    R_XDD = q_XD.astype(qtype)[:, :, None] * targets_XND[:, node_D]
+    R_XDD += extra_XDD
+    return R_XDD
 
 
 def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topology: Topology) -> np.ndarray:
@@ -85,8 +131,8 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     topology.validate(D)
     tokens_ED = check_tokens(tokens_ED, E, D)
     mask_ED = placement.mask
-    copies_E = mask_ED.sum(axis=1)
-    if (copies_E == 0).any():
+    copies_E = np.count_nonzero(mask_ED, axis=1)
+    if E and copies_E.min() == 0:
         orphan = np.flatnonzero(copies_E == 0)
         if tokens_ED[orphan].any():
             raise ValueError(f"expert {int(orphan[tokens_ED[orphan].any(axis=1)][0])} has tokens but no holder")
@@ -95,19 +141,16 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     single_S = np.flatnonzero(copies_E == 1)
     if single_S.size:
         owner_S = np.argmax(mask_ED[single_S], axis=1)
-        R_EDD[single_S[:, None], np.arange(D)[None, :], owner_S[:, None]] = tokens_ED[single_S]
+        R_EDD.reshape(-1)[_flat_base(E, D)[single_S] + owner_S[:, None]] = tokens_ED[single_S]
     # Replicated experts: l.4-12 vectorized over [X, D (source), D (destination)].
     rep_X = np.flatnonzero(copies_E > 1)
     if rep_X.size:
         holds_XD = mask_ED[rep_X]
-        same_DD = topology.same_node
-        local_XDD = holds_XD[:, None, :] & same_DD[None, :, :]                 # l.7-8: D^elocal
-        has_local_XD = local_XDD.any(axis=2)
-        targets_XDD = np.where(has_local_XD[:, :, None], local_XDD, holds_XD[:, None, :])  # l.9-12
-        # l.4-5: a source that holds e sends only to itself.
-        eye_DD = np.eye(D, dtype=bool)
-        targets_XDD = np.where(holds_XD[:, :, None], eye_DD[None, :, :], targets_XDD)
-        R_EDD[rep_X] = _split_evenly(targets_XDD, tokens_ED[rep_X], rep_X.astype(np.int64))
+        tokens_XD = tokens_ED[rep_X]
+        R_EDD[rep_X] = _split_replicated(holds_XD, tokens_XD, rep_X.astype(np.int64), topology)
+        # l.4-5: a source that holds e keeps all its tokens (R[e, d, d]).
+        hx_H, hd_H = np.nonzero(holds_XD)
+        R_EDD.reshape(-1)[_flat_base(E, D)[rep_X[hx_H], hd_H] + hd_H] = tokens_XD[hx_H, hd_H]
     return R_EDD
 
 

@@ -59,6 +59,9 @@ def check_loads(load_E: np.ndarray, num_experts: int, what: str = "load") -> np.
     load_E = np.asarray(load_E, dtype=np.float64)
     if load_E.shape != (num_experts,):
         raise ValueError(f"{what} must have shape [{num_experts}] (one entry per expert), got {load_E.shape}")
+    # Fast accept (two reductions; NaN fails both comparisons); anything else gets the precise checks.
+    if num_experts and load_E.min() >= 0 and load_E.max() < math.inf:
+        return load_E
     if not np.isfinite(load_E).all():
         raise ValueError(f"{what} contains NaN or infinite entries")
     if (load_E < 0).any():
@@ -78,7 +81,7 @@ def check_count(name: str, value: int) -> int:
 def _check_shard(shard: Placement, topology: Topology) -> None:
     if not isinstance(shard, Placement):
         raise ValueError(f"shard must be a Placement, got {type(shard).__name__}")
-    shard.require_shard_placement("shard")
+    shard.require_shard_placement("shard")       # cached on the (immutable) placement
     topology.validate(shard.num_devices)
 
 
@@ -114,81 +117,130 @@ def _assign_slots_by_load(load_J: np.ndarray, copies_J: np.ndarray, room_J: np.n
     return np.bincount(order // kmax, minlength=J).astype(np.int64)
 
 
-def _holder_shares(row_D: np.ndarray, load: float, topology: Topology) -> np.ndarray:
-    """[D] modeled tokens of one expert at each of its holders (``row_D``), as in
-    `themis_compile.planner.cost.fluid_device_load`: uniform sources, Alg. 3 routing."""
-    D = row_D.size
-    k_N = np.asarray(topology.devices_per_node, dtype=np.float64)
-    holders_N = np.bincount(topology.node_ids[row_D], minlength=topology.num_nodes)
-    copies = max(int(holders_N.sum()), 1)
-    uncovered = float(k_N[holders_N == 0].sum())
-    node_term_N = np.divide(k_N, holders_N, out=np.zeros_like(k_N), where=holders_N > 0)
-    return (load / D) * (node_term_N[topology.node_ids] + uncovered / copies) * row_D
+def _shard_device_load(owners_E: np.ndarray, load_E: np.ndarray, topology: Topology) -> np.ndarray:
+    """[D] `cost.fluid_device_load` of the shard placement ``owners_E``, bit for bit, in O(E).
+
+    With one holder on node n the model's per-holder factor is ``k_n / 1 + (D - k_n) / 1`` = D exactly
+    (small integers), and the [E, D] column sums of the model add experts in ascending order, which is
+    what a weighted bincount does. On one node the model uses a matrix product instead, so that case
+    (and D = 1) goes through `cost.fluid_device_load` itself.
+    """
+    D = topology.num_devices
+    if topology.num_nodes == 1 or D == 1:
+        from themis_compile.planner.cost import fluid_device_load
+
+        return fluid_device_load(Placement.from_owners(owners_E, D), load_E, topology)
+    return np.bincount(owners_E, weights=(load_E / D) * float(D), minlength=D)
 
 
 def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarray,
-                    slots_D: np.ndarray, topology: Topology) -> None:
+                    slots_D: np.ndarray, topology: Topology, owners_E: np.ndarray | None = None) -> None:
     """Alg. 1 l.7-11 (the LPT branch), in place on ``mask_ED``; ``slots_D`` is the free replica
-    budget of every device (decremented as replicas are placed).
+    budget of every device (decremented as replicas are placed). ``owners_E``: when ``mask_ED`` is the
+    shard placement itself, its owners (saves modeling the initial loads from the mask).
 
     l.10 concretely: a replica goes to the node with the fewest holders of e per device (so nodes that
     lack e come first and replicas spread over nodes), ties by the load of the node's best candidate,
     then node id; inside the node to the candidate device with the least modeled load, then more free
     slots, then lower id. Candidates hold no copy of e and have a free slot.
+
+    Implementation (one expert = a fixed number of O(D) numpy calls, no loop over replicas): devices
+    are sorted by (node, not a candidate, modeled load, more free slots, id), which lays out every
+    node's candidates in l.10's order at fixed positions ``node_offsets[n] + j``. The node-by-node
+    greedy of l.10 merges these per-node streams, whose keys ``((holders_n + j) / k_n, load, n)``
+    strictly increase along each stream, so its first n picks are the n smallest keys: one more
+    lexsort. The modeled loads (`cost.fluid_device_load`) change only at e's holders; they are updated
+    there, in Python floats, with the model's own floating-point operations.
     """
     if experts_J.size == 0 or not slots_D.any():
         return
-    from themis_compile.planner.cost import fluid_device_load
-
+    D = mask_ED.shape[1]
     N = topology.num_nodes
-    node_of = topology.node_ids.tolist()
-    k_N = topology.devices_per_node
-    copies_E = mask_ED.sum(axis=1)
-    dev_load_D = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E, topology)
+    node_D = topology.node_ids
+    node_of = node_D.tolist()
+    k_list = topology.devices_per_node
+    rank_D = topology.local_ranks
+    k_D = None if topology.is_uniform else topology.devices_per_node_f[node_D]
+    single_level_ND = rank_D + (np.arange(N)[:, None] == node_D)   # [N, D] levels for one holder on n
+    # Each expert's row is untouched until its turn, so with a shard placement its holder is its owner.
+    owner_of = None if owners_E is None else owners_E.tolist()
+    copies_J = np.count_nonzero(mask_ED[experts_J], axis=1)
+    if owners_E is not None:
+        dev_load = _shard_device_load(owners_E, load_E, topology).tolist()
+    else:
+        from themis_compile.planner.cost import fluid_device_load
+
+        dev_load = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E, topology).tolist()
     # l.9 (for all experts of J at once): replica counts by load.
-    room_J = mask_ED.shape[1] - copies_E[experts_J]
-    n_J = _assign_slots_by_load(load_E[experts_J], copies_E[experts_J], room_J, int(slots_D.sum()))
+    n_J = _assign_slots_by_load(load_E[experts_J], copies_J, D - copies_J, int(slots_D.sum()))
+    neg_slots_D = -slots_D                             # sort key "more free slots first"; >= 0: full
     # l.8: experts by load, descending (experts_J is already in that order).
-    for e, n in zip(experts_J.tolist(), n_J.tolist()):
+    for e, n, copies in zip(experts_J.tolist(), n_J.tolist(), copies_J.tolist()):
         if n == 0:
             continue
-        cand = np.flatnonzero(~mask_ED[e] & (slots_D > 0))
-        if cand.size == 0:
+        row_D = mask_ED[e]
+        # Not a candidate: no free slot, or holds e (as uint8: numpy sorts bool keys more slowly).
+        blocked_D = ((neg_slots_D >= 0) | row_D).view(np.uint8)
+        num_cand = D - int(np.count_nonzero(blocked_D))
+        if num_cand == 0:
             continue
-        # Candidates ranked by (modeled load, more free slots, id); lexsort is stable, so ids break ties.
-        cand = cand[np.lexsort((-slots_D[cand], dev_load_D[cand]))]
-        per_node: list[list[int]] = [[] for _ in range(N)]
-        for d in cand.tolist():
-            per_node[node_of[d]].append(d)
+        holders = [owner_of[e]] if owner_of is not None else np.flatnonzero(row_D).tolist()
+        holders_N = [0] * N
+        for d in holders:
+            holders_N[node_of[d]] += 1
+        # Every node's candidates in l.10's inner order (load, more free slots, id), at positions
+        # node_offsets[n] + j; sorted position p therefore lies on node node_D[p] with rank rank_D[p].
+        load_D = np.array(dev_load)
+        order_D = np.lexsort((neg_slots_D, load_D, blocked_D, node_D))
+        load_P = load_D[order_D]
+        if len(holders) == 1:                                    # holders_n + j
+            level_P = single_level_ND[node_of[holders[0]]]
+        else:
+            level_P = np.array(holders_N)[node_D] + rank_D
+        if k_D is not None:   # one k for all nodes orders like the integer holders_n + j
+            level_P = level_P / k_D
         # l.10: the order replicas would take: the node with the fewest holders of e per device first
         # (nodes lacking e come first, then replicas spread evenly), then that node's best candidate.
-        holders_N = np.bincount(topology.node_ids[mask_ED[e]], minlength=N).tolist()
-        taken = [0] * N
-        sequence: list[int] = []
-        for _ in range(min(n, cand.size)):
-            k = min(((holders_N[k] + taken[k]) / k_N[k], float(dev_load_D[per_node[k][taken[k]]]), k)
-                    for k in range(N) if taken[k] < len(per_node[k]))[2]
-            sequence.append(per_node[k][taken[k]])
-            taken[k] += 1
+        pick_S = np.lexsort((node_D, load_P, level_P, blocked_D[order_D]))[:min(n, num_cand)]
+        seq_S = order_D[pick_S]
         # LPT guard: place the first k of them, k <= n chosen to minimize the hottest device among e's
-        # holders (plain even split F_e / copies); k = 0 when no replica cools that device.
-        seq = np.asarray(sequence, dtype=np.int64)
-        copies = int(copies_E[e])
-        share_K = float(load_E[e]) / (copies + np.arange(seq.size + 1))
-        hottest = float(dev_load_D[mask_ED[e]].max())
-        peak_K = np.maximum(hottest - share_K[0] + share_K,
-                            np.concatenate([[-np.inf], np.maximum.accumulate(dev_load_D[seq])]) + share_K)
-        peak_K[0] = hottest
-        k = int(np.argmin(peak_K))
+        # holders (plain even split F_e / copies); k = 0 when no replica cools that device. The peak
+        # after j replicas is max(hottest - share_0, max load of the first j) + share_j; once that
+        # bound with the smallest share cannot beat the best, no later j can (rounding is monotone).
+        load_e = float(load_E[e])
+        hottest = max(dev_load[d] for d in holders)
+        base = hottest - load_e / copies
+        share_last = load_e / (copies + pick_S.size)
+        best, k, run = hottest, 0, -math.inf
+        for j, x in enumerate(load_P[pick_S].tolist(), start=1):
+            if x > run:
+                run = x
+            if (run if run > base else base) + share_last >= best:
+                break
+            share = load_e / (copies + j)
+            peak = max(base + share, run + share)
+            if peak < best:
+                best, k = peak, j
         if k == 0:
             continue
-        chosen = seq[:k]
-        # l.11: P' ← P' ∪ P^e; update the modeled load of every holder of e.
-        dev_load_D -= _holder_shares(mask_ED[e], float(load_E[e]), topology)
-        mask_ED[e, chosen] = True
-        slots_D[chosen] -= 1
-        copies_E[e] += k
-        dev_load_D += _holder_shares(mask_ED[e], float(load_E[e]), topology)
+        chosen = seq_S[:k]
+        # l.11: P' ← P' ∪ P^e; update the modeled load of every holder of e (cost.fluid_device_load:
+        # load/D · (k_n / h_n + U / c) at a holder on node n, U = devices on nodes without e).
+        per_device = load_e / D
+        uncovered = float(sum(kn for kn, h in zip(k_list, holders_N) if h == 0))
+        for d in holders:
+            nd = node_of[d]
+            dev_load[d] = dev_load[d] - per_device * (k_list[nd] / holders_N[nd] + uncovered / copies)
+        row_D[chosen] = True
+        neg_slots_D[chosen] += 1
+        holders += chosen.tolist()
+        for d in holders[-k:]:
+            holders_N[node_of[d]] += 1
+        uncovered = float(sum(kn for kn, h in zip(k_list, holders_N) if h == 0))
+        for d in holders:
+            nd = node_of[d]
+            dev_load[d] = dev_load[d] + per_device * (k_list[nd] / holders_N[nd] + uncovered / (copies + k))
+    slots_D[:] = -neg_slots_D
 
 
 # --------------------------------------------------------------------------------------- public API
@@ -219,7 +271,7 @@ def sparse_materialization(shard: Placement, load_E: np.ndarray, overlap_degree:
         mask_ED[top_J, :] = True                                         # l.5
     else:
         slots_D = np.full(D, m, dtype=np.int64)                          # l.7 (totSlots = D·m)
-        _place_replicas(mask_ED, load_E, top_J, slots_D, topology)       # l.8-11
+        _place_replicas(mask_ED, load_E, top_J, slots_D, topology, shard.owners())   # l.8-11
     return Placement._trusted(mask_ED)
 
 

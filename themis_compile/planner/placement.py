@@ -35,7 +35,7 @@ class Placement:
         mask_ED: boolean-like array of shape [E, D]; copied and made read-only.
     """
 
-    __slots__ = ("_mask_ED", "_hash", "_owners_E")
+    __slots__ = ("_mask_ED", "_hash", "_owners_E", "_is_shard")
 
     def __init__(self, mask_ED: np.ndarray) -> None:
         mask_ED = np.asarray(mask_ED)
@@ -52,6 +52,7 @@ class Placement:
         self._mask_ED = mask_ED
         self._hash: int | None = None
         self._owners_E: np.ndarray | None = None
+        self._is_shard: bool | None = None
 
     @classmethod
     def _trusted(cls, mask_ED: np.ndarray) -> Placement:
@@ -61,6 +62,7 @@ class Placement:
         obj._mask_ED = mask_ED
         obj._hash = None
         obj._owners_E = None
+        obj._is_shard = None
         return obj
 
     # ----------------------------------------------------------------------------------- constructors
@@ -135,11 +137,15 @@ class Placement:
         return self._mask_ED.sum(axis=0, dtype=np.int64)
 
     def is_shard_placement(self) -> bool:
-        """True when every chunk has exactly one owner (§3.1)."""
-        return bool((self.copies() == 1).all())
+        """True when every chunk has exactly one owner (§3.1). Cached: the mask is immutable."""
+        if self._is_shard is None:
+            self._is_shard = bool((self.copies() == 1).all())
+        return self._is_shard
 
     def require_shard_placement(self, what: str = "placement") -> None:
         """Raise ValueError naming the offending experts unless this is a shard placement."""
+        if self.is_shard_placement():
+            return
         copies_E = self.copies()
         bad_E = np.flatnonzero(copies_E != 1)
         if bad_E.size:

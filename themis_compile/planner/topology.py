@@ -96,13 +96,25 @@ class Topology:
         return cls(counts, **bw)
 
     # ----------------------------------------------------------------------------------- queries
-    @property
+    @functools.cached_property
     def num_devices(self) -> int:
         return sum(self.devices_per_node)
 
-    @property
+    @functools.cached_property
     def num_nodes(self) -> int:
         return len(self.devices_per_node)
+
+    @functools.cached_property
+    def devices_per_node_f(self) -> np.ndarray:
+        """[N] float64: devices on every node, as the planner's load model uses them (read-only)."""
+        k_N = np.asarray(self.devices_per_node, dtype=np.float64)
+        k_N.setflags(write=False)
+        return k_N
+
+    @functools.cached_property
+    def is_uniform(self) -> bool:
+        """True when every node has the same number of devices."""
+        return len(set(self.devices_per_node)) == 1
 
     @functools.cached_property
     def node_ids(self) -> np.ndarray:
@@ -118,6 +130,14 @@ class Topology:
         np.cumsum(self.devices_per_node, out=offsets[1:])
         offsets.setflags(write=False)
         return offsets
+
+    @functools.cached_property
+    def local_ranks(self) -> np.ndarray:
+        """[D] int64: the position of every device inside its node, ``d - node_offsets[node_of(d)]``
+        (read-only)."""
+        ranks_D = np.arange(self.num_devices, dtype=np.int64) - self.node_offsets[self.node_ids]
+        ranks_D.setflags(write=False)
+        return ranks_D
 
     @functools.cached_property
     def same_node(self) -> np.ndarray:
