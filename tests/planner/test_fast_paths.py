@@ -210,6 +210,7 @@ def test_alg1_calibration_and_alg3_match_the_reference(seed):
         fast = sparse_materialization(shard, load_E, t, m, topo)
         slow = ref_sparse_materialization(shard, load_E, t, m, topo)
         assert np.array_equal(fast.mask, slow.mask), (topo, E, t, m)
+        assert np.array_equal(fast.copies(), fast.mask.sum(axis=1))    # counts cached by the builder
         tokens_ED = rng.multinomial(int(rng.integers(0, 4000)), rng.dirichlet(np.ones(E)), size=D).T
         actual_E = tokens_ED.sum(axis=1).astype(np.float64)
         cost = PlanCost(1e-6, float(rng.choice([1e3, 1e6])), topo)
@@ -217,6 +218,7 @@ def test_alg1_calibration_and_alg3_match_the_reference(seed):
         fast_c = calibrate(shard, fast, actual_E, t, m + 1, topo, cost, tokens_ED=with_tokens)
         slow_c = ref_calibrate(shard, slow, actual_E, t, m + 1, topo, cost, tokens_ED=with_tokens)
         assert np.array_equal(fast_c.mask, slow_c.mask), (topo, E, t, m)
+        assert np.array_equal(fast_c.copies(), fast_c.mask.sum(axis=1))
         R_EDD = topology_aware_dispatch(fast_c, tokens_ED, topo)
         assert R_EDD.dtype == np.int64 and R_EDD.shape == (E, D, D)
         assert np.array_equal(R_EDD, ref_dispatch(fast_c, tokens_ED, topo))

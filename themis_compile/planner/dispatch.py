@@ -131,17 +131,17 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     topology.validate(D)
     tokens_ED = check_tokens(tokens_ED, E, D)
     mask_ED = placement.mask
-    copies_E = np.count_nonzero(mask_ED, axis=1)
+    copies_E = placement._copy_counts()
     if E and copies_E.min() == 0:
         orphan = np.flatnonzero(copies_E == 0)
         if tokens_ED[orphan].any():
             raise ValueError(f"expert {int(orphan[tokens_ED[orphan].any(axis=1)][0])} has tokens but no holder")
     R_EDD = np.zeros((E, D, D), dtype=np.int64)
     # Experts with one holder: every token goes to it (l.5 for the holder, l.12 for everyone else).
-    single_S = np.flatnonzero(copies_E == 1)
-    if single_S.size:
-        owner_S = np.argmax(mask_ED[single_S], axis=1)
-        R_EDD.reshape(-1)[_flat_base(E, D)[single_S] + owner_S[:, None]] = tokens_ED[single_S]
+    # Written for every expert at once; the rows of replicated experts are overwritten below (and an
+    # expert without holders has no tokens).
+    if E:
+        R_EDD.reshape(-1)[_flat_base(E, D) + np.argmax(mask_ED, axis=1)[:, None]] = tokens_ED
     # Replicated experts: l.4-12 vectorized over [X, D (source), D (destination)].
     rep_X = np.flatnonzero(copies_E > 1)
     if rep_X.size:

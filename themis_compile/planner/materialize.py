@@ -121,23 +121,25 @@ def _shard_device_load(owners_E: np.ndarray, load_E: np.ndarray, topology: Topol
     """[D] `cost.fluid_device_load` of the shard placement ``owners_E``, bit for bit, in O(E).
 
     With one holder on node n the model's per-holder factor is ``k_n / 1 + (D - k_n) / 1`` = D exactly
-    (small integers), and the [E, D] column sums of the model add experts in ascending order, which is
-    what a weighted bincount does. On one node the model uses a matrix product instead, so that case
-    (and D = 1) goes through `cost.fluid_device_load` itself.
+    (small integers); where the model's column sums add experts in ascending order
+    (`cost.column_sums_are_sequential`), a weighted bincount adds the same terms in the same order.
+    Elsewhere (one node: a matrix product; very large E·D: pairwise sums) the model itself is called.
     """
-    D = topology.num_devices
-    if topology.num_nodes == 1 or D == 1:
-        from themis_compile.planner.cost import fluid_device_load
+    from themis_compile.planner.cost import column_sums_are_sequential, fluid_device_load
 
+    D = topology.num_devices
+    if topology.num_nodes == 1 or not column_sums_are_sequential(owners_E.size, topology):
         return fluid_device_load(Placement.from_owners(owners_E, D), load_E, topology)
     return np.bincount(owners_E, weights=(load_E / D) * float(D), minlength=D)
 
 
 def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarray,
-                    slots_D: np.ndarray, topology: Topology, owners_E: np.ndarray | None = None) -> None:
+                    slots_D: np.ndarray, topology: Topology, copies_E: np.ndarray,
+                    owners_E: np.ndarray | None = None) -> None:
     """Alg. 1 l.7-11 (the LPT branch), in place on ``mask_ED``; ``slots_D`` is the free replica
-    budget of every device (decremented as replicas are placed). ``owners_E``: when ``mask_ED`` is the
-    shard placement itself, its owners (saves modeling the initial loads from the mask).
+    budget of every device (decremented as replicas are placed) and ``copies_E`` the holder count of
+    every expert (incremented likewise). ``owners_E``: when ``mask_ED`` is the shard placement itself,
+    its owners (saves modeling the initial loads from the mask).
 
     l.10 concretely: a replica goes to the node with the fewest holders of e per device (so nodes that
     lack e come first and replicas spread over nodes), ties by the load of the node's best candidate,
@@ -156,6 +158,7 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
         return
     D = mask_ED.shape[1]
     N = topology.num_nodes
+    total_devices = topology.num_devices
     node_D = topology.node_ids
     node_of = node_D.tolist()
     k_list = topology.devices_per_node
@@ -164,7 +167,7 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
     single_level_ND = rank_D + (np.arange(N)[:, None] == node_D)   # [N, D] levels for one holder on n
     # Each expert's row is untouched until its turn, so with a shard placement its holder is its owner.
     owner_of = None if owners_E is None else owners_E.tolist()
-    copies_J = np.count_nonzero(mask_ED[experts_J], axis=1)
+    copies_J = copies_E[experts_J]
     if owners_E is not None:
         dev_load = _shard_device_load(owners_E, load_E, topology).tolist()
     else:
@@ -208,17 +211,20 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
         # after j replicas is max(hottest - share_0, max load of the first j) + share_j; once that
         # bound with the smallest share cannot beat the best, no later j can (rounding is monotone).
         load_e = float(load_E[e])
-        hottest = max(dev_load[d] for d in holders)
+        hottest = dev_load[holders[0]]
+        for d in holders:
+            if dev_load[d] > hottest:
+                hottest = dev_load[d]
         base = hottest - load_e / copies
         share_last = load_e / (copies + pick_S.size)
         best, k, run = hottest, 0, -math.inf
         for j, x in enumerate(load_P[pick_S].tolist(), start=1):
             if x > run:
                 run = x
-            if (run if run > base else base) + share_last >= best:
+            top = run if run > base else base     # max(base + s, run + s) = max(base, run) + s
+            if top + share_last >= best:
                 break
-            share = load_e / (copies + j)
-            peak = max(base + share, run + share)
+            peak = top + load_e / (copies + j)
             if peak < best:
                 best, k = peak, j
         if k == 0:
@@ -227,19 +233,28 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
         # l.11: P' ← P' ∪ P^e; update the modeled load of every holder of e (cost.fluid_device_load:
         # load/D · (k_n / h_n + U / c) at a holder on node n, U = devices on nodes without e).
         per_device = load_e / D
-        uncovered = float(sum(kn for kn, h in zip(k_list, holders_N) if h == 0))
+        uncovered = total_devices
+        for kn, h in zip(k_list, holders_N):
+            if h:
+                uncovered -= kn
+        term = uncovered / copies
         for d in holders:
             nd = node_of[d]
-            dev_load[d] = dev_load[d] - per_device * (k_list[nd] / holders_N[nd] + uncovered / copies)
+            dev_load[d] = dev_load[d] - per_device * (k_list[nd] / holders_N[nd] + term)
         row_D[chosen] = True
         neg_slots_D[chosen] += 1
-        holders += chosen.tolist()
-        for d in holders[-k:]:
-            holders_N[node_of[d]] += 1
-        uncovered = float(sum(kn for kn, h in zip(k_list, holders_N) if h == 0))
+        chosen_list = chosen.tolist()
+        for d in chosen_list:
+            nd = node_of[d]
+            if not holders_N[nd]:
+                uncovered -= k_list[nd]
+            holders_N[nd] += 1
+        holders += chosen_list
+        copies_E[e] = copies + k
+        term = uncovered / (copies + k)
         for d in holders:
             nd = node_of[d]
-            dev_load[d] = dev_load[d] + per_device * (k_list[nd] / holders_N[nd] + uncovered / (copies + k))
+            dev_load[d] = dev_load[d] + per_device * (k_list[nd] / holders_N[nd] + term)
     slots_D[:] = -neg_slots_D
 
 
@@ -267,12 +282,14 @@ def sparse_materialization(shard: Placement, load_E: np.ndarray, overlap_degree:
     if top_J.size == 0 or m == 0:
         return shard
     mask_ED = shard.mask.copy()                                          # l.2
+    copies_E = np.ones(E, dtype=np.int64)
     if t <= m:                                                           # l.4
         mask_ED[top_J, :] = True                                         # l.5
+        copies_E[top_J] = D
     else:
         slots_D = np.full(D, m, dtype=np.int64)                          # l.7 (totSlots = D·m)
-        _place_replicas(mask_ED, load_E, top_J, slots_D, topology, shard.owners())   # l.8-11
-    return Placement._trusted(mask_ED)
+        _place_replicas(mask_ED, load_E, top_J, slots_D, topology, copies_E, shard.owners())   # l.8-11
+    return Placement._trusted(mask_ED, copies_E)
 
 
 def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarray,
@@ -311,8 +328,9 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
     eligible_E[fresh] = True
     experts_J = order_E[eligible_E[order_E] & (actual_load_E[order_E] > 0)]
     mask_ED = materialized.mask.copy()
-    _place_replicas(mask_ED, actual_load_E, experts_J, slots_D, topology)
-    merged = Placement._trusted(mask_ED)
+    copies_E = materialized._copy_counts().copy()
+    _place_replicas(mask_ED, actual_load_E, experts_J, slots_D, topology, copies_E)
+    merged = Placement._trusted(mask_ED, copies_E)
     if merged == materialized:
         return materialized
     # Step 2: adopt only when the gain pays for the extra critical-path transfer.

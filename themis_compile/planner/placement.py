@@ -35,7 +35,7 @@ class Placement:
         mask_ED: boolean-like array of shape [E, D]; copied and made read-only.
     """
 
-    __slots__ = ("_mask_ED", "_hash", "_owners_E", "_is_shard")
+    __slots__ = ("_mask_ED", "_hash", "_owners_E", "_is_shard", "_copies_E")
 
     def __init__(self, mask_ED: np.ndarray) -> None:
         mask_ED = np.asarray(mask_ED)
@@ -53,16 +53,21 @@ class Placement:
         self._hash: int | None = None
         self._owners_E: np.ndarray | None = None
         self._is_shard: bool | None = None
+        self._copies_E: np.ndarray | None = None
 
     @classmethod
-    def _trusted(cls, mask_ED: np.ndarray) -> Placement:
-        """Wrap a freshly built C-contiguous bool array without copying (internal fast path)."""
+    def _trusted(cls, mask_ED: np.ndarray, copies_E: np.ndarray | None = None) -> Placement:
+        """Wrap a freshly built C-contiguous bool array without copying (internal fast path).
+        ``copies_E``: its per-expert holder counts when the builder already knows them."""
         obj = cls.__new__(cls)
         mask_ED.setflags(write=False)
         obj._mask_ED = mask_ED
         obj._hash = None
         obj._owners_E = None
         obj._is_shard = None
+        if copies_E is not None:
+            copies_E.setflags(write=False)
+        obj._copies_E = copies_E
         return obj
 
     # ----------------------------------------------------------------------------------- constructors
@@ -130,7 +135,15 @@ class Placement:
 
     def copies(self) -> np.ndarray:
         """[E] int64: how many devices hold each chunk."""
-        return self._mask_ED.sum(axis=1, dtype=np.int64)
+        return self._copy_counts().copy()
+
+    def _copy_counts(self) -> np.ndarray:
+        """[E] int64 holder counts, computed once (read-only; internal)."""
+        if self._copies_E is None:
+            copies_E = self._mask_ED.sum(axis=1, dtype=np.int64)
+            copies_E.setflags(write=False)
+            self._copies_E = copies_E
+        return self._copies_E
 
     def slots(self) -> np.ndarray:
         """[D] int64: how many chunks each device holds."""
@@ -139,14 +152,14 @@ class Placement:
     def is_shard_placement(self) -> bool:
         """True when every chunk has exactly one owner (§3.1). Cached: the mask is immutable."""
         if self._is_shard is None:
-            self._is_shard = bool((self.copies() == 1).all())
+            self._is_shard = bool((self._copy_counts() == 1).all())
         return self._is_shard
 
     def require_shard_placement(self, what: str = "placement") -> None:
         """Raise ValueError naming the offending experts unless this is a shard placement."""
         if self.is_shard_placement():
             return
-        copies_E = self.copies()
+        copies_E = self._copy_counts()
         bad_E = np.flatnonzero(copies_E != 1)
         if bad_E.size:
             e = int(bad_E[0])
