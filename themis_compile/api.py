@@ -122,9 +122,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         dense = [p for p in model.parameters() if id(p) not in sharded_ids]
         runtime.reshard_scheduler = ReshardScheduler(runtime, config.reshard_interval, dense)
     if world_size > 1:
-        from torch.distributed._composable.replicate import replicate
-
-        replicate(model, ignored_modules=sharded, process_group=group)
+        _make_dense_data_parallel(model, sharded, group, config)
     model._themis_runtime = runtime
     if fssdp and (config.overlap_degree is None or config.materialization_budget is None):
         from themis_compile.runtime.budgets import BudgetController
@@ -140,6 +138,25 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     logger.info("themis_compile: %d MoE layers sharded over %d ranks (policy %s)", len(infos), world_size,
                 config.policy)
     return model
+
+
+def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group, config: ThemisConfig) -> None:
+    """Dense (non-expert) parameters: torch's DDP (composable ``replicate``) or FSDP2 (``fully_shard``)."""
+    if config.dense_parallel == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        ranks = dist.get_process_group_ranks(group)
+        if ranks != list(range(dist.get_world_size())):
+            raise ValueError("dense_parallel='fsdp2' needs the default group's ranks in order")
+        device = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
+        mesh = init_device_mesh(device, (len(ranks),))
+        expert_params = {p for m in sharded for p in m.parameters()}
+        fully_shard(model, mesh=mesh, ignored_params=expert_params)
+        return
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, ignored_modules=sharded, process_group=group)
 
 
 def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):

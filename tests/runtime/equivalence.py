@@ -64,7 +64,15 @@ def _expert_chunks_reference(model) -> dict[tuple[int, int], list[torch.Tensor]]
 
 
 def _dense_params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." not in n}
+    out = {}
+    for n, p in model.named_parameters():
+        if ".experts." in n:
+            continue
+        p = p.detach()
+        if hasattr(p, "full_tensor"):   # FSDP2 shards dense parameters as DTensors (collective)
+            p = p.full_tensor()
+        out[n] = p.clone()
+    return out
 
 
 def make_optimizer(params, optimizer: str, lr: float = LR):

@@ -63,6 +63,10 @@ def _run(rank, world_size, cases):
     out.append(train_distributed(rank, world_size, MODELS[name], {"policy": policy, "reshard_interval": 3,
                                  "overlap_degree": 8, "materialization_budget": 2},
                                  6, BATCH, SEQ, optimizer="sgd"))
+    # Dense parameters through FSDP2 instead of DDP.
+    out.append(train_distributed(rank, world_size, MODELS["ref-stacked"],
+                                 {"policy": "themis", "dense_parallel": "fsdp2", "reshard_interval": 3,
+                                  "overlap_degree": 8, "materialization_budget": 2}, 6, BATCH, SEQ))
     return out
 
 
@@ -87,4 +91,5 @@ def test_fssdp_matches_single_process(world_size, devices_per_node):
         assert sum(rec[2] for rec in records) > 0, f"{name}/{policy}: no replicas were materialized"
     # SGD exposes a wrong gradient scale on replicas reduced by SpRS, which AdamW would hide.
     name, _ = SGD_CASE
-    assert_equivalent(train_reference(MODELS[name], 6, BATCH, SEQ, "sgd"), [r[-1] for r in results], atol=1e-5)
+    assert_equivalent(train_reference(MODELS[name], 6, BATCH, SEQ, "sgd"), [r[-2] for r in results], atol=1e-5)
+    assert_equivalent(train_reference(MODELS["ref-stacked"], 6, BATCH, SEQ), [r[-1] for r in results])
