@@ -3,20 +3,25 @@ Alg. 2, at the paper's scale (§5.3: median 24–51 µs, p95 67 µs per MoE laye
 
 Setups: 4 nodes × 8 devices; E = 64 with top-4 routing (Qwen1.5-MoE) and E = 128 with top-8
 (DeepSeek-V3). Loads come from a skewed generator: expert popularity from a Dirichlet(α = 0.3) that
-drifts a little every iteration, each device routing its tokens multinomially. Alg. 2 is timed over 24
-layers. Prints one JSON document and returns it.
+drifts a little every iteration, each device routing its tokens multinomially. The calibration stage
+(§4.2, run on the actual gate counts after Alg. 1) is timed separately, on counts drawn from a popularity
+perturbed away from the predicted one. Alg. 2 is timed over 24 layers. Prints one JSON document and
+returns it; ``load_average`` records how busy the machine was (timings on a shared machine are noisy).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import time
 
 import numpy as np
 
 from themis_compile.planner import (
-    Topology, heterogeneous_sharding, homogeneous_sharding, sparse_materialization, topology_aware_dispatch,
+    PlanCost, Topology, calibrate, heterogeneous_sharding, homogeneous_sharding, sparse_materialization,
+    topology_aware_dispatch,
 )
 
 SETUPS = (
@@ -43,15 +48,18 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
     t, m = setup["overlap_degree"], setup["materialization_budget"]
     shard = homogeneous_sharding(1, E, D)[0]
     popularity_E = rng.dirichlet(np.full(E, 0.3))
+    cost = PlanCost(time_per_token_s=1e-6, expert_bytes=16e6, topology=topology)
     traces = []
     for _ in range(min(plans, 64)):                     # inputs prepared outside the timed region
         popularity_E = popularity_E * np.exp(rng.normal(0.0, 0.05, E))
         popularity_E /= popularity_E.sum()
         tokens_ED = skewed_tokens(rng, popularity_E, D, seq_len * setup["top_k"])
-        traces.append((tokens_ED.sum(axis=1).astype(np.float64), tokens_ED))
-    alg1_us, alg3_us, total_us, imbalance = [], [], [], []
+        actual_E = popularity_E * np.exp(rng.normal(0.0, 0.3, E))
+        actual_ED = skewed_tokens(rng, actual_E / actual_E.sum(), D, seq_len * setup["top_k"])
+        traces.append((tokens_ED.sum(axis=1).astype(np.float64), tokens_ED, actual_ED))
+    alg1_us, alg3_us, total_us, calib_us, imbalance = [], [], [], [], []
     for i in range(plans):
-        load_E, tokens_ED = traces[i % len(traces)]
+        load_E, tokens_ED, actual_ED = traces[i % len(traces)]
         t0 = time.perf_counter()
         placement = sparse_materialization(shard, load_E, t, m, topology)
         t1 = time.perf_counter()
@@ -60,6 +68,9 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
         alg1_us.append((t1 - t0) * 1e6)
         alg3_us.append((t2 - t1) * 1e6)
         total_us.append((t2 - t0) * 1e6)
+        t3 = time.perf_counter()
+        calibrate(shard, placement, actual_ED.sum(axis=1), t, m + 1, topology, cost, tokens_ED=actual_ED)
+        calib_us.append((time.perf_counter() - t3) * 1e6)
         if i < len(traces):
             ep = topology_aware_dispatch(shard, tokens_ED, topology).sum(axis=(0, 1))
             imbalance.append((float(ep.max() / ep.mean()), float(R_EDD.sum(axis=(0, 1)).max() / ep.mean())))
@@ -68,6 +79,7 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
         "setup": setup["name"], "num_experts": E, "top_k": setup["top_k"], "overlap_degree": t,
         "materialization_budget": m, "plans": plans,
         "alg1_plus_alg3": _percentiles(total_us), "alg1": _percentiles(alg1_us), "alg3": _percentiles(alg3_us),
+        "calibrate_with_tokens": _percentiles(calib_us),
         "max_over_mean_device_load": {"ep": round(float(imb[:, 0].mean()), 3),
                                       "themis_alg1": round(float(imb[:, 1].mean()), 3)},
     }
@@ -103,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
         "setups": [bench_setup(s, plans, args.seed, topology) for s in SETUPS],
         "alg2": bench_alg2(24, 64, 8, topology, 1 if args.quick else 5, args.seed),
         "quick": bool(args.quick),
+        "python": platform.python_version(), "numpy": np.__version__,
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
     print(json.dumps(result, indent=2))
     return result

@@ -65,7 +65,7 @@ def check_tokens(tokens_ED: np.ndarray, num_experts: int, num_devices: int) -> n
     return tokens_ED
 
 
-_FLAT_BASE_CACHE: dict[tuple[int, int], np.ndarray] = {}
+_FLAT_BASE_CACHE: dict[tuple, np.ndarray] = {}    # index tables per shape (small, bounded below)
 
 
 def _flat_base(num_experts: int, num_devices: int) -> np.ndarray:
@@ -83,8 +83,20 @@ def _flat_base(num_experts: int, num_devices: int) -> np.ndarray:
     return base_ED
 
 
+def _expert_plus_source(experts_X: np.ndarray, num_devices: int) -> np.ndarray:
+    """[X, D] int64 ``e + d`` (the remainder rotation before the modulo) from a cached [E, D] table."""
+    E = int(experts_X.max()) + 1
+    table_ED = _FLAT_BASE_CACHE.get(("e+d", num_devices))
+    if table_ED is None or table_ED.shape[0] < E:
+        rows = max(E, 256)
+        table_ED = np.arange(rows, dtype=np.int64)[:, None] + np.arange(num_devices, dtype=np.int64)
+        table_ED.setflags(write=False)
+        _FLAT_BASE_CACHE[("e+d", num_devices)] = table_ED
+    return table_ED[experts_X]
+
+
 def _split_replicated(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np.ndarray,
-                      topology: Topology) -> np.ndarray:
+                      copies_X: np.ndarray, topology: Topology) -> np.ndarray:
     """Alg. 3 l.6-12 for experts with several holders: [X, D (source), D (destination)] token counts of
     the sources that do not hold the expert (rows of holders are zero: the caller writes R[e, d, d]).
     The integer dtype is the narrowest that holds the counts; the caller stores them into the int64 plan.
@@ -99,7 +111,6 @@ def _split_replicated(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np
     node_D = topology.node_ids
     upos = np.uint16 if 4 * D < 2 ** 16 else np.uint64
     holders_XN = np.add.reduceat(holds_XD, topology.node_offsets[:-1], axis=1, dtype=np.int64)
-    copies_X = holders_XN.sum(axis=1)
     has_local_XN = holders_XN > 0                                          # l.8-9: D^elocal ≠ ∅
     local_XND = holds_XD[:, None, :] & topology.same_node[topology.node_offsets[:-1]][None, :, :]
     targets_XND = np.where(has_local_XN[:, :, None], local_XND, holds_XD[:, None, :])   # l.10 / l.12
@@ -109,7 +120,7 @@ def _split_replicated(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np
     k_XD = k_XN[:, node_D]
     tokens_XD = np.where(holds_XD, 0, tokens_XD)
     q_XD, r_XD = np.divmod(tokens_XD, k_XD)
-    offset1_XD = ((experts_X[:, None] + np.arange(D)) % k_XD + 1).astype(upos)
+    offset1_XD = (_expert_plus_source(experts_X, D) % k_XD + 1).astype(upos)     # offset + 1
     u_XDD = pos_XND[:, node_D]
     u_XDD -= offset1_XD[:, :, None]                                        # u = j - offset (wrapping)
     extra_XDD = np.minimum(u_XDD, u_XDD + k_XD.astype(upos)[:, :, None]) < r_XD.astype(upos)[:, :, None]
@@ -147,7 +158,7 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     if rep_X.size:
         holds_XD = mask_ED[rep_X]
         tokens_XD = tokens_ED[rep_X]
-        R_EDD[rep_X] = _split_replicated(holds_XD, tokens_XD, rep_X.astype(np.int64), topology)
+        R_EDD[rep_X] = _split_replicated(holds_XD, tokens_XD, rep_X, copies_E[rep_X], topology)
         # l.4-5: a source that holds e keeps all its tokens (R[e, d, d]).
         hx_H, hd_H = np.nonzero(holds_XD)
         R_EDD.reshape(-1)[_flat_base(E, D)[rep_X[hx_H], hd_H] + hd_H] = tokens_XD[hx_H, hd_H]

@@ -164,7 +164,7 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
     k_list = topology.devices_per_node
     rank_D = topology.local_ranks
     k_D = None if topology.is_uniform else topology.devices_per_node_f[node_D]
-    single_level_ND = rank_D + (np.arange(N)[:, None] == node_D)   # [N, D] levels for one holder on n
+    single_level_ND = topology.single_holder_levels                 # [N, D] levels for one holder on n
     # Each expert's row is untouched until its turn, so with a shard placement its holder is its owner.
     owner_of = None if owners_E is None else owners_E.tolist()
     copies_J = copies_E[experts_J]

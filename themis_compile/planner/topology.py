@@ -140,6 +140,14 @@ class Topology:
         return ranks_D
 
     @functools.cached_property
+    def single_holder_levels(self) -> np.ndarray:
+        """[N, D] int64: ``local_ranks[d] + (node_of(d) == n)``, the l.10 spreading level of device d's
+        rank inside its node when an expert's only holder sits on node n (read-only)."""
+        levels_ND = self.local_ranks + (np.arange(self.num_nodes)[:, None] == self.node_ids)
+        levels_ND.setflags(write=False)
+        return levels_ND
+
+    @functools.cached_property
     def same_node(self) -> np.ndarray:
         """[D, D] bool: ``same_node[d, d2]`` is True when d and d2 share a node (read-only)."""
         ids_D = self.node_ids
