@@ -16,8 +16,8 @@ from themis_compile.planner import (
     PlanCost, Placement, Topology, calibrate, fluid_device_load, sparse_materialization,
     topology_aware_dispatch,
 )
-from themis_compile.planner import materialize
-from themis_compile.planner.dispatch import check_tokens
+from themis_compile.planner import device_compute_load, materialize
+from themis_compile.planner.dispatch import check_tokens, dispatch_device_load, dispatch_rows
 
 TOPOLOGIES = [(1,), (3,), (2, 2), (3, 2), (2, 2, 2), (4, 1), (1, 3), (5, 3, 8), (4, 4, 4), (8, 8, 8, 8)]
 
@@ -204,7 +204,7 @@ def test_reference_matches_the_module_remainder_rule_on_a_hand_case():
 @pytest.mark.parametrize("seed", range(4))
 def test_alg1_calibration_and_alg3_match_the_reference(seed):
     rng = np.random.default_rng(seed)
-    for _ in range(120):
+    for _ in range(200):
         topo, shard, load_E, t, m = random_case(rng)
         E, D = shard.shape
         fast = sparse_materialization(shard, load_E, t, m, topo)
@@ -222,6 +222,11 @@ def test_alg1_calibration_and_alg3_match_the_reference(seed):
         R_EDD = topology_aware_dispatch(fast_c, tokens_ED, topo)
         assert R_EDD.dtype == np.int64 and R_EDD.shape == (E, D, D)
         assert np.array_equal(R_EDD, ref_dispatch(fast_c, tokens_ED, topo))
+        sources_S = rng.integers(0, D, int(rng.integers(0, D + 1)))     # any subset, repeats allowed
+        assert np.array_equal(dispatch_rows(fast_c, tokens_ED, topo, sources_S), R_EDD[:, sources_S, :])
+        d = int(rng.integers(D))
+        assert np.array_equal(dispatch_rows(fast_c, tokens_ED, topo, d), R_EDD[:, d, :])
+        assert np.array_equal(dispatch_device_load(fast_c, tokens_ED, topo), device_compute_load(R_EDD))
 
 
 def test_alg1_matches_the_reference_at_benchmark_scale():
@@ -247,6 +252,19 @@ def test_dispatch_large_counts_use_wide_integers():
     R_EDD = topology_aware_dispatch(placement, tokens_ED, topo)
     assert np.array_equal(R_EDD, ref_dispatch(placement, tokens_ED, topo))
     assert (R_EDD.sum(axis=2) == tokens_ED).all()
+    assert np.array_equal(dispatch_rows(placement, tokens_ED, topo, [1, 0]), R_EDD[:, [1, 0], :])
+    assert np.array_equal(dispatch_device_load(placement, tokens_ED, topo), R_EDD.sum(axis=(0, 1)))
+
+
+def test_dispatch_rows_rejects_bad_sources_and_orphans():
+    topo = Topology((2, 2))
+    placement = Placement(np.array([[True, False, False, False], [False, False, False, False]]))
+    with pytest.raises(ValueError, match="sources must be device ids"):
+        dispatch_rows(placement, np.zeros((2, 4), dtype=np.int64), topo, [4])
+    with pytest.raises(ValueError, match="expert 1 has tokens but no holder"):
+        dispatch_rows(placement, np.array([[1, 0, 0, 0], [0, 2, 0, 0]]), topo, 0)
+    with pytest.raises(ValueError, match="expert 1 has tokens but no holder"):
+        dispatch_device_load(placement, np.array([[1, 0, 0, 0], [0, 2, 0, 0]]), topo)
 
 
 def test_assign_slots_matches_one_slot_at_a_time():

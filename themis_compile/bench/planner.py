@@ -23,6 +23,7 @@ from themis_compile.planner import (
     PlanCost, Topology, calibrate, heterogeneous_sharding, homogeneous_sharding, sparse_materialization,
     topology_aware_dispatch,
 )
+from themis_compile.planner.dispatch import dispatch_rows
 
 SETUPS = (
     {"name": "qwen1.5-moe", "num_experts": 64, "top_k": 4, "overlap_degree": 8, "materialization_budget": 2},
@@ -57,7 +58,7 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
         actual_E = popularity_E * np.exp(rng.normal(0.0, 0.3, E))
         actual_ED = skewed_tokens(rng, actual_E / actual_E.sum(), D, seq_len * setup["top_k"])
         traces.append((tokens_ED.sum(axis=1).astype(np.float64), tokens_ED, actual_ED))
-    alg1_us, alg3_us, total_us, calib_us, imbalance = [], [], [], [], []
+    alg1_us, alg3_us, total_us, calib_us, rows_us, imbalance = [], [], [], [], [], []
     for i in range(plans):
         load_E, tokens_ED, actual_ED = traces[i % len(traces)]
         t0 = time.perf_counter()
@@ -69,6 +70,9 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
         alg3_us.append((t2 - t1) * 1e6)
         total_us.append((t2 - t0) * 1e6)
         t3 = time.perf_counter()
+        dispatch_rows(placement, tokens_ED, topology, i % D)
+        rows_us.append((time.perf_counter() - t3) * 1e6 + alg1_us[-1])
+        t3 = time.perf_counter()
         calibrate(shard, placement, actual_ED.sum(axis=1), t, m + 1, topology, cost, tokens_ED=actual_ED)
         calib_us.append((time.perf_counter() - t3) * 1e6)
         if i < len(traces):
@@ -79,6 +83,8 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
         "setup": setup["name"], "num_experts": E, "top_k": setup["top_k"], "overlap_degree": t,
         "materialization_budget": m, "plans": plans,
         "alg1_plus_alg3": _percentiles(total_us), "alg1": _percentiles(alg1_us), "alg3": _percentiles(alg3_us),
+        # What one rank needs per layer: Alg. 1 and its own row R[:, rank, :] of the Alg. 3 plan.
+        "alg1_plus_alg3_own_row": _percentiles(rows_us),
         "calibrate_with_tokens": _percentiles(calib_us),
         "max_over_mean_device_load": {"ep": round(float(imb[:, 0].mean()), 3),
                                       "themis_alg1": round(float(imb[:, 1].mean()), 3)},

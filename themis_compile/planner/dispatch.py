@@ -42,7 +42,7 @@ from themis_compile.planner.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["topology_aware_dispatch", "even_dispatch", "check_tokens"]
+__all__ = ["topology_aware_dispatch", "dispatch_rows", "dispatch_device_load", "even_dispatch", "check_tokens"]
 
 
 def check_tokens(tokens_ED: np.ndarray, num_experts: int, num_devices: int) -> np.ndarray:
@@ -96,10 +96,12 @@ def _expert_plus_source(experts_X: np.ndarray, num_devices: int) -> np.ndarray:
 
 
 def _split_replicated(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np.ndarray,
-                      copies_X: np.ndarray, topology: Topology) -> np.ndarray:
-    """Alg. 3 l.6-12 for experts with several holders: [X, D (source), D (destination)] token counts of
+                      copies_X: np.ndarray, topology: Topology,
+                      sources_S: np.ndarray | None = None) -> np.ndarray:
+    """Alg. 3 l.6-12 for experts with several holders: [X, S (source), D (destination)] token counts of
     the sources that do not hold the expert (rows of holders are zero: the caller writes R[e, d, d]).
-    The integer dtype is the narrowest that holds the counts; the caller stores them into the int64 plan.
+    ``sources_S``: the source devices to plan (all D when None). The integer dtype is the narrowest that
+    holds the counts; the caller stores them into its int64 array.
 
     A source's targets depend only on its node (l.7-12), so target sets and target positions are built
     per (expert, node) — [X, N, D] — and gathered per source. The remainder rule
@@ -107,8 +109,7 @@ def _split_replicated(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np
     (-k, k), ``u mod k`` is ``min(u, u + k)`` in unsigned arithmetic (a negative u wraps to a huge
     value). Non-targets get a position far out of range, so no remainder lands there.
     """
-    X, D = holds_XD.shape
-    node_D = topology.node_ids
+    D = holds_XD.shape[1]
     upos = np.uint16 if 4 * D < 2 ** 16 else np.uint64
     holders_XN = np.add.reduceat(holds_XD, topology.node_offsets[:-1], axis=1, dtype=np.int64)
     has_local_XN = holders_XN > 0                                          # l.8-9: D^elocal ≠ ∅
@@ -117,18 +118,37 @@ def _split_replicated(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np
     k_XN = np.where(has_local_XN, holders_XN, copies_X[:, None])
     # j + 1 at targets (position among the source's targets, ascending device id); far off elsewhere.
     pos_XND = np.where(targets_XND, np.cumsum(targets_XND, axis=2), 4 * D).astype(upos)
-    k_XD = k_XN[:, node_D]
-    tokens_XD = np.where(holds_XD, 0, tokens_XD)
-    q_XD, r_XD = np.divmod(tokens_XD, k_XD)
-    offset1_XD = (_expert_plus_source(experts_X, D) % k_XD + 1).astype(upos)     # offset + 1
-    u_XDD = pos_XND[:, node_D]
-    u_XDD -= offset1_XD[:, :, None]                                        # u = j - offset (wrapping)
-    extra_XDD = np.minimum(u_XDD, u_XDD + k_XD.astype(upos)[:, :, None]) < r_XD.astype(upos)[:, :, None]
-    qmax = int(q_XD.max(initial=0))
+    if sources_S is None:
+        node_S = topology.node_ids
+        e_plus_d_XS = _expert_plus_source(experts_X, D)
+    else:
+        node_S = topology.node_ids[sources_S]
+        holds_XD, tokens_XD = holds_XD[:, sources_S], tokens_XD[:, sources_S]
+        e_plus_d_XS = experts_X[:, None] + sources_S
+    k_XS = k_XN[:, node_S]
+    q_XS, r_XS = np.divmod(np.where(holds_XD, 0, tokens_XD), k_XS)
+    offset1_XS = (e_plus_d_XS % k_XS + 1).astype(upos)                      # offset + 1
+    u_XSD = pos_XND[:, node_S]
+    u_XSD -= offset1_XS[:, :, None]                                        # u = j - offset (wrapping)
+    extra_XSD = np.minimum(u_XSD, u_XSD + k_XS.astype(upos)[:, :, None]) < r_XS.astype(upos)[:, :, None]
+    qmax = int(q_XS.max(initial=0))
     qtype = np.int16 if qmax < 2 ** 15 - 1 else np.int32 if qmax < 2 ** 31 - 1 else np.int64
-    R_XDD = q_XD.astype(qtype)[:, :, None] * targets_XND[:, node_D]
-    R_XDD += extra_XDD
-    return R_XDD
+    R_XSD = q_XS.astype(qtype)[:, :, None] * targets_XND[:, node_S]
+    R_XSD += extra_XSD
+    return R_XSD
+
+
+def _checked(placement: Placement, tokens_ED: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """Validate the inputs of Alg. 3; returns (int64 tokens [E, D], holder counts [E])."""
+    E, D = placement.shape
+    topology.validate(D)
+    tokens_ED = check_tokens(tokens_ED, E, D)
+    copies_E = placement._copy_counts()
+    if E and copies_E.min() == 0:
+        orphan = np.flatnonzero(copies_E == 0)
+        if tokens_ED[orphan].any():
+            raise ValueError(f"expert {int(orphan[tokens_ED[orphan].any(axis=1)][0])} has tokens but no holder")
+    return tokens_ED, copies_E
 
 
 def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topology: Topology) -> np.ndarray:
@@ -138,15 +158,9 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     keeps all its tokens for e (local first); otherwise tokens stay on the source's node when a holder
     is there. ValueError when an expert with tokens has no holder or shapes do not match.
     """
+    tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape
-    topology.validate(D)
-    tokens_ED = check_tokens(tokens_ED, E, D)
     mask_ED = placement.mask
-    copies_E = placement._copy_counts()
-    if E and copies_E.min() == 0:
-        orphan = np.flatnonzero(copies_E == 0)
-        if tokens_ED[orphan].any():
-            raise ValueError(f"expert {int(orphan[tokens_ED[orphan].any(axis=1)][0])} has tokens but no holder")
     R_EDD = np.zeros((E, D, D), dtype=np.int64)
     # Experts with one holder: every token goes to it (l.5 for the holder, l.12 for everyone else).
     # Written for every expert at once; the rows of replicated experts are overwritten below (and an
@@ -163,6 +177,55 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
         hx_H, hd_H = np.nonzero(holds_XD)
         R_EDD.reshape(-1)[_flat_base(E, D)[rep_X[hx_H], hd_H] + hd_H] = tokens_XD[hx_H, hd_H]
     return R_EDD
+
+
+def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topology,
+                  sources: int | np.ndarray) -> np.ndarray:
+    """Rows of the Alg. 3 plan for some source devices: ``R[:, sources, :]`` as int64 [E, S, D]
+    (``sources`` an int gives [E, D]), bit-identical to slicing `topology_aware_dispatch`'s plan.
+
+    What one rank needs to route its own tokens (R[:, rank, :]) at a fraction of the cost of the full
+    [E, D, D] plan: only the requested sources are split.
+    """
+    tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
+    E, D = placement.shape
+    sources_S = np.atleast_1d(np.asarray(sources, dtype=np.int64))
+    if sources_S.ndim != 1 or (sources_S.size and (sources_S.min() < 0 or sources_S.max() >= D)):
+        raise ValueError(f"sources must be device ids in [0, {D}), got {sources!r}")
+    S = sources_S.size
+    mask_ED = placement.mask
+    R_ESD = np.zeros((E, S, D), dtype=np.int64)
+    if E and S:
+        base_ES = (np.arange(E, dtype=np.int64)[:, None] * (S * D) + np.arange(S, dtype=np.int64) * D)
+        R_ESD.reshape(-1)[base_ES + np.argmax(mask_ED, axis=1)[:, None]] = tokens_ED[:, sources_S]
+        rep_X = np.flatnonzero(copies_E > 1)
+        if rep_X.size:
+            holds_XD = mask_ED[rep_X]
+            tokens_XD = tokens_ED[rep_X]
+            R_ESD[rep_X] = _split_replicated(holds_XD, tokens_XD, rep_X, copies_E[rep_X], topology, sources_S)
+            hx_H, hs_H = np.nonzero(holds_XD[:, sources_S])
+            R_ESD[rep_X[hx_H], hs_H, sources_S[hs_H]] = tokens_XD[hx_H, sources_S[hs_H]]
+    return R_ESD[:, 0, :] if np.ndim(sources) == 0 else R_ESD
+
+
+def dispatch_device_load(placement: Placement, tokens_ED: np.ndarray, topology: Topology) -> np.ndarray:
+    """[D] int64 tokens each device computes under the Alg. 3 plan, i.e.
+    ``cost.device_compute_load(topology_aware_dispatch(...))``, without building the [E, D, D] plan."""
+    tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
+    E, D = placement.shape
+    mask_ED = placement.mask
+    single_E = copies_E == 1
+    # One holder: every token of the expert lands there (integer sums, exact).
+    load_D = np.zeros(D, dtype=np.int64)
+    np.add.at(load_D, np.argmax(mask_ED[single_E], axis=1), tokens_ED[single_E].sum(axis=1))
+    rep_X = np.flatnonzero(copies_E > 1)
+    if rep_X.size:
+        holds_XD = mask_ED[rep_X]
+        tokens_XD = tokens_ED[rep_X]
+        split_XDD = _split_replicated(holds_XD, tokens_XD, rep_X, copies_E[rep_X], topology)
+        load_D += split_XDD.sum(axis=0, dtype=np.int64).sum(axis=0)
+        load_D += np.where(holds_XD, tokens_XD, 0).sum(axis=0)            # l.4-5: holders keep theirs
+    return load_D
 
 
 def even_dispatch(placement: Placement, tokens_ED: np.ndarray) -> np.ndarray:

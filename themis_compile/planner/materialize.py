@@ -44,7 +44,8 @@ import math
 
 import numpy as np
 
-from themis_compile.planner.cost import PlanCost
+from themis_compile.planner.cost import PlanCost, straggler_time
+from themis_compile.planner.dispatch import dispatch_device_load
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
 
@@ -338,10 +339,9 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
     if extra_s > cost.calibration_budget_s:
         return materialized
     if tokens_ED is not None:
-        from themis_compile.planner.dispatch import topology_aware_dispatch
-
-        before_s = cost.compute_time(topology_aware_dispatch(materialized, tokens_ED, topology))
-        after_s = cost.compute_time(topology_aware_dispatch(merged, tokens_ED, topology))
+        # cost.compute_time of the Alg. 3 plans, from their device loads alone (same integers).
+        before_s = straggler_time(dispatch_device_load(materialized, tokens_ED, topology), cost.time_per_token_s)
+        after_s = straggler_time(dispatch_device_load(merged, tokens_ED, topology), cost.time_per_token_s)
     else:
         before_s = cost.fluid_compute_time(materialized, actual_load_E)
         after_s = cost.fluid_compute_time(merged, actual_load_E)
