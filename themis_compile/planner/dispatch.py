@@ -104,36 +104,40 @@ def _split_replicated(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np
     holds the counts; the caller stores them into its int64 array.
 
     A source's targets depend only on its node (l.7-12), so target sets and target positions are built
-    per (expert, node) — [X, N, D] — and gathered per source. The remainder rule
-    ``(j - (e + d)) mod k < r`` is evaluated without an integer modulo: with ``u = j - offset`` in
-    (-k, k), ``u mod k`` is ``min(u, u + k)`` in unsigned arithmetic (a negative u wraps to a huge
-    value). Non-targets get a position far out of range, so no remainder lands there.
+    per (expert, node of a planned source) — [X, U, D] — and gathered per source (``node_S`` then
+    indexes those U nodes). The remainder rule ``(j - (e + d)) mod k < r`` is evaluated without an
+    integer modulo: with ``u = j - offset`` in (-k, k), ``u mod k`` is ``min(u, u + k)`` in unsigned
+    arithmetic (a negative u wraps to a huge value). Non-targets get a position far out of range, so no
+    remainder lands there.
     """
     D = holds_XD.shape[1]
     upos = np.uint16 if 4 * D < 2 ** 16 else np.uint64
-    holders_XN = np.add.reduceat(holds_XD, topology.node_offsets[:-1], axis=1, dtype=np.int64)
-    has_local_XN = holders_XN > 0                                          # l.8-9: D^elocal ≠ ∅
-    local_XND = holds_XD[:, None, :] & topology.same_node[topology.node_offsets[:-1]][None, :, :]
-    targets_XND = np.where(has_local_XN[:, :, None], local_XND, holds_XD[:, None, :])   # l.10 / l.12
-    k_XN = np.where(has_local_XN, holders_XN, copies_X[:, None])
-    # j + 1 at targets (position among the source's targets, ascending device id); far off elsewhere.
-    pos_XND = np.where(targets_XND, np.cumsum(targets_XND, axis=2), 4 * D).astype(upos)
     if sources_S is None:
-        node_S = topology.node_ids
+        nodes_U, node_S = np.arange(topology.num_nodes), topology.node_ids   # every node, every source
         e_plus_d_XS = _expert_plus_source(experts_X, D)
-    else:
+    else:   # only the nodes of the requested sources
         node_S = topology.node_ids[sources_S]
-        holds_XD, tokens_XD = holds_XD[:, sources_S], tokens_XD[:, sources_S]
+        nodes_U, node_S = (node_S, np.zeros(1, dtype=np.int64)) if node_S.size == 1 else \
+            np.unique(node_S, return_inverse=True)
         e_plus_d_XS = experts_X[:, None] + sources_S
-    k_XS = k_XN[:, node_S]
+    holders_XU = np.add.reduceat(holds_XD, topology.node_offsets[:-1], axis=1, dtype=np.int64)[:, nodes_U]
+    has_local_XU = holders_XU > 0                                          # l.8-9: D^elocal ≠ ∅
+    local_XUD = holds_XD[:, None, :] & topology.same_node[topology.node_offsets[nodes_U]][None, :, :]
+    targets_XUD = np.where(has_local_XU[:, :, None], local_XUD, holds_XD[:, None, :])   # l.10 / l.12
+    k_XU = np.where(has_local_XU, holders_XU, copies_X[:, None])
+    # j + 1 at targets (position among the source's targets, ascending device id); far off elsewhere.
+    pos_XUD = np.where(targets_XUD, np.cumsum(targets_XUD, axis=2), 4 * D).astype(upos)
+    if sources_S is not None:
+        holds_XD, tokens_XD = holds_XD[:, sources_S], tokens_XD[:, sources_S]
+    k_XS = k_XU[:, node_S]
     q_XS, r_XS = np.divmod(np.where(holds_XD, 0, tokens_XD), k_XS)
     offset1_XS = (e_plus_d_XS % k_XS + 1).astype(upos)                      # offset + 1
-    u_XSD = pos_XND[:, node_S]
+    u_XSD = pos_XUD[:, node_S]
     u_XSD -= offset1_XS[:, :, None]                                        # u = j - offset (wrapping)
     extra_XSD = np.minimum(u_XSD, u_XSD + k_XS.astype(upos)[:, :, None]) < r_XS.astype(upos)[:, :, None]
     qmax = int(q_XS.max(initial=0))
     qtype = np.int16 if qmax < 2 ** 15 - 1 else np.int32 if qmax < 2 ** 31 - 1 else np.int64
-    R_XSD = q_XS.astype(qtype)[:, :, None] * targets_XND[:, node_S]
+    R_XSD = q_XS.astype(qtype)[:, :, None] * targets_XUD[:, node_S]
     R_XSD += extra_XSD
     return R_XSD
 
