@@ -147,14 +147,15 @@ def _two_rank_compiled(rank: int, world_size: int) -> dict:
     out = {}
     for mode in ("eager", "compiled"):
         torch.manual_seed(0)
-        model = themis_compile.optimize(GPTMoE(cfg), themis_compile.ThemisConfig(policy="themis",
-                                                                                   reshard_interval=0))
+        # Dense parameters through FSDP2: its hooks stay out of the captured graph, so the whole model
+        # compiles as one graph (DDP's composable replicate() sets a class attribute in its forward
+        # pre-hook, which dynamo cannot trace: a graph break).
+        model = themis_compile.optimize(GPTMoE(cfg), themis_compile.ThemisConfig(
+            policy="themis", reshard_interval=0, dense_parallel="fsdp2"))
         S.schedule_model(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         B.reset_report()
-        # fullgraph=False: the dense data-parallel wrapper (torch's replicate) runs a dynamo-disabled
-        # lazy_init in its forward pre-hook, a graph break outside themis.
-        run = model if mode == "eager" else torch.compile(model, backend="themis")
+        run = model if mode == "eager" else torch.compile(model, backend="themis", fullgraph=True)
         g = torch.Generator().manual_seed(rank)
         losses = []
         with fc.patch(enable_autograd_cache=False), inductor_config.patch(NO_CACHE):

@@ -342,11 +342,12 @@ class AttentionProfiler:
             self._fail("the model has no attention module (mark one with themis_compile.passes.schedule."
                        "mark_attention)")
             return
+        # Backward is timed with tensor hooks (gradient of the output: start; of the input: end), not
+        # module backward hooks, which torch.compile cannot capture without compiled autograd. Under
+        # torch.compile every hook is a no-op, so profiling never breaks a graph.
         for _name, m in self._attn:
             self._handles += [m.register_forward_pre_hook(self._guard(self._pre)),
-                              m.register_forward_hook(self._guard(self._post)),
-                              m.register_full_backward_pre_hook(self._guard(self._bpre)),
-                              m.register_full_backward_hook(self._guard(self._bpost))]
+                              m.register_forward_hook(self._guard(self._post))]
         for name, m in (moe_layers or {}).items():
             self._handles.append(m.register_forward_pre_hook(self._guard(self._moe_hook(name))))
 
@@ -365,6 +366,8 @@ class AttentionProfiler:
         return self.profile is None and self.failed is None and self.warmup_steps < self.step
 
     def _pre(self, m, args):
+        if torch.compiler.is_compiling():
+            return None
         if m is not None and id(m) == self._first and torch.is_grad_enabled():
             self.step += 1
             if self.step > self.warmup_steps + self.measure_steps:
@@ -377,30 +380,36 @@ class AttentionProfiler:
             if x is not None:
                 self._shapes[name] = tuple(x.shape)
                 _sync(x)
+                if x.requires_grad:
+                    x.register_hook(self._guard(lambda g, key=id(m): self._bpost(key, g)))
             self._ranges.enter(id(m), ATTENTION_RANGE)
             self._t0[id(m)] = time.perf_counter()
         return None
 
     def _post(self, m, args, out):
+        if torch.compiler.is_compiling():
+            return None
         t0 = self._t0.pop(id(m), None)
         if t0 is not None:
-            _sync(_first_tensor(out))
+            y = _first_tensor(out)
+            _sync(y)
             self._fwd[self._names[id(m)]].append(time.perf_counter() - t0)
             self._ranges.exit(id(m))
+            if y is not None and y.requires_grad:
+                y.register_hook(self._guard(lambda g, key=id(m): self._bpre(key, g)))
         return None
 
-    def _bpre(self, m, grad_out):
-        if self.measuring:
-            _sync(_first_tensor(grad_out))
-            self._b0[id(m)] = time.perf_counter()
-        return None
+    def _bpre(self, key: int, grad_out: torch.Tensor) -> None:
+        """Gradient of the attention's output is ready: its backward starts."""
+        _sync(grad_out)
+        self._b0[key] = time.perf_counter()
 
-    def _bpost(self, m, grad_in, grad_out):
-        t0 = self._b0.pop(id(m), None)
+    def _bpost(self, key: int, grad_in: torch.Tensor) -> None:
+        """Gradient of the attention's input is ready: its backward is done."""
+        t0 = self._b0.pop(key, None)
         if t0 is not None:
-            _sync(_first_tensor(grad_in))
-            self._bwd[self._names[id(m)]].append(time.perf_counter() - t0)
-        return None
+            _sync(grad_in)
+            self._bwd[self._names[key]].append(time.perf_counter() - t0)
 
     def _moe_hook(self, layer: str):
         def hook(m, args):
