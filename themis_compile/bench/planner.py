@@ -50,13 +50,14 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
     shard = homogeneous_sharding(1, E, D)[0]
     popularity_E = rng.dirichlet(np.full(E, 0.3))
     cost = PlanCost(time_per_token_s=1e-6, expert_bytes=16e6, topology=topology)
+    rng_actual = np.random.default_rng(seed + 1)        # its own stream: the predicted traces stay as they were
     traces = []
     for _ in range(min(plans, 64)):                     # inputs prepared outside the timed region
         popularity_E = popularity_E * np.exp(rng.normal(0.0, 0.05, E))
         popularity_E /= popularity_E.sum()
         tokens_ED = skewed_tokens(rng, popularity_E, D, seq_len * setup["top_k"])
-        actual_E = popularity_E * np.exp(rng.normal(0.0, 0.3, E))
-        actual_ED = skewed_tokens(rng, actual_E / actual_E.sum(), D, seq_len * setup["top_k"])
+        actual_E = popularity_E * np.exp(rng_actual.normal(0.0, 0.3, E))
+        actual_ED = skewed_tokens(rng_actual, actual_E / actual_E.sum(), D, seq_len * setup["top_k"])
         traces.append((tokens_ED.sum(axis=1).astype(np.float64), tokens_ED, actual_ED))
     alg1_us, alg3_us, total_us, calib_us, rows_us, imbalance = [], [], [], [], [], []
     for i in range(plans):
