@@ -105,17 +105,18 @@ def _assign_slots_by_load(load_J: np.ndarray, copies_J: np.ndarray, room_J: np.n
     per-copy load — the LPT view of an expert split into equal pieces.
     """
     J = load_J.size
-    kmax = int(room_J.max(initial=0))
-    if J == 0 or kmax == 0 or total_slots <= 0:
+    # A row's quotients strictly decrease, so none beyond the total_slots-th of a row can be chosen.
+    kmax = min(int(room_J.max(initial=0)), total_slots)
+    if J == 0 or kmax <= 0:
         return np.zeros(J, dtype=np.int64)
     k_K = np.arange(1, kmax + 1, dtype=np.float64)
-    quot_JK = load_J[:, None] / (copies_J[:, None] + k_K[None, :])
-    quot_JK[k_K[None, :] > room_J[:, None]] = -1.0  # no device left for that copy
-    flat = quot_JK.ravel()
+    neg_quot_JK = (-load_J)[:, None] / (copies_J[:, None] + k_K)     # -load / copies, exactly negated
+    neg_quot_JK[k_K > room_J[:, None]] = 1.0                         # no device left for that copy
+    flat = neg_quot_JK.ravel()
     # Stable sort of the negated quotients: ties go to the earlier expert of J (row-major order).
-    order = np.argsort(-flat, kind="stable")[:total_slots]
-    order = order[flat[order] > 0]
-    return np.bincount(order // kmax, minlength=J).astype(np.int64)
+    order = np.argsort(flat, kind="stable")[:total_slots]
+    order = order[flat[order] < 0]
+    return np.bincount(order // kmax, minlength=J).astype(np.int64, copy=False)
 
 
 def _shard_device_load(owners_E: np.ndarray, load_E: np.ndarray, topology: Topology) -> np.ndarray:
@@ -178,13 +179,16 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
     # l.9 (for all experts of J at once): replica counts by load.
     n_J = _assign_slots_by_load(load_E[experts_J], copies_J, D - copies_J, int(slots_D.sum()))
     neg_slots_D = -slots_D                             # sort key "more free slots first"; >= 0: full
+    # An expert's row is untouched until its turn: "neg_slots >= threshold" then says "no free slot, or
+    # holds e" in one comparison (a holder's threshold is below any slot count).
+    threshold_JD = np.where(mask_ED[experts_J], -2 ** 62, 0)
     # l.8: experts by load, descending (experts_J is already in that order).
-    for e, n, copies in zip(experts_J.tolist(), n_J.tolist(), copies_J.tolist()):
+    for i, (e, n, copies) in enumerate(zip(experts_J.tolist(), n_J.tolist(), copies_J.tolist())):
         if n == 0:
             continue
         row_D = mask_ED[e]
         # Not a candidate: no free slot, or holds e (as uint8: numpy sorts bool keys more slowly).
-        blocked_D = ((neg_slots_D >= 0) | row_D).view(np.uint8)
+        blocked_D = (neg_slots_D >= threshold_JD[i]).view(np.uint8)
         num_cand = D - int(np.count_nonzero(blocked_D))
         if num_cand == 0:
             continue
