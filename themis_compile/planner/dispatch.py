@@ -26,9 +26,12 @@ sources and experts so that no holder is systematically favoured. Hence Σ_d2 R[
 exactly, and only holders of e receive tokens.
 
 The implementation is vectorized: experts with a single holder (all but at most t of them) are one
-scatter; only replicated experts go through the split.
+scatter; only replicated experts go through the split. Besides the full plan, `dispatch_rows` gives the
+rows R[:, d, :] of chosen sources (what one rank needs to route its own tokens) and
+`dispatch_device_load` the tokens every device computes, both without building the [E, D, D] plan.
 
-Legend: E experts, D devices (d source, d2 destination), N nodes, X replicated experts.
+Legend: E experts, D devices (d source, d2 destination), N nodes, X replicated experts, S planned
+sources, U the nodes of the planned sources.
 """
 
 from __future__ import annotations
