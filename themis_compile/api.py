@@ -69,8 +69,9 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         strict: raise instead of warning when no MoE layer is found.
 
     Returns the same module object, modified in place: its MoE layers' experts are replaced by sharded
-    experts holding only the experts this rank owns, and its dense parameters are replicated with
-    torch's DDP (``replicate``) when the world size exceeds 1.
+    experts holding only the experts this rank owns, and its dense parameters are made data-parallel with
+    torch's FSDP2 (``fully_shard``) or DDP (``replicate``, ``dense_parallel="ddp"``) when the world size
+    exceeds 1.
     """
     from themis_compile.planner.placement import Placement
     from themis_compile.runtime.ep import ShardedExperts

@@ -32,7 +32,10 @@ class ThemisConfig:
         calibrate: run the calibration stage of §4.2 after the gate has produced the actual loads.
         devices_per_node: ranks per node for the topology; ``None`` reads LOCAL_WORLD_SIZE (torchrun).
         intra_node_bw, inter_node_bw: link bandwidths in bytes/s used when no profile exists.
-        dense_parallel: how dense (non-expert) parameters are data-parallel: ``"ddp"`` or ``"fsdp2"``.
+        dense_parallel: how dense (non-expert) parameters are data-parallel: ``"fsdp2"`` (torch's
+            ``fully_shard``; its hooks stay outside torch.compile graphs, so
+            ``torch.compile(model, backend="themis", fullgraph=True)`` captures one graph on any number of
+            ranks) or ``"ddp"`` (torch's composable ``replicate``; graph-breaks under torch.compile).
         kernels: dispatch/combine kernels: ``"auto"`` (Triton on CUDA, torch reference on CPU),
             ``"torch"`` or ``"triton"``.
         collective_timeout_s: every blocking wait of a themis collective fails after this many seconds,
@@ -53,7 +56,7 @@ class ThemisConfig:
     devices_per_node: int | None = None
     intra_node_bw: float = 5e9
     inter_node_bw: float = 1e9
-    dense_parallel: str = "ddp"
+    dense_parallel: str = "fsdp2"
     kernels: str = "auto"
     collective_timeout_s: float = 300.0
     check_plans: bool = False

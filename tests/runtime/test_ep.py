@@ -14,7 +14,8 @@ STEPS, BATCH, SEQ = 10, 8, 16
 
 def _ep_cases(rank, world_size, cases):
     out = [train_distributed(rank, world_size, mk, {"policy": "ep"}, STEPS, BATCH, SEQ) for mk in cases]
-    out.append(train_distributed(rank, world_size, cases[0], {"policy": "ep"}, 3, BATCH, SEQ, optimizer="sgd"))
+    out.append(train_distributed(rank, world_size, cases[0], {"policy": "ep", "dense_parallel": "ddp"}, 3, BATCH,
+                                 SEQ, optimizer="sgd"))
     return out
 
 

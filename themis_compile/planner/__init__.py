@@ -27,7 +27,12 @@ from themis_compile.planner.baselines import (
     make_policy,
 )
 from themis_compile.planner.cost import PlanCost, device_compute_load, fluid_device_load, straggler_time
-from themis_compile.planner.dispatch import even_dispatch, topology_aware_dispatch
+from themis_compile.planner.dispatch import (
+    dispatch_device_load,
+    dispatch_rows,
+    even_dispatch,
+    topology_aware_dispatch,
+)
 from themis_compile.planner.materialize import calibrate, sparse_materialization
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.predictor import LoadPredictor
@@ -37,7 +42,7 @@ from themis_compile.planner.topology import Topology
 __all__ = [
     "BYTE_CATEGORIES", "POLICY_NAMES", "EPLBPolicy", "EPPolicy", "FasterMoEPolicy", "FlexMoEPolicy",
     "LoadPredictor", "PlanCost", "Placement", "Policy", "PolicyStep", "SmartMoEPolicy", "ThemisPolicy",
-    "Topology", "UniformPolicy", "calibrate", "device_compute_load", "even_dispatch", "fluid_device_load",
+    "Topology", "UniformPolicy", "calibrate", "device_compute_load", "dispatch_device_load", "dispatch_rows", "even_dispatch", "fluid_device_load",
     "heterogeneous_sharding", "homogeneous_sharding", "make_policy", "slots_per_device",
     "sparse_materialization", "straggler_time", "topology_aware_dispatch",
 ]

@@ -44,8 +44,9 @@ from themis_compile.planner import (
     PlanCost,
     Topology,
     calibrate,
+    dispatch_device_load,
+    dispatch_rows,
     sparse_materialization,
-    topology_aware_dispatch,
 )
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
 from themis_compile.runtime.ep import ShardedExperts
@@ -213,8 +214,9 @@ class FSSDPExperts(ShardedExperts):
         if self.state.check_plans:
             self._check_plan_digest(placement)
         with record_function("themis::dispatch_plan"):
-            R_EDD = topology_aware_dispatch(placement, tokens_ED, self.state.topology)
-        splits_ED = torch.from_numpy(np.ascontiguousarray(R_EDD[:, self.rank, :]))
+            # Alg. 3, only this rank's rows: R[:, rank, :] (every rank computes its own from the same T).
+            splits_ED = torch.from_numpy(np.ascontiguousarray(
+                dispatch_rows(placement, tokens_ED, self.state.topology, self.rank)))
         dest_TK = kernels.assign_destinations(ids_TK, splits_ED.to(ids_TK.device))
 
         owned = self.local_chunks()
@@ -236,7 +238,7 @@ class FSSDPExperts(ShardedExperts):
         # Global condition (ΔP is the same on every rank), so that every rank issues the re-gather.
         if track and self.state.rematerialize and placement != self.shard_placement:
             self._release_replicas(held, replicas, placement, out_TH)
-        self._record(tokens_ED, load_E, R_EDD, placement, calibrated)
+        self._record(tokens_ED, load_E, placement, calibrated)
         self.iteration += 1
         return out_TH
 
@@ -246,12 +248,12 @@ class FSSDPExperts(ShardedExperts):
         if len(set(digests)) != 1:
             raise RuntimeError(f"MoE layer {self.layer!r}: ranks disagree on the plan P' (digests {digests})")
 
-    def _record(self, tokens_ED, load_E, R_EDD, placement: Placement, calibrated: bool) -> None:
+    def _record(self, tokens_ED, load_E, placement: Placement, calibrated: bool) -> None:
         self.predictor.update(0, load_E)
         self.state.stats.append(LayerStats(
             iteration=self.iteration, layer=self.layer,
             tokens_per_device_expert=tokens_ED.T.tolist(), tokens_per_expert=load_E.tolist(),
-            device_load=R_EDD.sum(axis=(0, 1)).tolist(),
+            device_load=dispatch_device_load(placement, tokens_ED, self.state.topology).tolist(),
             delta_p=int(placement.delta(self.shard_placement).num_pairs()),
             placement=placement.mask.tolist(), calibrated=calibrated,
         ))
