@@ -125,6 +125,8 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     if world_size > 1:
         _make_dense_data_parallel(model, sharded, group, config)
     model._themis_runtime = runtime
+    if fssdp:
+        state.num_layers = len(sharded)
     if fssdp and (config.overlap_degree is None or config.materialization_budget is None):
         from themis_compile.runtime.budgets import BudgetController
 

@@ -27,7 +27,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--nproc", type=int, default=2, help="ranks when launched without torchrun")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=6,
+                   help="untimed steps; they include the cost-model profiling (1 + 3 steps)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--d-ffn", type=int, default=2048)
     p.add_argument("--experts", type=int, default=8)
@@ -48,67 +49,84 @@ def _tensor_bytes(tensors) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors if t is not None))
 
 
-def _run_policy(policy: str, args: argparse.Namespace, rank: int, world: int) -> dict:
-    import torch
-    import torch.distributed as dist
+class _PolicyRun:
+    """One policy's model, optimizer and measurements; steps of all policies are interleaved so that a
+    shared, noisy machine loads them alike."""
 
-    import themis_compile
-    from themis_compile.api import runtime_of
-    from themis_compile.models import build_model, lm_loss
+    def __init__(self, policy: str, args: argparse.Namespace, rank: int, world: int) -> None:
+        import torch
 
-    torch.manual_seed(0)
-    model = build_model("tiny-moe", d_model=args.d_model, d_ffn=args.d_ffn, num_experts=args.experts,
-                        top_k=args.top_k, n_layers=args.layers, seq_len=args.seq_len, router_skew=args.skew,
-                        n_heads=4)
-    model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy=policy))
-    runtime = runtime_of(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(1)
-    times, imbalance, delta = [], [], []
-    replica_bytes = 0
-    for step in range(args.warmup + args.steps):
-        tokens = torch.randint(0, 256, (args.batch * world, args.seq_len), generator=g)[rank::world]
+        import themis_compile
+        from themis_compile.api import runtime_of
+        from themis_compile.models import build_model
+
+        self.policy, self.args, self.rank, self.world = policy, args, rank, world
+        torch.manual_seed(0)
+        model = build_model("tiny-moe", d_model=args.d_model, d_ffn=args.d_ffn, num_experts=args.experts,
+                            top_k=args.top_k, n_layers=args.layers, seq_len=args.seq_len,
+                            router_skew=args.skew, n_heads=4)
+        self.model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy=policy))
+        self.runtime = runtime_of(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.gen = torch.Generator().manual_seed(1)
+        self.times: list[float] = []
+        self.imbalance: list[float] = []
+        self.delta: list[int] = []
+        self.replica_bytes = 0
+
+    def step(self, step: int, timed: bool) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from themis_compile.models import lm_loss
+
+        args, rank, world = self.args, self.rank, self.world
+        tokens = torch.randint(0, 256, (args.batch * world, args.seq_len), generator=self.gen)[rank::world]
         dist.barrier()
         t0 = time.perf_counter()
-        loss = lm_loss(model(tokens), tokens) + model.aux_loss()
+        loss = lm_loss(self.model(tokens), tokens) + self.model.aux_loss()
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        self.opt.step()
+        self.opt.zero_grad()
         dist.barrier()
-        dt = time.perf_counter() - t0
-        if step >= args.warmup:
-            times.append(dt)
-        for s in runtime.stats:
-            if s.iteration == step:
-                delta.append(s.delta_p)
-                imbalance.append(s.imbalance)
-                held = sum(1 for row in s.placement if row[rank])
-                owned = len(runtime.layers[s.layer].shards)
-                psi = runtime.layers[s.layer].bank.chunk_bytes
-                replica_bytes = max(replica_bytes, (held - owned) * psi)
-    counts = [m.last_tokens_per_expert for m in model.moe_layers()]
-    if not imbalance:   # EP / uniform: rows per rank follow the owners
-        for layer, c in zip(runtime.layers.values(), counts):
-            per_rank = torch.zeros(world, dtype=torch.int64).index_add_(0, layer.owner_E, c)
-            imbalance.append(float(per_rank.max()) / max(float(per_rank.float().mean()), 1.0))
-    params = list(model.parameters())
-    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-    if runtime.fssdp is not None and not runtime.config.rematerialize:
-        # Themis keeps one layer's replicas per layer alive until its backward: all layers at once.
-        replica_bytes *= len(runtime.layers)
-    med = statistics.median(times)
-    return {
-        "step_time_s": med,
-        "tokens_per_s": args.batch * world * args.seq_len / med,
-        "imbalance_max_over_mean": statistics.mean(imbalance) if imbalance else 1.0,
-        "mean_delta_p_per_layer": statistics.mean(delta) if delta else 0.0,
-        "memory_bytes": {
-            "parameters": _tensor_bytes(params),
-            "gradients": _tensor_bytes(p.grad for p in params) or _tensor_bytes(params),
-            "optimizer_state": _tensor_bytes(state),
-            "replica_buffers_peak": replica_bytes,
-        },
-    }
+        if timed:
+            self.times.append(time.perf_counter() - t0)
+            for s in self.runtime.stats:
+                if s.iteration == step:
+                    self.delta.append(s.delta_p)
+                    self.imbalance.append(s.imbalance)
+                    held = sum(1 for row in s.placement if row[rank])
+                    layer = self.runtime.layers[s.layer]
+                    self.replica_bytes = max(self.replica_bytes, (held - len(layer.shards)) * layer.bank.chunk_bytes)
+
+    def result(self) -> dict:
+        import torch
+
+        args, world = self.args, self.world
+        imbalance = list(self.imbalance)
+        if not imbalance:   # EP / uniform: rows per rank follow the owners
+            for layer, m in zip(self.runtime.layers.values(), self.model.moe_layers()):
+                per_rank = torch.zeros(world, dtype=torch.int64).index_add_(0, layer.owner_E, m.last_tokens_per_expert)
+                imbalance.append(float(per_rank.max()) / max(float(per_rank.float().mean()), 1.0))
+        params = list(self.model.parameters())
+        state = [v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        replica_bytes = self.replica_bytes
+        if self.runtime.fssdp is not None and not self.runtime.config.rematerialize:
+            # Themis keeps every layer's replicas alive until that layer's backward: all layers at once.
+            replica_bytes *= len(self.runtime.layers)
+        med = statistics.median(self.times)
+        return {
+            "step_time_s": med,
+            "tokens_per_s": args.batch * world * args.seq_len / med,
+            "imbalance_max_over_mean": statistics.mean(imbalance) if imbalance else 1.0,
+            "mean_delta_p_per_layer": statistics.mean(self.delta) if self.delta else 0.0,
+            "memory_bytes": {
+                "parameters": _tensor_bytes(params),
+                "gradients": _tensor_bytes(params),     # one gradient per parameter (freed after the step)
+                "optimizer_state": _tensor_bytes(state),
+                "replica_buffers_peak": replica_bytes,
+            },
+        }
 
 
 def _worker(args: argparse.Namespace) -> dict | None:
@@ -118,9 +136,11 @@ def _worker(args: argparse.Namespace) -> dict | None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
-    for policy in args.policies.split(","):
-        results[policy] = _run_policy(policy, args, rank, world)
+    runs = [_PolicyRun(policy, args, rank, world) for policy in args.policies.split(",")]
+    for step in range(args.warmup + args.steps):
+        for run in runs:
+            run.step(step, timed=step >= args.warmup)
+    results = {run.policy: run.result() for run in runs}
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, results)
     dist.destroy_process_group()

@@ -90,6 +90,7 @@ class FSSDPState:
     timeout_s: float
     check_plans: bool
     budget_controller: Any = None         # applies profiled t, m (runtime/budgets.py)
+    num_layers: int = 0                   # FSSDP layers of the model, in forward order
     layer_order: list["FSSDPExperts"] = field(default_factory=list)
     pending: list[tuple["FSSDPExperts", Any]] = field(default_factory=list)
     callback_queued: bool = False
@@ -235,8 +236,11 @@ class FSSDPExperts(ShardedExperts):
             lambda rows, counts: self.run_experts(held, rows, counts),
             group=self.group, world_size=self.world_size,
         )
-        # Global condition (ΔP is the same on every rank), so that every rank issues the re-gather.
-        if track and self.state.rematerialize and placement != self.shard_placement:
+        # Global condition (ΔP is the same on every rank), so that every rank issues the re-gather. The
+        # last layer keeps its replicas: its backward starts right away, so releasing them would only put
+        # a re-gather on the critical path (at most one layer's replicas are alive at a time either way).
+        last = self.layer_index == self.state.num_layers - 1
+        if track and self.state.rematerialize and placement != self.shard_placement and not last:
             self._release_replicas(held, replicas, placement, out_TH)
         self._record(tokens_ED, load_E, placement, calibrated)
         self.iteration += 1
