@@ -1,7 +1,7 @@
 """`make demo`: train a tiny GPT-MoE on the Python standard library's own sources, policies side by side.
 
-    python -m themis_compile.demo [--steps 200] [--policies ep,themis] [--out runs/demo] [--nproc 2]
-                                  [--seq-len 128] [--batch 8]
+    python -m themis_compile.demo [--steps 150] [--policies ep,themis] [--out runs/demo] [--nproc 2]
+                                  [--seq-len 128] [--batch 16] [--d-ffn 1024] [--router-skew 2.0]
 
 What happens:
 
@@ -177,16 +177,19 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m themis_compile.demo",
         description="Train a tiny GPT-MoE on the Python stdlib sources on N CPU ranks, policies side by side.",
     )
-    p.add_argument("--steps", type=int, default=200, help="AdamW steps per policy (default 200)")
+    p.add_argument("--steps", type=int, default=150, help="AdamW steps per policy (default 150)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated ThemisConfig policies, run in this order (default ep,themis)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc-per-node, default 2)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step (default 8)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank and step (default 16)")
     p.add_argument("--model", default="tiny-moe", help="model preset (default tiny-moe)")
-    p.add_argument("--router-skew", type=float, default=1.0,
-                   help="router bias towards a seeded expert order, p_e ~ (rank+1)^-skew (default 1.0)")
+    p.add_argument("--d-ffn", type=int, default=1024,
+                   help="expert hidden size: large enough that expert compute, which the policies balance, "
+                        "dominates a step (default 1024)")
+    p.add_argument("--router-skew", type=float, default=2.0,
+                   help="router bias towards a seeded expert order, p_e ~ (rank+1)^-skew (default 2.0)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     p.add_argument("--corpus-bytes", type=int, default=4 << 20, help="corpus size cap (default 4 MiB)")
@@ -255,7 +258,7 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
 
     torch.manual_seed(args.seed)
     model = build_model(args.model, router_skew=args.router_skew,
-                        seq_len=args.seq_len)
+                        seq_len=args.seq_len, d_ffn=args.d_ffn)
     cfg = model.config
     if cfg.vocab_size < 256:
         raise ValueError(f"model {args.model!r} has vocab {cfg.vocab_size}; the byte corpus needs 256")
