@@ -13,6 +13,7 @@ continues exactly as without re-sharding (the test holds it to the single-proces
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -136,13 +137,18 @@ class ReshardScheduler:
     """Calls :func:`reshard` every ``interval`` steps of the optimizer that holds the owned experts."""
 
     def __init__(self, runtime: Any, interval: int, dense_params: list[nn.Parameter]) -> None:
-        self.runtime = runtime
+        # A weak reference: the global hook must not keep a deleted model alive.
+        self._runtime = weakref.ref(runtime)
         self._dense_ids = {id(p) for p in dense_params}
         self.interval = interval
         self.steps = 0
         self.reshards = 0
         self.moved = 0
         self._handle = register_optimizer_step_post_hook(self._on_step)
+
+    @property
+    def runtime(self) -> Any:
+        return self._runtime()
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         ours = {id(p) for layer in self.runtime.layers.values() for c in layer.local_chunks().values() for p in c}
@@ -152,6 +158,8 @@ class ReshardScheduler:
         return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if self.runtime is None:    # the model is gone (the hook cannot unregister itself mid-iteration)
+            return
         if not self._owns(optimizer):
             return
         self.steps += 1
