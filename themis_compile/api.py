@@ -116,14 +116,16 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         runtime.layers[info.name] = experts
         sharded.append(experts)
 
+    if world_size > 1:
+        _make_dense_data_parallel(model, sharded, group, config)
     if fssdp and config.reshard_interval:
         from themis_compile.runtime.reshard import ReshardScheduler
 
+        # After the dense wrapper: FSDP2 replaces dense parameters with new (DTensor) parameter objects,
+        # which are the ones the user's optimizer will hold.
         sharded_ids = {id(p) for m in sharded for p in m.parameters()}
         dense = [p for p in model.parameters() if id(p) not in sharded_ids]
         runtime.reshard_scheduler = ReshardScheduler(runtime, config.reshard_interval, dense)
-    if world_size > 1:
-        _make_dense_data_parallel(model, sharded, group, config)
     model._themis_runtime = runtime
     if fssdp:
         state.num_layers = len(sharded)

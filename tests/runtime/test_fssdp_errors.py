@@ -93,3 +93,43 @@ def test_optimizing_twice_is_refused():
     model = themis_compile.optimize(build_model("tiny-moe"), ThemisConfig(policy="ep"))
     with pytest.raises(ValueError, match="already optimized"):
         themis_compile.optimize(model)
+
+
+def _rank_without_experts(rank, world_size, policy):
+    # E = 3 on 4 ranks with no replicas (m = 0): rank 3 holds no expert at all and must still take part
+    # in the backward all-to-all.
+    torch.manual_seed(0)
+    config = ThemisConfig(policy=policy, overlap_degree=0, materialization_budget=0, collective_timeout_s=20)
+    model = themis_compile.optimize(build_model("tiny-moe", num_experts=3, top_k=1), config)
+    tokens = torch.randint(0, 256, (2, 16))
+    lm_loss(model(tokens), tokens).backward()
+    return sum(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("policy", ["ep", "themis"])
+def test_rank_holding_no_expert_joins_backward(policy):
+    assert all(n > 0 for n in run_multirank(_rank_without_experts, 4, args=(policy,), timeout_s=30))
+
+
+def _accumulate_and_eval(rank, world_size):
+    torch.manual_seed(0)
+    model = themis_compile.optimize(build_model("tiny-moe", router_skew=2.0, n_layers=3),
+                                    ThemisConfig(policy="themis-rm", overlap_degree=4, materialization_budget=2))
+    runtime = themis_compile.api.runtime_of(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        a, b = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+        (lm_loss(model(a), a) + lm_loss(model(b), b)).backward()    # two forwards, one backward
+        opt.step()
+        opt.zero_grad()
+    layer = next(iter(runtime.layers.values()))
+    before = layer.predictor.predict(0).copy()
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 16)))
+    return bool((layer.predictor.predict(0) == before).all()), sum(s.delta_p for s in runtime.stats)
+
+
+def test_gradient_accumulation_under_rematerialization_and_eval_forward():
+    for same_prediction, delta in run_multirank(_accumulate_and_eval, 2, timeout_s=60):
+        assert same_prediction          # an evaluation forward does not steer the next plans
+        assert delta > 0

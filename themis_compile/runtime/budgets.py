@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -72,9 +73,24 @@ class BudgetController:
         self._pending = profile
 
     def maybe_update(self) -> None:
-        """At an iteration start on every rank: adopt a finished profile (collective, same step everywhere)."""
-        if self._pending is None:
+        """At an iteration start on every rank: adopt rank 0's profile once every rank has finished
+        profiling (a profiler can finish, or fail, on one rank and not another: readiness is agreed by a
+        small all-reduce each iteration until adopted, so every rank takes the same collective path)."""
+        if self.profiler is None:
             return
+        ready = torch.tensor([0 if self._pending is None else 1], dtype=torch.int64)
+        failed = torch.tensor([1 if self.profiler.failed else 0], dtype=torch.int64)
+        if self.state.world_size > 1:
+            dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=self.state.group)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.state.group)
+        if failed.item():
+            logger.warning("themis: attention profiling failed on some rank; keeping the default budgets")
+            self.profiler.remove()
+            self.profiler = None
+            return
+        if not ready.item():
+            return
+        self.profiler = None
         from themis_compile.cost_model import profile as P
 
         measured, self._pending = self._pending, None
@@ -94,7 +110,12 @@ class BudgetController:
         from themis_compile.cost_model import profile as P
 
         self.profile = profile
-        layer_budgets = P.budgets(profile, self.psi, config=self.config, topology=self.state.topology)
+        # Computed on rank 0 and shared: m depends on the free memory of the machine at this moment, and
+        # every rank must plan with the same t and m (the plans drive collectives).
+        device = next((p.device for layer in self.runtime.layers.values() for c in layer.local_chunks().values()
+                       for p in c), None)
+        layer_budgets = self._rank0(lambda: P.budgets(profile, self.psi, config=self.config,
+                                                      topology=self.state.topology, device=device))
         P.apply_budgets(self.runtime.layers, layer_budgets)
         self.budgets = layer_budgets
         if self.state.rank == 0:

@@ -18,6 +18,7 @@ import logging
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from themis_compile.planner.placement import Placement
@@ -79,9 +80,18 @@ class ShardedExperts(nn.Module):
         """Owned experts' parameters, by global expert id (ascending)."""
         return {int(e): list(self.shards[e].parameters()) for e in sorted(self.shards.keys(), key=int)}
 
+    def _routing_error(self, ids_TK: torch.Tensor) -> bool:
+        return bool(ids_TK.numel()) and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= self.num_experts)
+
     def _check_routing(self, ids_TK: torch.Tensor) -> None:
-        if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= self.num_experts):
-            raise ValueError(f"MoE layer {self.layer!r}: router chose an expert id outside [0, {self.num_experts})")
+        # Agreed across ranks before any token moves, so that a bad router on one rank fails every rank
+        # instead of leaving the others waiting in the all-to-all.
+        bad = torch.tensor([int(self._routing_error(ids_TK))], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        if bad.item():
+            raise ValueError(f"MoE layer {self.layer!r}: a router chose an expert id outside "
+                             f"[0, {self.num_experts})")
 
     def run_experts(self, chunks: dict[int, Sequence[torch.Tensor]], rows_NH: torch.Tensor,
                     counts_E: Sequence[int]) -> torch.Tensor:
@@ -100,7 +110,9 @@ class ShardedExperts(nn.Module):
                 continue
             outputs.append(self.bank.run(params, part))
         if not outputs:
-            return rows_NH.new_empty(rows_NH.shape)
+            # No expert here (and so no rows): an empty result that stays in the autograd graph, so that
+            # this rank joins the all-to-all of the backward pass like every other rank.
+            return rows_NH * 0
         return torch.cat(outputs, 0)
 
     def destinations(self, ids_TK: torch.Tensor) -> torch.Tensor:

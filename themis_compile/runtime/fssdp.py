@@ -109,6 +109,16 @@ class FSSDPState:
             layer.accumulate_reduced(handle)
 
 
+@dataclass(eq=False)
+class _Released:
+    """Replicas of one forward whose storage was released (re-materialization), and their re-gather."""
+
+    leaves: dict[int, list[torch.Tensor]]
+    nbytes: dict[int, list[int]]
+    placement: Placement
+    handle: Any = None
+
+
 class FSSDPExperts(ShardedExperts):
     """Sharded experts of one layer under FSSDP: ephemeral load-balancing replicas every iteration."""
 
@@ -127,8 +137,7 @@ class FSSDPExperts(ShardedExperts):
         self._planned: Placement | None = None
         self._spag = None
         self._replicas: dict[int, list[torch.Tensor]] | None = None
-        self._replica_leaves: dict[int, list[torch.Tensor]] = {}
-        self._rematerialize_handle = None
+        self._released: list[_Released] = []
 
     def set_shard_placement(self, shard: Placement) -> None:
         super().set_shard_placement(shard)
@@ -175,9 +184,12 @@ class FSSDPExperts(ShardedExperts):
         """All-gather each rank's tokens per expert into T[e, d]; raise on every rank if any router
         produced non-finite weights (so no rank is left waiting in a collective)."""
         E = self.num_experts
-        local = torch.zeros(E + 1, dtype=torch.int64)
-        local[:E].scatter_add_(0, ids_TK.reshape(-1).cpu(), torch.ones(ids_TK.numel(), dtype=torch.int64))
+        local = torch.zeros(E + 2, dtype=torch.int64)
+        bad_ids = self._routing_error(ids_TK)
+        if not bad_ids:
+            local[:E].scatter_add_(0, ids_TK.reshape(-1).cpu(), torch.ones(ids_TK.numel(), dtype=torch.int64))
         local[E] = int(not bool(torch.isfinite(weights_TK).all()))
+        local[E + 1] = int(bad_ids)
         if self.world_size > 1:
             parts = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(parts, local, group=self.group)
@@ -188,13 +200,24 @@ class FSSDPExperts(ShardedExperts):
         if bad:
             raise FloatingPointError(f"MoE layer {self.layer!r}: non-finite router output on ranks {bad} "
                                      f"(iteration {self.iteration})")
+        bad = torch.nonzero(gathered[:, E + 1]).flatten().tolist()
+        if bad:
+            raise ValueError(f"MoE layer {self.layer!r}: router chose an expert id outside [0, {E}) on ranks "
+                             f"{bad} (iteration {self.iteration})")
         return gathered[:, :E].t().numpy().copy()          # [E, D]
 
     # ------------------------------------------------------------------ forward (steps 3-7)
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        self._check_routing(ids_TK)
+        # (Expert ids are checked inside the all-gather of the counts: one collective, every rank fails.)
         if self.layer_index == 0 or not self.state.layer_order:
             self.state.layer_order.clear()
+            if self.state.callback_queued and torch._C._current_graph_task_id() == -1:
+                # The last backward raised before its end: its reductions never reached the owners.
+                logger.warning("themis_compile: a backward pass did not complete; dropping its %d pending "
+                               "gradient reductions", len(self.state.pending))
+                for _, handle in self.state.pending:
+                    handle.wait()
+                self.state.pending, self.state.callback_queued = [], False
         self.state.layer_order.append(self)
         self.start_materialization()
         tokens_ED = self._global_tokens(ids_TK, weights_TK)
@@ -242,7 +265,8 @@ class FSSDPExperts(ShardedExperts):
         last = self.layer_index == self.state.num_layers - 1
         if track and self.state.rematerialize and placement != self.shard_placement and not last:
             self._release_replicas(held, replicas, placement, out_TH)
-        self._record(tokens_ED, load_E, placement, calibrated)
+        # Only training forwards feed the load predictor (evaluation must not steer the next plans).
+        self._record(tokens_ED, load_E if track else None, placement, calibrated)
         self.iteration += 1
         return out_TH
 
@@ -253,7 +277,9 @@ class FSSDPExperts(ShardedExperts):
             raise RuntimeError(f"MoE layer {self.layer!r}: ranks disagree on the plan P' (digests {digests})")
 
     def _record(self, tokens_ED, load_E, placement: Placement, calibrated: bool) -> None:
-        self.predictor.update(0, load_E)
+        if load_E is not None:
+            self.predictor.update(0, load_E)
+        load_E = tokens_ED.sum(axis=1)
         self.state.stats.append(LayerStats(
             iteration=self.iteration, layer=self.layer,
             tokens_per_device_expert=tokens_ED.T.tolist(), tokens_per_expert=load_E.tolist(),
@@ -308,37 +334,42 @@ class FSSDPExperts(ShardedExperts):
     # ------------------------------------------------------------------ re-materialization (§3.1)
     def _release_replicas(self, held, replicas, placement: Placement, out_TH: torch.Tensor) -> None:
         leaves = {e: held[e] for e in replicas}
-        nbytes = {e: [t.untyped_storage().nbytes() for t in ts] for e, ts in leaves.items()}
+        rm = _Released(leaves, {e: [t.untyped_storage().nbytes() for t in ts] for e, ts in leaves.items()},
+                       placement)
         for ts in leaves.values():
             for t in ts:
                 t.untyped_storage().resize_(0)
-        self._rm = (leaves, nbytes, placement)
+        # One record per forward (several forwards may precede one backward); the newest is the one the
+        # backward reaches first.
+        self._released.append(rm)
 
         def before_backward(grad: torch.Tensor) -> torch.Tensor:
-            self._rematerialize_now()
+            self._rematerialize(rm)
             return grad
 
         out_TH.register_hook(before_backward)
 
     def start_rematerialization(self) -> None:
-        rm = getattr(self, "_rm", None)
-        if rm is None or self._rematerialize_handle is not None:
+        """Start re-gathering the most recent released replicas (prefetch); idempotent."""
+        if self._released:
+            self._start(self._released[-1])
+
+    def _start(self, rm: "_Released") -> None:
+        if rm.handle is not None:
             return
-        leaves, nbytes, placement = rm
-        for e, ts in leaves.items():
-            for t, n in zip(ts, nbytes[e]):
+        for e, ts in rm.leaves.items():
+            for t, n in zip(ts, rm.nbytes[e]):
                 t.untyped_storage().resize_(n)
         # Receive straight into the leaves' storage through .data (no autograd version bump).
-        out = {e: [t.data for t in ts] for e, ts in leaves.items()}
+        out = {e: [t.data for t in ts] for e, ts in rm.leaves.items()}
         with record_function("themis::spag_rematerialize"):
-            self._rematerialize_handle = self._gather(placement, out=out)
+            rm.handle = self._gather(rm.placement, out=out)
 
-    def _rematerialize_now(self) -> None:
-        self.start_rematerialization()
-        if self._rematerialize_handle is not None:
-            self._rematerialize_handle.wait()
-        self._rematerialize_handle = None
-        self._rm = None
+    def _rematerialize(self, rm: "_Released") -> None:
+        self._start(rm)
+        rm.handle.wait()
+        if rm in self._released:
+            self._released.remove(rm)
 
     def _prefetch_previous_layer(self) -> None:
         if not self.state.rematerialize:

@@ -28,23 +28,21 @@ from themis_compile.runtime.collectives import sparse_all_gather
 logger = logging.getLogger(__name__)
 
 
-def _state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[list[tuple]] | None:
-    """Per parameter, the optimizer's tensor state entries as (key, shape, dtype); None without state."""
-    layout = []
+def _state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> dict | None:
+    """How one expert's optimizer state looks, for the ranks that receive experts: per parameter its
+    tensor state entries (key, shape, dtype, whether the tensor lives on the parameter's device — e.g.
+    Adam keeps ``step`` on the CPU for CUDA parameters) and the index of its param group. None without
+    state (before the first step)."""
+    layout, groups = [], []
+    group_of = {id(q): i for i, g in enumerate(optimizer.param_groups) for q in g["params"]}
     for p in params:
         state = optimizer.state.get(p)
         if not state:
             return None
-        layout.append([(k, tuple(v.shape), v.dtype) for k, v in sorted(state.items()) if torch.is_tensor(v)])
-    return layout
-
-
-def _find_group(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> int:
-    ids = {id(p) for p in params}
-    for i, group in enumerate(optimizer.param_groups):
-        if any(id(p) in ids for p in group["params"]):
-            return i
-    return 0
+        layout.append([(k, tuple(v.shape), v.dtype, v.device == p.device)
+                       for k, v in sorted(state.items()) if torch.is_tensor(v)])
+        groups.append(group_of.get(id(p), 0))
+    return {"state": layout, "groups": groups}
 
 
 def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
@@ -65,10 +63,9 @@ def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
     overlap_degree = max(layer.overlap_degree for layer in layers)
     new_shards = heterogeneous_sharding(load_LE, overlap_degree, state.topology)
 
-    # Step 1: agree on the optimizer-state layout of an expert chunk (a rank may own no expert).
+    # Step 1: agree on the optimizer-state layout of an expert chunk and the param groups of its
+    # parameters (a rank may own no expert of a layer).
     local = {}
-    all_params = [p for layer in layers for c in layer.local_chunks().values() for p in c]
-    group_index = _find_group(optimizer, all_params)
     for li, layer in enumerate(layers):
         chunks = layer.local_chunks()
         if chunks:
@@ -79,13 +76,12 @@ def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
     for li, (layer, new_shard) in enumerate(zip(layers, new_shards)):
         layouts = [g[li] for g in gathered if li in g]
         state_layout = layouts[0] if layouts else None
-        moved += _move_layer(layer, new_shard, optimizer, state_layout, group_index)
+        moved += _move_layer(layer, new_shard, optimizer, state_layout)
     logger.info("themis_compile: re-sharded %d MoE layers, %d experts changed owner", len(layers), moved)
     return moved
 
 
-def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimizer,
-                state_layout: list[list[tuple]] | None, group_index: int) -> int:
+def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimizer, layout: dict | None) -> int:
     old_shard: Placement = layer.shard_placement
     if new_shard == old_shard:
         return 0
@@ -94,7 +90,8 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
     old_owner_E, new_owner_E = old_shard.owners(), new_shard.owners()
     moving = [int(e) for e in np.flatnonzero(old_owner_E != new_owner_E)]
     param_spec = list(layer.bank.spec)
-    state_spec = [(shape, dt) for per_param in (state_layout or []) for (_, shape, dt) in per_param]
+    state_layout = None if layout is None else layout["state"]
+    state_spec = [(shape, dt) for per_param in (state_layout or []) for (_, shape, dt, _) in per_param]
 
     # Step 2: one chunk per expert = parameters + optimizer state tensors; SpAG delivers the movers.
     chunks = {}
@@ -102,15 +99,17 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
         extra = []
         if state_layout is not None:
             for p, per_param in zip(params, state_layout):
-                extra += [optimizer.state[p][k].detach() for (k, _, _) in per_param]
+                # Everything travels on the parameters' device (NCCL moves no CPU tensors).
+                extra += [optimizer.state[p][k].detach().to(p.device) for (k, _, _, _) in per_param]
         chunks[e] = [p.detach() for p in params] + extra
     target = Placement(old_shard.mask | new_shard.mask)
     received = sparse_all_gather(chunks, old_shard, target, state.topology, state.comm_group,
                                  spec=param_spec + state_spec, layer=layer.layer,
                                  timeout_s=state.timeout_s).wait()
 
-    # Step 3: the new owner registers the arrivals; the old owner forgets the departures.
-    group = optimizer.param_groups[group_index]
+    # Step 3: the new owner registers the arrivals (each parameter in the param group its counterpart is
+    # in on the sending rank); the old owner forgets the departures.
+    groups = [0] * len(param_spec) if layout is None else layout["groups"]
     for e in moving:
         if old_owner_E[e] == rank:
             module = layer.shards.pop(str(e))
@@ -125,10 +124,11 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
             module = layer.bank.new_shard(tensors[:n])
             layer.shards[str(e)] = module
             it = iter(tensors[n:])
-            for p, per_param in zip(module.parameters(), state_layout or [[] for _ in range(n)]):
-                group["params"].append(p)
+            for i, (p, per_param) in enumerate(zip(module.parameters(), state_layout or [[] for _ in range(n)])):
+                optimizer.param_groups[min(groups[i], len(optimizer.param_groups) - 1)]["params"].append(p)
                 if state_layout is not None:
-                    optimizer.state[p] = {k: next(it).clone() for (k, _, _) in per_param}
+                    optimizer.state[p] = {k: next(it).to(p.device if on_param_device else "cpu").clone()
+                                          for (k, _, _, on_param_device) in per_param}
     layer.set_shard_placement(new_shard)
     return len(moving)
 
