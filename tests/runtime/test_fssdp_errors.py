@@ -133,3 +133,31 @@ def test_gradient_accumulation_under_rematerialization_and_eval_forward():
     for same_prediction, delta in run_multirank(_accumulate_and_eval, 2, timeout_s=60):
         assert same_prediction          # an evaluation forward does not steer the next plans
         assert delta > 0
+
+
+def _expert_groups_after_resharding(rank, world_size, momentum):
+    torch.manual_seed(0)
+    model = themis_compile.optimize(build_model("tiny-moe", router_skew=2.0),
+                                    ThemisConfig(policy="themis", overlap_degree=4, materialization_budget=1,
+                                                 reshard_interval=2))
+    runtime = themis_compile.api.runtime_of(model)
+    expert_ids = {id(p) for layer in runtime.layers.values() for c in layer.local_chunks().values() for p in c}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    experts = [p for p in model.parameters() if id(p) in expert_ids]
+    opt = torch.optim.SGD([{"params": dense}, {"params": experts, "lr": 0.0}], lr=0.1, momentum=momentum)
+    for _ in range(6):
+        tokens = torch.randint(0, 256, (2, 16))
+        lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    owned = {id(p) for layer in runtime.layers.values() for c in layer.local_chunks().values() for p in c}
+    in_expert_group = {id(p) for p in opt.param_groups[1]["params"]}
+    return runtime.reshard_scheduler.moved, owned <= in_expert_group, len(owned & {id(p) for p in dense})
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_resharding_keeps_param_groups(momentum):
+    # SGD without momentum keeps no state: the param group must still travel with a moving expert.
+    for moved, in_group, in_dense in run_multirank(_expert_groups_after_resharding, 2, args=(momentum,),
+                                                   timeout_s=60):
+        assert moved > 0 and in_group and in_dense == 0

@@ -39,7 +39,11 @@ class BudgetController:
         self.profile = None
         self.profiler = None
         self._pending = None
+        self._checks = 0
         self._bw: dict[str, float] = {}
+        # Where small collective tensors live: the group's device (NCCL needs CUDA tensors).
+        nccl = self.state.world_size > 1 and dist.get_backend(self.state.group) == "nccl"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         cached = self._rank0(lambda: self._cached(model))
         if cached is not None:
             self._apply(P.Profile.from_json(cached, source="cache"))
@@ -62,11 +66,20 @@ class BudgetController:
         return None if found is None else found.to_json()
 
     def _rank0(self, fn):
-        """Run ``fn`` on rank 0 and give its (picklable) result to every rank."""
-        box = [fn() if self.state.rank == 0 else None]
+        """Run ``fn`` on rank 0 and give its (picklable) result to every rank; an exception on rank 0 is
+        raised on every rank (no rank is left waiting in the broadcast)."""
+        box: list = [None]
+        if self.state.rank == 0:
+            try:
+                box = [("ok", fn())]
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+                box = [("err", exc)]
         if self.state.world_size > 1:
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.state.group, 0), group=self.state.group)
-        return box[0]
+        status, value = box[0]
+        if status == "err":
+            raise value
+        return value
 
     def _on_profiled(self, profile) -> None:
         # Called from inside a hook; the collective exchange happens at the next iteration start.
@@ -78,17 +91,22 @@ class BudgetController:
         small all-reduce each iteration until adopted, so every rank takes the same collective path)."""
         if self.profiler is None:
             return
-        ready = torch.tensor([0 if self._pending is None else 1], dtype=torch.int64)
-        failed = torch.tensor([1 if self.profiler.failed else 0], dtype=torch.int64)
+        self._checks += 1
+        # Profiling that has not finished by then never will (e.g. a compiled model, whose hooks are
+        # no-ops, or no attention running with gradients): give up rather than check every iteration.
+        give_up = self._checks > self.profiler.warmup_steps + self.profiler.measure_steps + 6
+        flags = torch.tensor([int(self._pending is None), int(bool(self.profiler.failed) or give_up)],
+                             dtype=torch.int64, device=self._device)
         if self.state.world_size > 1:
-            dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=self.state.group)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.state.group)
-        if failed.item():
-            logger.warning("themis: attention profiling failed on some rank; keeping the default budgets")
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.state.group)
+        not_ready, failed = (int(v) for v in flags.tolist())
+        if failed:
+            logger.warning("themis: attention profiling did not complete on every rank; keeping the default "
+                           "budgets")
             self.profiler.remove()
             self.profiler = None
             return
-        if not ready.item():
+        if not_ready:
             return
         self.profiler = None
         from themis_compile.cost_model import profile as P
@@ -113,7 +131,7 @@ class BudgetController:
         # Computed on rank 0 and shared: m depends on the free memory of the machine at this moment, and
         # every rank must plan with the same t and m (the plans drive collectives).
         device = next((p.device for layer in self.runtime.layers.values() for c in layer.local_chunks().values()
-                       for p in c), None)
+                       for p in c), self._device)
         layer_budgets = self._rank0(lambda: P.budgets(profile, self.psi, config=self.config,
                                                       topology=self.state.topology, device=device))
         P.apply_budgets(self.runtime.layers, layer_budgets)

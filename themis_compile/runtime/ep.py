@@ -86,7 +86,7 @@ class ShardedExperts(nn.Module):
     def _check_routing(self, ids_TK: torch.Tensor) -> None:
         # Agreed across ranks before any token moves, so that a bad router on one rank fails every rank
         # instead of leaving the others waiting in the all-to-all.
-        bad = torch.tensor([int(self._routing_error(ids_TK))], dtype=torch.int64)
+        bad = torch.tensor([int(self._routing_error(ids_TK))], dtype=torch.int64, device=ids_TK.device)
         if self.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         if bad.item():
@@ -112,7 +112,9 @@ class ShardedExperts(nn.Module):
         if not outputs:
             # No expert here (and so no rows): an empty result that stays in the autograd graph, so that
             # this rank joins the all-to-all of the backward pass like every other rank.
-            return rows_NH * 0
+            if rows_NH.requires_grad:
+                return rows_NH * 0
+            return rows_NH.new_zeros(rows_NH.shape).requires_grad_(torch.is_grad_enabled())
         return torch.cat(outputs, 0)
 
     def destinations(self, ids_TK: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,7 @@ class FSSDPState:
     check_plans: bool
     budget_controller: Any = None         # applies profiled t, m (runtime/budgets.py)
     num_layers: int = 0                   # FSSDP layers of the model, in forward order
+    layer_order_all: list = field(default_factory=list)   # every FSSDP layer (set by optimize)
     layer_order: list["FSSDPExperts"] = field(default_factory=list)
     pending: list[tuple["FSSDPExperts", Any]] = field(default_factory=list)
     callback_queued: bool = False
@@ -107,6 +108,9 @@ class FSSDPState:
         pending, self.pending = self.pending, []
         for layer, handle in pending:
             layer.accumulate_reduced(handle)
+
+
+_MAX_PENDING_FORWARDS = 64
 
 
 @dataclass(eq=False)
@@ -191,9 +195,10 @@ class FSSDPExperts(ShardedExperts):
         local[E] = int(not bool(torch.isfinite(weights_TK).all()))
         local[E + 1] = int(bad_ids)
         if self.world_size > 1:
+            local = local.to(ids_TK.device)     # the group's device (NCCL needs CUDA tensors)
             parts = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(parts, local, group=self.group)
-            gathered = torch.stack(parts)
+            gathered = torch.stack(parts).cpu()
         else:
             gathered = local[None]
         bad = torch.nonzero(gathered[:, E]).flatten().tolist()
@@ -218,6 +223,8 @@ class FSSDPExperts(ShardedExperts):
                 for _, handle in self.state.pending:
                     handle.wait()
                 self.state.pending, self.state.callback_queued = [], False
+                for layer in self.state.layer_order_all:
+                    layer.drop_released()
         self.state.layer_order.append(self)
         self.start_materialization()
         tokens_ED = self._global_tokens(ids_TK, weights_TK)
@@ -340,14 +347,27 @@ class FSSDPExperts(ShardedExperts):
             for t in ts:
                 t.untyped_storage().resize_(0)
         # One record per forward (several forwards may precede one backward); the newest is the one the
-        # backward reaches first.
+        # backward reaches first. Forwards whose graph was dropped without a backward leave their record
+        # behind: keep a bounded number.
         self._released.append(rm)
+        if len(self._released) > _MAX_PENDING_FORWARDS:
+            self._released.pop(0)
+            logger.warning("themis_compile: MoE layer %r: more than %d forwards without a backward under "
+                           "re-materialization; the oldest is no longer prefetched", self.layer,
+                           _MAX_PENDING_FORWARDS)
 
         def before_backward(grad: torch.Tensor) -> torch.Tensor:
             self._rematerialize(rm)
             return grad
 
         out_TH.register_hook(before_backward)
+
+    def drop_released(self) -> None:
+        """Forget released replicas whose backward will not come (their re-gathers are waited for)."""
+        for rm in self._released:
+            if rm.handle is not None:
+                rm.handle.wait()
+        self._released.clear()
 
     def start_rematerialization(self) -> None:
         """Start re-gathering the most recent released replicas (prefetch); idempotent."""

@@ -31,18 +31,20 @@ logger = logging.getLogger(__name__)
 def _state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> dict | None:
     """How one expert's optimizer state looks, for the ranks that receive experts: per parameter its
     tensor state entries (key, shape, dtype, whether the tensor lives on the parameter's device — e.g.
-    Adam keeps ``step`` on the CPU for CUDA parameters) and the index of its param group. None without
-    state (before the first step)."""
+    Adam keeps ``step`` on the CPU for CUDA parameters; ``None`` when the optimizer keeps no state) and
+    the index of its param group."""
     layout, groups = [], []
     group_of = {id(q): i for i, g in enumerate(optimizer.param_groups) for q in g["params"]}
+    stateless = False
     for p in params:
+        groups.append(group_of.get(id(p), 0))
         state = optimizer.state.get(p)
         if not state:
-            return None
+            stateless = True    # e.g. SGD without momentum: nothing to move but the param group
+            continue
         layout.append([(k, tuple(v.shape), v.dtype, v.device == p.device)
                        for k, v in sorted(state.items()) if torch.is_tensor(v)])
-        groups.append(group_of.get(id(p), 0))
-    return {"state": layout, "groups": groups}
+    return {"state": None if stateless else layout, "groups": groups}
 
 
 def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
