@@ -128,8 +128,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         runtime.reshard_scheduler = ReshardScheduler(runtime, config.reshard_interval, dense)
     model._themis_runtime = runtime
     if fssdp:
-        state.num_layers = len(sharded)
-        state.layer_order_all = list(sharded)
+        state.layers = list(sharded)
     if fssdp and (config.overlap_degree is None or config.materialization_budget is None):
         from themis_compile.runtime.budgets import BudgetController
 

@@ -13,14 +13,6 @@ from themis_compile.passes.detect import SEARCHED, explain_moe_layers, find_moe_
 from tests.passes import moe_zoo as zoo
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: threads only contend on the shared CPUs.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _hf_models():
     transformers = pytest.importorskip("transformers")

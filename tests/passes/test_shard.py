@@ -16,13 +16,6 @@ from themis_compile.passes.shard import ExpertLoop, prepare_moe_layers, rewrite_
 from tests.passes import moe_zoo as zoo
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _first(out):
     return out[0] if isinstance(out, tuple) else out

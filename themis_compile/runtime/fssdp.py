@@ -90,8 +90,7 @@ class FSSDPState:
     timeout_s: float
     check_plans: bool
     budget_controller: Any = None         # applies profiled t, m (runtime/budgets.py)
-    num_layers: int = 0                   # FSSDP layers of the model, in forward order
-    layer_order_all: list = field(default_factory=list)   # every FSSDP layer (set by optimize)
+    layers: list = field(default_factory=list)   # every FSSDP layer of the model (set by optimize)
     layer_order: list["FSSDPExperts"] = field(default_factory=list)
     pending: list[tuple["FSSDPExperts", Any]] = field(default_factory=list)
     callback_queued: bool = False
@@ -223,7 +222,7 @@ class FSSDPExperts(ShardedExperts):
                 for _, handle in self.state.pending:
                     handle.wait()
                 self.state.pending, self.state.callback_queued = [], False
-                for layer in self.state.layer_order_all:
+                for layer in self.state.layers:
                     layer.drop_released()
         self.state.layer_order.append(self)
         self.start_materialization()
@@ -269,7 +268,7 @@ class FSSDPExperts(ShardedExperts):
         # Global condition (ΔP is the same on every rank), so that every rank issues the re-gather. The
         # last layer keeps its replicas: its backward starts right away, so releasing them would only put
         # a re-gather on the critical path (at most one layer's replicas are alive at a time either way).
-        last = self.layer_index == self.state.num_layers - 1
+        last = self.layer_index == len(self.state.layers) - 1
         if track and self.state.rematerialize and placement != self.shard_placement and not last:
             self._release_replicas(held, replicas, placement, out_TH)
         # Only training forwards feed the load predictor (evaluation must not steer the next plans).
