@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py themis_compile/planner/_cplan.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned to the CPU build this machine carries; an unpinned torch would pull a multi-GB CUDA build.

@@ -30,6 +30,11 @@ scatter; only replicated experts go through the split. Besides the full plan, `d
 rows R[:, d, :] of chosen sources (what one rank needs to route its own tokens) and
 `dispatch_device_load` the tokens every device computes, both without building the [E, D, D] plan.
 
+Backends: when the compiled core ``themis_compile.planner._cplan`` is importable (built by
+``pip install -e .``), the three functions fill their numpy output through it, bit-identical to the
+numpy code kept here; ``THEMIS_PLANNER_NUMPY=1`` in the environment forces the numpy code.
+`planner_backend` says which one runs.
+
 Legend: E experts, D devices (d source, d2 destination), N nodes, X replicated experts, S planned
 sources, U the nodes of the planned sources.
 """
@@ -37,6 +42,7 @@ sources, U the nodes of the planned sources.
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -45,7 +51,38 @@ from themis_compile.planner.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["topology_aware_dispatch", "dispatch_rows", "dispatch_device_load", "even_dispatch", "check_tokens"]
+__all__ = ["topology_aware_dispatch", "dispatch_rows", "dispatch_device_load", "even_dispatch", "check_tokens",
+           "planner_backend"]
+
+
+def _load_compiled_core():
+    """The compiled planner core, or None (not built, or ``THEMIS_PLANNER_NUMPY`` set to anything but
+    ``0``/empty): the numpy code then runs."""
+    if os.environ.get("THEMIS_PLANNER_NUMPY", "") not in ("", "0"):
+        return None
+    try:
+        from themis_compile.planner import _cplan
+    except ImportError as exc:
+        logger.debug("compiled planner core unavailable (%s); using numpy", exc)
+        return None
+    return _cplan
+
+
+# The compiled core used by this module and `materialize` (None: numpy). Tests swap it to compare both.
+_C = _load_compiled_core()
+
+
+def planner_backend() -> str:
+    """``"c"`` when Alg. 1 and Alg. 3 run through the compiled core, ``"numpy"`` otherwise."""
+    return "numpy" if _C is None else "c"
+
+
+def _c_tokens(tokens_ED: object, placement: Placement, topology: Topology) -> np.ndarray:
+    """``tokens_ED`` as the compiled core reads it: an int64 [E, D] array, any strides (the core checks
+    signs and orphans itself); anything else goes through `check_tokens` first."""
+    if type(tokens_ED) is np.ndarray and tokens_ED.dtype == np.int64 and tokens_ED.shape == placement._mask_ED.shape:
+        return tokens_ED
+    return _checked(placement, tokens_ED, topology)[0]
 
 
 def check_tokens(tokens_ED: np.ndarray, num_experts: int, num_devices: int) -> np.ndarray:
@@ -165,6 +202,14 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     keeps all its tokens for e (local first); otherwise tokens stay on the source's node when a holder
     is there. ValueError when an expert with tokens has no holder or shapes do not match.
     """
+    if _C is not None:
+        E, D = placement.shape
+        tokens_C = _c_tokens(tokens_ED, placement, topology)
+        R_EDD = np.zeros((E, D, D), dtype=np.int64)
+        if _C.dispatch(topology._c_layout, placement._mask_ED, tokens_C, E, R_EDD) == 0:
+            return R_EDD
+        _checked(placement, tokens_ED, topology)            # raises the precise ValueError
+        raise AssertionError("compiled Alg. 3 rejected inputs that pass validation")
     tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape
     mask_ED = placement.mask
@@ -186,6 +231,14 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     return R_EDD
 
 
+def _check_sources(sources: int | np.ndarray, num_devices: int) -> np.ndarray:
+    """``sources`` as a contiguous int64 [S]; ValueError unless every entry is a device id."""
+    sources_S = np.ascontiguousarray(np.atleast_1d(np.asarray(sources, dtype=np.int64)))
+    if sources_S.ndim != 1 or (sources_S.size and (sources_S.min() < 0 or sources_S.max() >= num_devices)):
+        raise ValueError(f"sources must be device ids in [0, {num_devices}), got {sources!r}")
+    return sources_S
+
+
 def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topology,
                   sources: int | np.ndarray) -> np.ndarray:
     """Rows of the Alg. 3 plan for some source devices: ``R[:, sources, :]`` as int64 [E, S, D]
@@ -194,11 +247,25 @@ def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topolog
     What one rank needs to route its own tokens (R[:, rank, :]) at a fraction of the cost of the full
     [E, D, D] plan: only the requested sources are split.
     """
+    if _C is not None:
+        E, D = placement.shape
+        tokens_C = _c_tokens(tokens_ED, placement, topology)
+        if type(sources) is int and 0 <= sources < D:      # one rank's own row: the runtime's call
+            src, R_out = sources, np.zeros((E, D), dtype=np.int64)
+        else:
+            try:
+                src = _check_sources(sources, D)
+            except ValueError:
+                _checked(placement, tokens_ED, topology)    # bad tokens are reported first, as below
+                raise
+            R_out = np.zeros((E, src.size, D), dtype=np.int64)
+        if _C.dispatch_rows(topology._c_layout, placement._mask_ED, tokens_C, E, src, R_out) == 0:
+            return R_out[:, 0, :] if R_out.ndim == 3 and np.ndim(sources) == 0 else R_out
+        _checked(placement, tokens_ED, topology)            # raises the precise ValueError
+        raise AssertionError("compiled Alg. 3 rejected inputs that pass validation")
     tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape
-    sources_S = np.atleast_1d(np.asarray(sources, dtype=np.int64))
-    if sources_S.ndim != 1 or (sources_S.size and (sources_S.min() < 0 or sources_S.max() >= D)):
-        raise ValueError(f"sources must be device ids in [0, {D}), got {sources!r}")
+    sources_S = _check_sources(sources, D)
     S = sources_S.size
     mask_ED = placement.mask
     R_ESD = np.zeros((E, S, D), dtype=np.int64)
@@ -218,6 +285,14 @@ def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topolog
 def dispatch_device_load(placement: Placement, tokens_ED: np.ndarray, topology: Topology) -> np.ndarray:
     """[D] int64 tokens each device computes under the Alg. 3 plan, i.e.
     ``cost.device_compute_load(topology_aware_dispatch(...))``, without building the [E, D, D] plan."""
+    if _C is not None:
+        tokens_C = _c_tokens(tokens_ED, placement, topology)
+        load_D = np.zeros(placement.num_devices, dtype=np.int64)
+        if _C.dispatch_device_load(topology._c_layout, placement._mask_ED, tokens_C,
+                                   placement.num_experts, load_D) == 0:
+            return load_D
+        _checked(placement, tokens_ED, topology)            # raises the precise ValueError
+        raise AssertionError("compiled Alg. 3 rejected inputs that pass validation")
     tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape
     mask_ED = placement.mask

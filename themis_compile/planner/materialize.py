@@ -34,6 +34,10 @@ Pseudo-code (Alg. 1, with this module's concrete choices in brackets)::
 A device never receives two copies of an expert (P' is a set). Everything is ordered by integer keys or
 by floats computed in one fixed order, so every rank and every process builds the same plan.
 
+Backends: the compiled core (``_cplan``, see `dispatch.planner_backend`) runs l.3-11 when it is built;
+the numpy code below is its reference and the fallback (``THEMIS_PLANNER_NUMPY=1`` forces it). Both
+make the same floating-point operations in the same order, so they build the same plans bit for bit.
+
 Legend: E experts, D devices, N nodes, J materializable experts (the top t).
 """
 
@@ -44,6 +48,7 @@ import math
 
 import numpy as np
 
+from themis_compile.planner import dispatch as _dispatch
 from themis_compile.planner.cost import PlanCost, straggler_time
 from themis_compile.planner.dispatch import dispatch_device_load
 from themis_compile.planner.placement import Placement
@@ -157,6 +162,20 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
     there, in Python floats, with the model's own floating-point operations.
     """
     if experts_J.size == 0 or not slots_D.any():
+        return
+    core = _dispatch._C
+    if core is not None:
+        # Same initial modeled loads as below; the compiled loop then makes the same float operations.
+        if owners_E is not None:
+            dev_load_D = _shard_device_load(owners_E, load_E, topology)
+        else:
+            from themis_compile.planner.cost import fluid_device_load
+
+            dev_load_D = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E, topology)
+        core.place_replicas(topology._c_layout, mask_ED, np.ascontiguousarray(load_E, dtype=np.float64),
+                            np.ascontiguousarray(experts_J, dtype=np.int64), slots_D, copies_E,
+                            np.ascontiguousarray(dev_load_D, dtype=np.float64),
+                            None if owners_E is None else np.ascontiguousarray(owners_E, dtype=np.int64))
         return
     D = mask_ED.shape[1]
     N = topology.num_nodes
@@ -280,6 +299,9 @@ def sparse_materialization(shard: Placement, load_E: np.ndarray, overlap_degree:
     """
     _check_shard(shard, topology)
     E, D = shard.shape
+    core = _dispatch._C
+    if core is not None:
+        return _materialize_compiled(core, shard, load_E, overlap_degree, materialization_budget, topology)
     load_E = check_loads(load_E, E)
     t = min(check_count("overlap_degree", overlap_degree), E)          # l.1
     m = min(check_count("materialization_budget", materialization_budget), t)
@@ -295,6 +317,42 @@ def sparse_materialization(shard: Placement, load_E: np.ndarray, overlap_degree:
         slots_D = np.full(D, m, dtype=np.int64)                          # l.7 (totSlots = D·m)
         _place_replicas(mask_ED, load_E, top_J, slots_D, topology, copies_E, shard.owners())   # l.8-11
     return Placement._trusted(mask_ED, copies_E)
+
+
+def _materialize_compiled(core, shard: Placement, load_E: np.ndarray, overlap_degree: int,
+                          materialization_budget: int, topology: Topology) -> Placement:
+    """`sparse_materialization` through the compiled core (the shard is already checked): l.1-11 in one
+    call, filling a copy of the shard mask and the holder counts in place."""
+    E, D = shard.shape
+    if type(load_E) is np.ndarray and load_E.dtype == np.float64 and load_E.shape == (E,):
+        load_C = load_E if load_E.flags.c_contiguous else np.ascontiguousarray(load_E)
+    else:
+        load_C = np.ascontiguousarray(check_loads(load_E, E))
+    try:
+        t = min(check_count("overlap_degree", overlap_degree), E)      # l.1
+        m = min(check_count("materialization_budget", materialization_budget), t)
+    except ValueError:
+        check_loads(load_E, E)                                           # bad loads are reported first
+        raise
+    mask_ED = shard._mask_ED.copy()                                      # l.2
+    copies_E = np.ones(E, dtype=np.int64)
+    dev_load_D = None    # l.10's initial modeled loads: the core's bincount where that is the model's sum
+    if t > m and m and (topology.num_nodes == 1 or not _bincount_is_the_model(E, topology)):
+        dev_load_D = np.ascontiguousarray(_shard_device_load(shard.owners(), load_C, topology))
+    done = core.materialize(topology._c_layout, shard.owners(), load_C, t, m, mask_ED, copies_E, dev_load_D)
+    if done < 0:
+        check_loads(load_E, E)                                           # raises the precise ValueError
+        raise AssertionError("compiled Alg. 1 rejected loads that pass validation")
+    if done == 0:                                                        # no top expert, or m = 0
+        return shard
+    return Placement._trusted(mask_ED, copies_E)
+
+
+def _bincount_is_the_model(num_experts: int, topology: Topology) -> bool:
+    """Whether `_shard_device_load` takes its bincount branch (which the compiled core reproduces)."""
+    from themis_compile.planner.cost import column_sums_are_sequential
+
+    return topology.num_nodes > 1 and column_sums_are_sequential(num_experts, topology)
 
 
 def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarray,

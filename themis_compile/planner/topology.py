@@ -155,6 +155,14 @@ class Topology:
         same_DD.setflags(write=False)
         return same_DD
 
+    @functools.cached_property
+    def _c_layout(self) -> bytes:
+        """The topology as the compiled planner core reads it: int64
+        ``[N, D, uniform, devices_per_node (N), node_offsets (N+1), node_ids (D)]``."""
+        header = np.array([self.num_nodes, self.num_devices, int(self.is_uniform)], dtype=np.int64)
+        return np.concatenate([header, np.asarray(self.devices_per_node, dtype=np.int64), self.node_offsets,
+                               self.node_ids]).astype(np.int64).tobytes()
+
     def node_of(self, d: int) -> int:
         """The node of device ``d``."""
         if not 0 <= d < self.num_devices:

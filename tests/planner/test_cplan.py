@@ -1,0 +1,277 @@
+"""The compiled planner core (``themis_compile.planner._cplan``) against the numpy code it replaces.
+
+Every public planner entry point is run twice on the same inputs, once through the compiled core and
+once with the numpy code (the module-level switch `dispatch._C` set to None), and the outputs must be
+bit-identical: masks, holder counts, plans, device loads, the Placement objects themselves, and the
+ValueErrors of bad input. Cases cover uneven topologies, both branches of Alg. 1 (t <= m and t > m),
+float ties and zero loads, E < D and E > D, calibration (replicas placed from a non-shard mask), the
+row and device-load variants of Alg. 3 and zero token counts.
+
+Legend: E experts, D devices (d source, d2 destination), N nodes, J materializable experts, S sources.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from themis_compile.planner import (
+    PlanCost, Placement, Topology, calibrate, dispatch, materialize, sparse_materialization,
+    topology_aware_dispatch,
+)
+from themis_compile.planner.cost import column_sums_are_sequential
+from themis_compile.planner.dispatch import dispatch_device_load, dispatch_rows
+
+TOPOLOGIES = [(1,), (3,), (2, 2), (3, 2), (2, 2, 2), (4, 1), (1, 3), (5, 3, 8), (4, 4, 4), (8, 8, 8, 8)]
+
+
+@pytest.fixture(scope="module")
+def core():
+    """The compiled module itself (imported directly: the comparison holds whatever the environment
+    selects for the rest of the suite). Fails, rather than skips, when it was not built."""
+    return importlib.import_module("themis_compile.planner._cplan")
+
+
+def run_both(core, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` through the compiled core and through numpy: (compiled, numpy). A
+    ValueError is returned as its message, so both paths must also fail alike."""
+    saved = dispatch._C
+    results = []
+    try:
+        for backend in (core, None):
+            dispatch._C = backend
+            try:
+                results.append(fn(*args, **kwargs))
+            except ValueError as exc:
+                results.append(f"ValueError: {exc}")
+    finally:
+        dispatch._C = saved
+    return results
+
+
+def assert_same(compiled, reference) -> None:
+    assert type(compiled) is type(reference)
+    if isinstance(reference, Placement):
+        assert compiled == reference
+        assert np.array_equal(compiled.mask, reference.mask)
+        assert np.array_equal(compiled.copies(), reference.copies())
+        assert np.array_equal(compiled.copies(), compiled.mask.sum(axis=1))     # cached counts are right
+    elif isinstance(reference, np.ndarray):
+        assert compiled.dtype == reference.dtype and compiled.shape == reference.shape
+        assert np.array_equal(compiled, reference)
+    else:
+        assert compiled == reference
+
+
+# --------------------------------------------------------------------------------------- cases
+def make_loads(rng: np.random.Generator, E: int, kind: int) -> np.ndarray:
+    if kind == 0:
+        return rng.integers(0, 1000, E).astype(np.float64)
+    if kind == 1:
+        return rng.dirichlet(np.full(E, 0.3)) * 1e5
+    if kind == 2:                        # many exact ties in loads and in modeled device loads
+        return rng.integers(0, 4, E).astype(np.float64) * 3.0
+    if kind == 3:                        # mostly zero loads
+        return np.where(rng.random(E) < 0.7, 0.0, rng.random(E) * 50.0)
+    return rng.random(E) * 10.0 ** rng.uniform(-3, 6)
+
+
+def make_case(rng: np.random.Generator):
+    topo = Topology(TOPOLOGIES[rng.integers(len(TOPOLOGIES))])
+    D = topo.num_devices
+    E = int(rng.integers(1, 3 * D + 8))                 # E < D and E > D both occur
+    owners_E = rng.integers(0, D, E) if rng.integers(2) else np.arange(E) % D
+    load_E = make_loads(rng, E, int(rng.integers(5)))
+    t = int(rng.integers(0, E + 3))
+    m = int(rng.integers(0, min(E, 6) + 2))
+    return topo, Placement.from_owners(owners_E, D), load_E, t, m
+
+
+def make_tokens(rng: np.random.Generator, E: int, D: int) -> np.ndarray:
+    tokens_ED = rng.multinomial(int(rng.integers(0, 4000)), rng.dirichlet(np.ones(E)), size=D).T
+    if rng.integers(3) == 0:
+        tokens_ED[rng.random(tokens_ED.shape) < 0.5] = 0             # many zero counts
+    return tokens_ED.astype(np.int64)        # F-ordered (a transposed draw), like the benchmark's counts
+
+
+def compare_case(core, topo, shard, load_E, t, m, rng) -> dict:
+    """All entry points on one case; returns which branches it exercised."""
+    E, D = shard.shape
+    fast, ref = run_both(core, sparse_materialization, shard, load_E, t, m, topo)
+    assert_same(fast, ref)
+    tokens_ED = make_tokens(rng, E, D)
+    actual_E = tokens_ED.sum(axis=1).astype(np.float64)
+    cost = PlanCost(1e-6, float(rng.choice([1e3, 1e6])), topo)
+    with_tokens = tokens_ED if rng.integers(2) else None
+    placed = ref if isinstance(ref, Placement) else shard
+    fast_c, ref_c = run_both(core, calibrate, shard, placed, actual_E, t, m + 1, topo, cost, tokens_ED=with_tokens)
+    assert_same(fast_c, ref_c)
+    for placement in {placed, ref_c}:
+        assert_same(*run_both(core, topology_aware_dispatch, placement, tokens_ED, topo))
+        sources_S = rng.integers(0, D, int(rng.integers(0, D + 2)))     # any subset, repeats allowed
+        assert_same(*run_both(core, dispatch_rows, placement, tokens_ED, topo, sources_S))
+        d = int(rng.integers(D))
+        assert_same(*run_both(core, dispatch_rows, placement, tokens_ED, topo, d))
+        assert_same(*run_both(core, dispatch_rows, placement, tokens_ED, topo, np.int64(d)))
+        assert_same(*run_both(core, dispatch_device_load, placement, tokens_ED, topo))
+    t_eff, m_eff = min(t, E), min(m, t, E)
+    return {"lpt": t_eff > m_eff > 0, "all": 0 < t_eff <= m_eff, "few": E < D, "many": E > D,
+            "calibrated": ref_c is not placed, "replicated": isinstance(ref, Placement) and ref != shard}
+
+
+# --------------------------------------------------------------------------------------- backend
+def test_compiled_core_is_the_backend_unless_numpy_is_forced():
+    forced = os.environ.get("THEMIS_PLANNER_NUMPY", "") not in ("", "0")
+    if forced:
+        assert dispatch._C is None and dispatch.planner_backend() == "numpy"
+    else:   # CI must not silently run numpy only: the editable install builds the core
+        assert dispatch._C is not None and dispatch.planner_backend() == "c"
+        assert dispatch._C.__name__ == "themis_compile.planner._cplan"
+
+
+def test_environment_variable_forces_numpy(monkeypatch, core):
+    monkeypatch.setenv("THEMIS_PLANNER_NUMPY", "1")
+    assert dispatch._load_compiled_core() is None
+    monkeypatch.setenv("THEMIS_PLANNER_NUMPY", "0")
+    assert dispatch._load_compiled_core() is core
+    monkeypatch.delenv("THEMIS_PLANNER_NUMPY")
+    assert dispatch._load_compiled_core() is core
+
+
+# --------------------------------------------------------------------------------------- equality
+@pytest.mark.parametrize("seed", range(3))
+def test_compiled_and_numpy_plans_are_bit_identical(core, seed):
+    rng = np.random.default_rng(100 + seed)
+    seen = {key: 0 for key in ("lpt", "all", "few", "many", "calibrated", "replicated")}
+    for _ in range(150):
+        for key, hit in compare_case(core, *make_case(rng), rng).items():
+            seen[key] += hit
+    assert all(count > 0 for count in seen.values()), seen      # every branch was exercised
+
+
+@settings(max_examples=60, deadline=None)
+@given(dpn=st.sampled_from(TOPOLOGIES), E=st.integers(1, 40), t=st.integers(0, 12), m=st.integers(0, 6),
+       loads=st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0, 3.0, 7.25, 1e6]), min_size=40, max_size=40),
+       seed=st.integers(0, 2 ** 16))
+def test_hypothesis_compiled_matches_numpy(core, dpn, E, t, m, loads, seed):
+    rng = np.random.default_rng(seed)
+    topo = Topology(dpn)
+    shard = Placement.from_owners(rng.integers(0, topo.num_devices, E), topo.num_devices)
+    compare_case(core, topo, shard, np.asarray(loads[:E]), t, m, rng)
+
+
+def test_benchmark_scale_and_the_sequential_sum_branches(core):
+    """4 nodes x 8 devices at the benchmark's sizes, and a shape where the model's column sums are not
+    sequential (the core then starts from the numpy model's loads)."""
+    rng = np.random.default_rng(11)
+    topo = Topology.uniform(4, 8)
+    for E, t, m in [(64, 8, 2), (128, 16, 4), (128, 16, 1), (128, 40, 3)]:
+        shard = Placement.contiguous(E, 32)
+        for _ in range(4):
+            load_E = rng.multinomial(4096 * 8, rng.dirichlet(np.full(E, 0.3))).astype(np.float64)
+            compare_case(core, topo, shard, load_E, t, m, rng)
+    big = Topology((4, 4))
+    assert not column_sums_are_sequential(5000, big)
+    shard = Placement.from_owners(rng.integers(0, 8, 5000), 8)
+    load_E = rng.dirichlet(np.full(5000, 0.3)) * 1e6
+    fast, ref = run_both(core, sparse_materialization, shard, load_E, 12, 3, big)
+    assert_same(fast, ref)
+    assert ref != shard
+
+
+def test_place_replicas_from_a_replicated_mask(core):
+    """calibrate's use: a mask that already holds replicas, uneven free slots, experts in load order."""
+    rng = np.random.default_rng(5)
+    for _ in range(150):
+        topo = Topology(TOPOLOGIES[rng.integers(len(TOPOLOGIES))])
+        D = topo.num_devices
+        E = int(rng.integers(1, 30))
+        mask_ED = Placement.from_owners(rng.integers(0, D, E), D).mask.copy()
+        mask_ED |= rng.random((E, D)) < 0.15
+        load_E = make_loads(rng, E, int(rng.integers(5)))
+        order_E = np.argsort(-load_E, kind="stable")
+        experts_J = order_E[load_E[order_E] > 0][:int(rng.integers(0, E + 1))]
+        slots_D = rng.integers(0, 3, D).astype(np.int64)
+        outs = []
+        for backend in (core, None):
+            m_ED, s_D, c_E = mask_ED.copy(), slots_D.copy(), mask_ED.sum(axis=1).astype(np.int64)
+            saved, dispatch._C = dispatch._C, backend
+            try:
+                materialize._place_replicas(m_ED, load_E, experts_J, s_D, topo, c_E)
+            finally:
+                dispatch._C = saved
+            outs.append((m_ED, s_D, c_E))
+        for fast, ref in zip(*outs):
+            assert np.array_equal(fast, ref)
+        assert np.array_equal(outs[0][2], outs[0][0].sum(axis=1))
+
+
+def test_inputs_of_other_types_and_layouts(core):
+    """Lists, float loads in other dtypes, strided and transposed token counts, float token counts."""
+    rng = np.random.default_rng(9)
+    topo = Topology((3, 2))
+    shard = Placement.from_owners([0, 1, 2, 3, 4, 0, 1, 2, 3], 5)
+    wide_ED = rng.integers(0, 50, (9, 10))
+    loads = [5.0, 0.0, 3.0, 3.0, 9.0, 1.0, 0.0, 2.0, 8.0]
+    for load_E in (loads, np.asarray(loads, dtype=np.float32), np.asarray(loads * 2)[::2], np.asarray(loads, int)):
+        assert_same(*run_both(core, sparse_materialization, shard, load_E, 4, 2, topo))
+    placement = run_both(core, sparse_materialization, shard, loads, 4, 2, topo)[1]
+    for tokens_ED in (wide_ED[:, ::2], np.asfortranarray(wide_ED[:, :5]), wide_ED[:, :5].astype(np.float64),
+                      wide_ED[:, :5].astype(np.int32), wide_ED[:, :5].tolist()):
+        assert_same(*run_both(core, topology_aware_dispatch, placement, tokens_ED, topo))
+        assert_same(*run_both(core, dispatch_rows, placement, tokens_ED, topo, [4, 0, 4]))
+        assert_same(*run_both(core, dispatch_device_load, placement, tokens_ED, topo))
+
+
+def test_wide_counts_and_no_experts(core):
+    topo = Topology((2, 2))
+    placement = Placement(np.array([[True, False, True, True], [False, True, False, False]]))
+    tokens_ED = np.array([[0, 2 ** 40 + 3, 7, 1], [5, 2 ** 33, 0, 3]], dtype=np.int64)
+    for fn in (topology_aware_dispatch, dispatch_device_load):
+        assert_same(*run_both(core, fn, placement, tokens_ED, topo))
+    assert_same(*run_both(core, dispatch_rows, placement, tokens_ED, topo, [3, 1]))
+    empty = Placement.empty(0, 4)
+    for fn in (topology_aware_dispatch, dispatch_device_load):
+        assert_same(*run_both(core, fn, empty, np.zeros((0, 4), dtype=np.int64), topo))
+    assert_same(*run_both(core, sparse_materialization, Placement.from_owners([], 4), np.zeros(0), 3, 2, topo))
+
+
+# --------------------------------------------------------------------------------------- errors
+def test_bad_input_fails_alike(core):
+    topo = Topology((2, 2))
+    shard = Placement.from_owners([0, 1, 2], 4)
+    bad_loads = ([1.0, -2.0, 0.0], [1.0, math.nan, 0.0], [math.inf, 1.0, 0.0], [1.0, 2.0], [[1.0, 2.0, 3.0]])
+    for load_E in bad_loads:
+        fast, ref = run_both(core, sparse_materialization, shard, load_E, 2, 1, topo)
+        assert fast == ref and str(ref).startswith("ValueError")
+    for args in ((-1, 1), (2, 1.5), (True, 1)):       # bad counts; with bad loads too, loads come first
+        fast, ref = run_both(core, sparse_materialization, shard, [1.0, 2.0, 3.0], *args, topo)
+        assert fast == ref and "ValueError" in ref
+        fast, ref = run_both(core, sparse_materialization, shard, [1.0, -2.0, 3.0], *args, topo)
+        assert fast == ref and "negative entries" in ref
+    fast, ref = run_both(core, sparse_materialization, shard, [1.0, 2.0, 3.0], 2, 1, Topology((2, 3)))
+    assert fast == ref and "topology" in ref
+    orphan = Placement(np.array([[True, False, False, False], [False, False, False, False]]))
+    cases = [
+        (orphan, np.array([[1, 0, 0, 0], [0, 2, 0, 0]]), topo, "has tokens but no holder"),
+        (orphan, np.array([[1, -1, 0, 0], [0, 0, 0, 0]]), topo, "negative counts"),
+        (orphan, np.array([[1, 0, 0, 0], [0, 0, 0, 0]]), Topology((4, 4)), "topology"),
+        (orphan, np.array([[1, 0, 0], [0, 0, 0]]), topo, "shape"),
+        (orphan, np.array([[1.5, 0, 0, 0], [0, 0, 0, 0]]), topo, "whole numbers"),
+    ]
+    for placement, tokens_ED, topology, message in cases:
+        for fn in (topology_aware_dispatch, dispatch_device_load):
+            fast, ref = run_both(core, fn, placement, tokens_ED, topology)
+            assert fast == ref and message in ref, (fast, ref)
+        for sources in (1, [0, 1], [5]):
+            fast, ref = run_both(core, dispatch_rows, placement, tokens_ED, topology, sources)
+            assert fast == ref and message in ref, (fast, ref)
+    for sources in (4, -1, [0, 4], [[0]]):
+        fast, ref = run_both(core, dispatch_rows, orphan, np.zeros((2, 4), dtype=np.int64), topo, sources)
+        assert fast == ref and "sources must be device ids" in ref

@@ -1,0 +1,678 @@
+/* Compiled core of the planner's per-layer hot path: Alg. 1 (materialize.py) and Alg. 3 (dispatch.py).
+ *
+ * Every function here reproduces its numpy counterpart bit for bit: the same selections, the same
+ * tie-breaks and, for the modeled device loads of Alg. 1 l.10, the same floating-point operations in
+ * the same order (build with -ffp-contract=off: a fused multiply-add would round differently). The
+ * Python modules validate shapes and dtypes, allocate every output array and pass contiguous buffers:
+ * int64 for ids and counts, float64 for loads, one byte per entry for boolean masks; the token counts
+ * T[e, d] may be any strided 2-D int64 buffer.
+ *
+ * The topology arrives as one int64 buffer (`Topology._c_layout`):
+ *     [N, D, uniform, k_N (N), node_offsets (N + 1), node_D (D)].
+ *
+ * Return codes of the Alg. 3 entry points: 0 done; 1 a negative token count; 2 an expert with tokens
+ * and no holder; 3 the topology does not have the placement's D devices. On a nonzero code the outputs
+ * are garbage and the caller re-runs its validation, which raises the precise ValueError.
+ *
+ * Only the CPython C API and the buffer protocol are used (no numpy headers), C99.
+ *
+ * Legend: E experts, D devices (d source, d2 destination), N nodes, J materializable experts,
+ * S planned sources.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------------ helpers */
+typedef struct {
+    int64_t N, D, uniform;
+    const int64_t *k_N;     /* devices per node */
+    const int64_t *off_N;   /* node n holds devices off_N[n] .. off_N[n + 1] - 1 */
+    const int64_t *node_D;  /* node of every device */
+} topo_t;
+
+static int parse_topo(const Py_buffer *buf, topo_t *tp)
+{
+    const int64_t *p = (const int64_t *)buf->buf;
+    Py_ssize_t words = buf->len / (Py_ssize_t)sizeof(int64_t);
+    if (words < 3 || p[0] < 1 || p[1] < 1 || words != 3 + p[0] + p[0] + 1 + p[1]) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: malformed topology layout");
+        return -1;
+    }
+    tp->N = p[0];
+    tp->D = p[1];
+    tp->uniform = p[2];
+    tp->k_N = p + 3;
+    tp->off_N = tp->k_N + tp->N;
+    tp->node_D = tp->off_N + tp->N + 1;
+    return 0;
+}
+
+static int check_len(const Py_buffer *buf, Py_ssize_t count, Py_ssize_t itemsize, const char *what)
+{
+    if (buf->len != count * itemsize) {
+        PyErr_Format(PyExc_ValueError, "_cplan: %s has %zd bytes, expected %zd", what, buf->len,
+                     count * itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+/* numpy's float order (sorts and lexsorts): NaN after everything, NaNs equal. */
+static inline int flt_lt(double a, double b)
+{
+    return a < b || (b != b && a == a);
+}
+
+/* ------------------------------------------------------------------------------------ Alg. 1 */
+/* Sort key of _top_experts: load descending, ties lower id (a stable argsort of -load). */
+typedef struct {
+    double load;
+    int64_t id;
+} keyed_t;
+
+static int cmp_top(const void *a, const void *b)
+{
+    const keyed_t *x = (const keyed_t *)a, *y = (const keyed_t *)b;
+    if (x->load > y->load) return -1;
+    if (x->load < y->load) return 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* Alg. 1 l.3: the top-t experts by load, descending, ties by lower id, zero-load experts dropped.
+ * Loads are finite and >= 0 (validated), so the positive ones lead the stable order. -1: no memory. */
+static Py_ssize_t top_experts(const double *load_E, Py_ssize_t E, Py_ssize_t t, int64_t *top_J)
+{
+    keyed_t *keyed;
+    Py_ssize_t J = 0;
+    if (t <= 0) return 0;
+    if (t <= 64) {   /* insertion into a sorted prefix: O(E) compares when t is small */
+        for (Py_ssize_t e = 0; e < E; e++) {
+            double x = load_E[e];
+            if (!(x > 0)) continue;
+            if (J == t && !(x > load_E[top_J[J - 1]])) continue;
+            Py_ssize_t pos = J < t ? J : t - 1;
+            while (pos > 0 && load_E[top_J[pos - 1]] < x) {   /* equal loads keep the lower id first */
+                top_J[pos] = top_J[pos - 1];
+                pos--;
+            }
+            top_J[pos] = e;
+            if (J < t) J++;
+        }
+        return J;
+    }
+    keyed = (keyed_t *)malloc((size_t)(E > 0 ? E : 1) * sizeof(keyed_t));
+    if (keyed == NULL) return -1;
+    for (Py_ssize_t e = 0; e < E; e++)
+        if (load_E[e] > 0) {
+            keyed[J].load = load_E[e];
+            keyed[J++].id = e;
+        }
+    qsort(keyed, (size_t)J, sizeof(keyed_t), cmp_top);
+    if (J > t) J = t;
+    for (Py_ssize_t j = 0; j < J; j++) top_J[j] = keyed[j].id;
+    free(keyed);
+    return J;
+}
+
+/* Alg. 1 l.9 for all experts at once (_assign_slots_by_load): highest averages, slot after slot to
+ * the largest per-copy load load / (copies + n + 1), ties to the earlier expert of J, at most room_J
+ * per expert; only positive quotients take a slot. A row's quotients do not increase, so this greedy
+ * merge is the stable sort of numpy's quotient table. */
+static void assign_slots(const double *load_J, const int64_t *copies_J, const int64_t *room_J,
+                         Py_ssize_t J, int64_t total_slots, int64_t *n_J, double *head_J)
+{
+    for (Py_ssize_t j = 0; j < J; j++) {   /* head_J: the quotient of a row's next slot, 0 when none */
+        n_J[j] = 0;
+        head_J[j] = room_J[j] > 0 ? load_J[j] / (double)(copies_J[j] + 1) : 0.0;
+    }
+    for (int64_t s = 0; s < total_slots; s++) {
+        Py_ssize_t best_j = -1;
+        double best = 0.0;
+        for (Py_ssize_t j = 0; j < J; j++)
+            if (head_J[j] > best) {
+                best = head_J[j];
+                best_j = j;
+            }
+        if (best_j < 0) break;
+        const int64_t n = ++n_J[best_j];
+        head_J[best_j] = n < room_J[best_j] ? load_J[best_j] / (double)(copies_J[best_j] + n + 1) : 0.0;
+    }
+}
+
+/* Candidate order inside a node (l.10): modeled load ascending, then more free slots, then lower id. */
+static inline int cand_before(int64_t a, int64_t b, const double *load_D, const int64_t *slots_D)
+{
+    if (flt_lt(load_D[a], load_D[b])) return 1;
+    if (flt_lt(load_D[b], load_D[a])) return 0;
+    if (slots_D[a] != slots_D[b]) return slots_D[a] > slots_D[b];
+    return a < b;
+}
+
+typedef struct {
+    int64_t *copies_J, *room_J, *n_J;   /* [J] */
+    double *load_J, *head_J;            /* [J] */
+    int64_t *holders, *cand, *seq;      /* [D] */
+    int64_t *holders_N, *cnt_N, *taken_N; /* [N] */
+    int64_t *extra;                     /* [extra] words for the caller */
+} scratch_t;
+
+static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t N, Py_ssize_t extra)
+{
+    size_t words = 5 * (size_t)J + 3 * (size_t)D + 3 * (size_t)N + (size_t)extra + 1;
+    int64_t *mem = (int64_t *)malloc(words * sizeof(int64_t));
+    if (mem == NULL) return NULL;
+    s->copies_J = mem;
+    s->room_J = s->copies_J + J;
+    s->n_J = s->room_J + J;
+    s->load_J = (double *)(s->n_J + J);
+    s->head_J = s->load_J + J;
+    s->holders = (int64_t *)(s->head_J + J);
+    s->cand = s->holders + D;
+    s->seq = s->cand + D;
+    s->holders_N = s->seq + D;
+    s->cnt_N = s->holders_N + N;
+    s->taken_N = s->cnt_N + N;
+    s->extra = s->taken_N + N;
+    return mem;
+}
+
+/* Alg. 1 l.7-11 (_place_replicas), in place on mask_ED, slots_D, copies_E and dev_load_D (the modeled
+ * loads of cost.fluid_device_load, initialized by the caller). owners_E (may be NULL): the shard
+ * owners when mask_ED is the shard placement itself. */
+static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *load_E,
+                           const int64_t *experts_J, Py_ssize_t J, int64_t *slots_D, int64_t *copies_E,
+                           double *dev_load_D, const int64_t *owners_E, scratch_t *s)
+{
+    const Py_ssize_t D = (Py_ssize_t)tp->D, N = (Py_ssize_t)tp->N;
+    const int64_t *k_N = tp->k_N, *off_N = tp->off_N, *node_D = tp->node_D;
+    int64_t total_slots = 0;
+    int any_slot = 0;
+    for (Py_ssize_t d = 0; d < D; d++) {
+        total_slots += slots_D[d];
+        any_slot |= slots_D[d] != 0;
+    }
+    if (J == 0 || !any_slot) return;
+    for (Py_ssize_t j = 0; j < J; j++) {
+        s->copies_J[j] = copies_E[experts_J[j]];
+        s->room_J[j] = D - s->copies_J[j];
+        s->load_J[j] = load_E[experts_J[j]];
+    }
+    assign_slots(s->load_J, s->copies_J, s->room_J, J, total_slots, s->n_J, s->head_J);      /* l.9 */
+    for (Py_ssize_t i = 0; i < J; i++) {                                          /* l.8 */
+        const int64_t e = experts_J[i], n = s->n_J[i], copies = s->copies_J[i];
+        if (n == 0) continue;
+        uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
+        /* Candidates: no copy of e and a free slot; per node in l.10's inner order (insertion sort). */
+        Py_ssize_t num_cand = 0, num_holders = 0;
+        for (Py_ssize_t nn = 0; nn < N; nn++) {
+            int64_t *list = s->cand + off_N[nn];
+            Py_ssize_t c = 0;
+            s->holders_N[nn] = 0;
+            for (int64_t d = off_N[nn]; d < off_N[nn + 1]; d++) {
+                if (row_D[d]) {
+                    s->holders_N[nn]++;
+                    if (owners_E == NULL) s->holders[num_holders++] = d;
+                    continue;
+                }
+                if (slots_D[d] <= 0) continue;
+                Py_ssize_t pos = c++;
+                while (pos > 0 && cand_before(d, list[pos - 1], dev_load_D, slots_D)) {
+                    list[pos] = list[pos - 1];
+                    pos--;
+                }
+                list[pos] = d;
+            }
+            s->cnt_N[nn] = c;
+            s->taken_N[nn] = 0;
+            num_cand += c;
+        }
+        if (num_cand == 0) continue;
+        if (owners_E != NULL) s->holders[num_holders++] = owners_E[e];
+        /* l.10: merge the nodes' streams by (holders_n + j) / k_n, then the candidate's load, then node. */
+        const Py_ssize_t npick = n < num_cand ? (Py_ssize_t)n : num_cand;
+        for (Py_ssize_t p = 0; p < npick; p++) {
+            Py_ssize_t bn = -1;
+            int64_t best_level_i = 0;
+            double best_level_f = 0.0, best_load = 0.0;
+            for (Py_ssize_t nn = 0; nn < N; nn++) {
+                const int64_t j = s->taken_N[nn];
+                if (j >= s->cnt_N[nn]) continue;
+                const double ld = dev_load_D[s->cand[off_N[nn] + j]];
+                int better;
+                if (tp->uniform) {
+                    const int64_t level = s->holders_N[nn] + j;
+                    better = bn < 0 || level < best_level_i || (level == best_level_i && flt_lt(ld, best_load));
+                    if (better) best_level_i = level;
+                } else {
+                    const double level = (double)(s->holders_N[nn] + j) / (double)k_N[nn];
+                    better = bn < 0 || level < best_level_f || (level == best_level_f && flt_lt(ld, best_load));
+                    if (better) best_level_f = level;
+                }
+                if (better) {
+                    bn = nn;
+                    best_load = ld;
+                }
+            }
+            s->seq[p] = s->cand[off_N[bn] + s->taken_N[bn]];
+            s->taken_N[bn]++;
+        }
+        /* LPT guard: place the first k <= npick, k minimizing the hottest device among e's holders. */
+        const double load_e = load_E[e];
+        double hottest = dev_load_D[s->holders[0]];
+        for (Py_ssize_t h = 0; h < num_holders; h++)
+            if (dev_load_D[s->holders[h]] > hottest) hottest = dev_load_D[s->holders[h]];
+        const double base = hottest - load_e / (double)copies;
+        const double share_last = load_e / (double)(copies + npick);
+        double best = hottest, run = -INFINITY;
+        Py_ssize_t k = 0;
+        for (Py_ssize_t j = 1; j <= npick; j++) {
+            const double x = dev_load_D[s->seq[j - 1]];
+            if (x > run) run = x;
+            const double top = run > base ? run : base;
+            if (top + share_last >= best) break;
+            const double peak = top + load_e / (double)(copies + j);
+            if (peak < best) {
+                best = peak;
+                k = j;
+            }
+        }
+        if (k == 0) continue;
+        /* l.11: P' ← P' ∪ P^e; the modeled load of every holder of e changes (cost.fluid_device_load:
+         * load/D · (k_n / h_n + U / c) at a holder on node n, U = devices on nodes without e). */
+        const double per_device = load_e / (double)D;
+        int64_t uncovered = D;
+        for (Py_ssize_t nn = 0; nn < N; nn++)
+            if (s->holders_N[nn]) uncovered -= k_N[nn];
+        double term = (double)uncovered / (double)copies;
+        for (Py_ssize_t h = 0; h < num_holders; h++) {
+            const int64_t d = s->holders[h], nd = node_D[d];
+            dev_load_D[d] = dev_load_D[d] - per_device * ((double)k_N[nd] / (double)s->holders_N[nd] + term);
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            const int64_t d = s->seq[j], nd = node_D[d];
+            row_D[d] = 1;
+            slots_D[d] -= 1;
+            if (!s->holders_N[nd]) uncovered -= k_N[nd];
+            s->holders_N[nd]++;
+            s->holders[num_holders++] = d;
+        }
+        copies_E[e] = copies + k;
+        term = (double)uncovered / (double)(copies + k);
+        for (Py_ssize_t h = 0; h < num_holders; h++) {
+            const int64_t d = s->holders[h], nd = node_D[d];
+            dev_load_D[d] = dev_load_D[d] + per_device * ((double)k_N[nd] / (double)s->holders_N[nd] + term);
+        }
+    }
+}
+
+/* _shard_device_load's bincount: fluid_device_load of a shard placement where its column sums add
+ * experts in ascending order (one holder: the per-holder factor is D exactly). */
+static void shard_device_load(const int64_t *owners_E, const double *load_E, Py_ssize_t E, Py_ssize_t D,
+                              double *out_D)
+{
+    for (Py_ssize_t d = 0; d < D; d++) out_D[d] = 0.0;
+    for (Py_ssize_t e = 0; e < E; e++) out_D[owners_E[e]] += (load_E[e] / (double)D) * (double)D;
+}
+
+/* place_replicas(topology, mask_ED (w), load_E, experts_J, slots_D (w), copies_E (w), dev_load_D (w),
+ *                owners_E or None) -> None */
+static PyObject *py_place_replicas(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bmask, bload, bexp, bslots, bcopies, bdev, bown = {0};
+    PyObject *owners_obj, *result = NULL;
+    topo_t tp;
+    scratch_t s;
+    void *mem = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*w*w*w*O", &btopo, &bmask, &bload, &bexp, &bslots, &bcopies, &bdev,
+                          &owners_obj))
+        return NULL;
+    int have_owners = owners_obj != Py_None;
+    if (have_owners && PyObject_GetBuffer(owners_obj, &bown, PyBUF_SIMPLE) < 0) goto done;
+    if (parse_topo(&btopo, &tp) < 0) goto done;
+    Py_ssize_t D = (Py_ssize_t)tp.D, E = bload.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t J = bexp.len / (Py_ssize_t)sizeof(int64_t);
+    if (check_len(&bmask, E * D, 1, "mask_ED") < 0 || check_len(&bslots, D, 8, "slots_D") < 0 ||
+        check_len(&bcopies, E, 8, "copies_E") < 0 || check_len(&bdev, D, 8, "dev_load_D") < 0 ||
+        (have_owners && check_len(&bown, E, 8, "owners_E") < 0))
+        goto done;
+    mem = alloc_scratch(&s, J, D, (Py_ssize_t)tp.N, 0);
+    if (mem == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    place_replicas(&tp, (uint8_t *)bmask.buf, (const double *)bload.buf, (const int64_t *)bexp.buf, J,
+                   (int64_t *)bslots.buf, (int64_t *)bcopies.buf, (double *)bdev.buf,
+                   have_owners ? (const int64_t *)bown.buf : NULL, &s);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    free(mem);
+    if (have_owners && bown.obj != NULL) PyBuffer_Release(&bown);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bmask);
+    PyBuffer_Release(&bload);
+    PyBuffer_Release(&bexp);
+    PyBuffer_Release(&bslots);
+    PyBuffer_Release(&bcopies);
+    PyBuffer_Release(&bdev);
+    return result;
+}
+
+/* materialize(topology, owners_E, load_E, t, m, mask_ED (w), copies_E (w), dev_load_D (w) or None)
+ *     -> int
+ * sparse_materialization after its shard and count checks, t and m already capped (l.1). mask_ED: a
+ * copy of the shard mask; copies_E: ones. dev_load_D: the initial modeled loads for the LPT branch when
+ * they are not the bincount of `shard_device_load` (None: computed here). Returns -1 when a load is
+ * negative, NaN or infinite (nothing written), 0 when P' = P (no top expert, or m = 0), else 1. */
+static PyObject *py_materialize(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bown, bload, bmask, bcopies, bdev = {0};
+    Py_ssize_t t, m;
+    PyObject *dev_obj;
+    topo_t tp;
+    scratch_t s;
+    void *mem = NULL;
+    long rc = -2;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnw*w*O", &btopo, &bown, &bload, &t, &m, &bmask, &bcopies, &dev_obj))
+        return NULL;
+    int have_dev = dev_obj != Py_None;
+    if (have_dev && PyObject_GetBuffer(dev_obj, &bdev, PyBUF_WRITABLE) < 0) goto done;
+    if (parse_topo(&btopo, &tp) < 0) goto done;
+    Py_ssize_t D = (Py_ssize_t)tp.D, N = (Py_ssize_t)tp.N, E = bload.len / (Py_ssize_t)sizeof(double);
+    if (check_len(&bown, E, 8, "owners_E") < 0 || check_len(&bmask, E * D, 1, "mask_ED") < 0 ||
+        check_len(&bcopies, E, 8, "copies_E") < 0 || (have_dev && check_len(&bdev, D, 8, "dev_load_D") < 0))
+        goto done;
+    const double *load_E = (const double *)bload.buf;
+    for (Py_ssize_t e = 0; e < E; e++)   /* check_loads' fast accept: finite and >= 0 */
+        if (!(load_E[e] >= 0 && load_E[e] < INFINITY)) {
+            rc = -1;
+            goto done;
+        }
+    if (t > E) t = E;
+    if (m > t) m = t;
+    /* J <= t; the scratch's extra words hold the top list, the free slots and the modeled loads. */
+    mem = alloc_scratch(&s, t, D, N, t + 2 * D);
+    if (mem == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *top_J = s.extra, *slots_D = top_J + t;
+    double *dev_load_D = have_dev ? (double *)bdev.buf : (double *)(slots_D + D);
+    Py_ssize_t J = top_experts(load_E, E, t, top_J);                                /* l.3 */
+    if (J < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (J == 0 || m == 0) {
+        rc = 0;
+        goto done;
+    }
+    uint8_t *mask_ED = (uint8_t *)bmask.buf;
+    int64_t *copies_E = (int64_t *)bcopies.buf;
+    if (t <= m) {                                                                   /* l.4-5 */
+        for (Py_ssize_t j = 0; j < J; j++) {
+            memset(mask_ED + (size_t)top_J[j] * (size_t)D, 1, (size_t)D);
+            copies_E[top_J[j]] = D;
+        }
+    } else {                                                                        /* l.7-11 */
+        for (Py_ssize_t d = 0; d < D; d++) slots_D[d] = m;
+        if (!have_dev) shard_device_load((const int64_t *)bown.buf, load_E, E, D, dev_load_D);
+        place_replicas(&tp, mask_ED, load_E, top_J, J, slots_D, copies_E, dev_load_D,
+                       (const int64_t *)bown.buf, &s);
+    }
+    rc = 1;
+done:
+    free(mem);
+    if (have_dev && bdev.obj != NULL) PyBuffer_Release(&bdev);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bown);
+    PyBuffer_Release(&bload);
+    PyBuffer_Release(&bmask);
+    PyBuffer_Release(&bcopies);
+    if (rc == -2) return NULL;
+    return PyLong_FromLong(rc);
+}
+
+/* ------------------------------------------------------------------------------------ Alg. 3 */
+/* One expert's holders, ascending, and where each node's holders start in that list (devices are
+ * numbered node by node, so a node's holders are a contiguous run). */
+typedef struct {
+    int64_t *holders;   /* [D] */
+    int64_t *count_N;   /* [N] holders on node n */
+    int64_t *start_N;   /* [N] index of node n's first holder in `holders` */
+} holders_t;
+
+static Py_ssize_t find_holders(const topo_t *tp, const uint8_t *row_D, holders_t *h)
+{
+    const Py_ssize_t D = (Py_ssize_t)tp->D;
+    Py_ssize_t c = 0, d = 0;
+    /* Rows are mostly zero (one owner, a few replicas): skip eight devices per zero word. */
+    for (; d + 8 <= D; d += 8) {
+        uint64_t word;
+        memcpy(&word, row_D + d, sizeof word);
+        if (word == 0) continue;
+        for (Py_ssize_t i = 0; i < 8; i++)
+            if (row_D[d + i]) h->holders[c++] = d + i;
+    }
+    for (; d < D; d++)
+        if (row_D[d]) h->holders[c++] = d;
+    /* Devices are numbered node by node, so every node's holders are a contiguous run. */
+    Py_ssize_t i = 0;
+    for (int64_t nn = 0; nn < tp->N; nn++) {
+        h->start_N[nn] = i;
+        while (i < c && h->holders[i] < tp->off_N[nn + 1]) i++;
+        h->count_N[nn] = i - h->start_N[nn];
+    }
+    return c;
+}
+
+/* Alg. 3 l.4-12 for one (expert e, source d) with at least two holders: R[e, d, :] into out_D (zeroed).
+ * Even split with the module's remainder rule: target j of k receives q + 1 when (j - (e + d)) mod k < r. */
+static inline void split_row(const topo_t *tp, int64_t e, int64_t d, int64_t tokens, const uint8_t *row_D,
+                             const holders_t *h, Py_ssize_t copies, int64_t *out_D)
+{
+    if (row_D[d]) {                                  /* l.4-5: a holder keeps its tokens */
+        out_D[d] = tokens;
+        return;
+    }
+    const int64_t nd = tp->node_D[d];
+    const int64_t *targets;
+    int64_t k;
+    if (h->count_N[nd] > 0) {                         /* l.9-10: intra-node */
+        targets = h->holders + h->start_N[nd];
+        k = h->count_N[nd];
+    } else {                                         /* l.12: all holders */
+        targets = h->holders;
+        k = copies;
+    }
+    const int64_t q = tokens / k, r = tokens % k, offset = (e + d) % k;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t u = j - offset;
+        if (u < 0) u += k;
+        out_D[targets[j]] = q + (u < r);
+    }
+}
+
+typedef enum { PLAN_FULL, PLAN_ROWS, PLAN_LOAD } plan_kind;
+
+/* The three Alg. 3 entry points share this loop. PLAN_FULL: out = R [E, D, D]; PLAN_ROWS: out =
+ * R[:, sources, :] as [E, S, D]; PLAN_LOAD: out = [D] tokens each device computes. out is zeroed. */
+static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens_ED, Py_ssize_t se,
+                 Py_ssize_t sd, Py_ssize_t E, plan_kind kind, const int64_t *sources_S, Py_ssize_t S,
+                 int64_t *out)
+{
+    const Py_ssize_t D = (Py_ssize_t)tp->D, N = (Py_ssize_t)tp->N;
+    long rc = 0;
+    int64_t *mem = (int64_t *)malloc(((size_t)D + (size_t)N * 2 + 1) * sizeof(int64_t));
+    if (mem == NULL) return -1;
+    holders_t h = {mem, mem + D, mem + D + N};
+    for (Py_ssize_t e = 0; e < E && rc == 0; e++) {
+        const uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
+        const int64_t *tok_e = tokens_ED + e * se;      /* T[e, d] = tok_e[d * sd] */
+        const Py_ssize_t copies = find_holders(tp, row_D, &h);
+        int64_t bits = 0;   /* OR of the row: negative iff a count is negative, zero iff all are zero */
+        if (sd == 1)
+            for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d];
+        else
+            for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d * sd];
+        if (bits < 0) {
+            rc = 1;
+            break;
+        }
+        if (copies == 0) {
+            if (bits) rc = 2;
+            continue;
+        }
+        if (kind == PLAN_FULL) {
+            int64_t *R_DD = out + (size_t)e * (size_t)D * (size_t)D;
+            if (copies == 1) {                        /* every token goes to the one holder */
+                const int64_t owner = h.holders[0];
+                for (Py_ssize_t d = 0; d < D; d++) R_DD[(size_t)d * D + owner] = tok_e[d * sd];
+            } else {
+                for (Py_ssize_t d = 0; d < D; d++)
+                    split_row(tp, e, d, tok_e[d * sd], row_D, &h, copies, R_DD + (size_t)d * D);
+            }
+        } else if (kind == PLAN_ROWS) {
+            int64_t *R_SD = out + (size_t)e * (size_t)S * (size_t)D;
+            for (Py_ssize_t i = 0; i < S; i++) {
+                const int64_t d = sources_S[i];
+                if (copies == 1)
+                    R_SD[(size_t)i * D + h.holders[0]] = tok_e[d * sd];
+                else
+                    split_row(tp, e, d, tok_e[d * sd], row_D, &h, copies, R_SD + (size_t)i * D);
+            }
+        } else {
+            if (copies == 1) {
+                int64_t sum = 0;
+                for (Py_ssize_t d = 0; d < D; d++) sum += tok_e[d * sd];
+                out[h.holders[0]] += sum;
+            } else {
+                for (Py_ssize_t d = 0; d < D; d++) {
+                    const int64_t tokens = tok_e[d * sd];
+                    if (row_D[d]) {
+                        out[d] += tokens;
+                        continue;
+                    }
+                    const int64_t nd = tp->node_D[d];
+                    const int64_t *targets = h.count_N[nd] > 0 ? h.holders + h.start_N[nd] : h.holders;
+                    const int64_t k = h.count_N[nd] > 0 ? h.count_N[nd] : (int64_t)copies;
+                    const int64_t q = tokens / k, r = tokens % k, offset = (e + d) % k;
+                    for (int64_t j = 0; j < k; j++) {
+                        int64_t u = j - offset;
+                        if (u < 0) u += k;
+                        out[targets[j]] += q + (u < r);
+                    }
+                }
+            }
+        }
+    }
+    free(mem);
+    return rc;
+}
+
+static PyObject *run_plan(PyObject *args, plan_kind kind)
+{
+    Py_buffer btopo, bmask, bout, btok = {0}, bsrc = {0};
+    PyObject *src_obj = Py_None, *tok_obj;
+    topo_t tp;
+    long rc = -1;
+    int64_t single = 0;
+    const int64_t *sources_S = NULL;
+    Py_ssize_t S = 0;
+    Py_ssize_t E;
+    if (kind == PLAN_ROWS) {
+        if (!PyArg_ParseTuple(args, "y*y*OnOw*", &btopo, &bmask, &tok_obj, &E, &src_obj, &bout)) return NULL;
+    } else if (!PyArg_ParseTuple(args, "y*y*Onw*", &btopo, &bmask, &tok_obj, &E, &bout)) {
+        return NULL;
+    }
+    if (parse_topo(&btopo, &tp) < 0) goto done;
+    /* Token counts: any 2-D strided int64 buffer (numpy's transposed counts need no copy). */
+    if (PyObject_GetBuffer(tok_obj, &btok, PyBUF_STRIDES) < 0) goto done;
+    if (btok.ndim != 2 || btok.itemsize != 8 || btok.strides[0] % 8 || btok.strides[1] % 8) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: tokens must be a 2-D int64 buffer");
+        goto done;
+    }
+    if (E < 0 || bmask.len != E * (Py_ssize_t)tp.D || btok.shape[0] != E || btok.shape[1] != tp.D) {
+        rc = 3;       /* the topology's D is not the placement's (or the buffers disagree) */
+        goto done;
+    }
+    if (kind == PLAN_ROWS) {
+        if (PyLong_Check(src_obj)) {
+            single = PyLong_AsLongLong(src_obj);
+            if (single == -1 && PyErr_Occurred()) goto done;
+            sources_S = &single;
+            S = 1;
+        } else {
+            if (PyObject_GetBuffer(src_obj, &bsrc, PyBUF_SIMPLE) < 0) goto done;
+            sources_S = (const int64_t *)bsrc.buf;
+            S = bsrc.len / (Py_ssize_t)sizeof(int64_t);
+        }
+        for (Py_ssize_t i = 0; i < S; i++)
+            if (sources_S[i] < 0 || sources_S[i] >= tp.D) {
+                PyErr_SetString(PyExc_ValueError, "_cplan: a source is out of range");
+                goto done;
+            }
+    }
+    const Py_ssize_t expected = kind == PLAN_FULL ? E * tp.D * tp.D : kind == PLAN_ROWS ? E * S * tp.D : tp.D;
+    if (check_len(&bout, expected, 8, "out") < 0) goto done;
+    rc = plan(&tp, (const uint8_t *)bmask.buf, (const int64_t *)btok.buf, btok.strides[0] / 8,
+              btok.strides[1] / 8, E, kind, sources_S, S, (int64_t *)bout.buf);
+    if (rc < 0) PyErr_NoMemory();
+done:
+    if (bsrc.obj != NULL) PyBuffer_Release(&bsrc);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bmask);
+    if (btok.obj != NULL) PyBuffer_Release(&btok);
+    PyBuffer_Release(&bout);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromLong(rc);
+}
+
+/* dispatch(topology, mask_ED, tokens_ED, E, R_EDD (w, zeroed)) -> int */
+static PyObject *py_dispatch(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run_plan(args, PLAN_FULL);
+}
+
+/* dispatch_rows(topology, mask_ED, tokens_ED, E, sources (int or int64 buffer), R_ESD (w, zeroed)) -> int */
+static PyObject *py_dispatch_rows(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run_plan(args, PLAN_ROWS);
+}
+
+/* dispatch_device_load(topology, mask_ED, tokens_ED, E, load_D (w, zeroed)) -> int */
+static PyObject *py_dispatch_device_load(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run_plan(args, PLAN_LOAD);
+}
+
+/* ------------------------------------------------------------------------------------ module */
+static PyMethodDef cplan_methods[] = {
+    {"materialize", py_materialize, METH_VARARGS, "Alg. 1 core (sparse_materialization after validation)."},
+    {"place_replicas", py_place_replicas, METH_VARARGS, "Alg. 1 l.7-11 in place (_place_replicas)."},
+    {"dispatch", py_dispatch, METH_VARARGS, "Alg. 3: the full plan R[e, d, d2]."},
+    {"dispatch_rows", py_dispatch_rows, METH_VARARGS, "Alg. 3: rows R[:, sources, :]."},
+    {"dispatch_device_load", py_dispatch_device_load, METH_VARARGS, "Alg. 3: tokens per device."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef cplan_module = {
+    PyModuleDef_HEAD_INIT, "_cplan", "Compiled core of the planner hot path (Alg. 1 and Alg. 3).", -1,
+    cplan_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__cplan(void)
+{
+    return PyModule_Create(&cplan_module);
+}
