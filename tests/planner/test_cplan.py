@@ -185,6 +185,24 @@ def test_benchmark_scale_and_the_sequential_sum_branches(core):
     assert ref != shard
 
 
+def test_slot_apportionment_matches_numpy_under_exact_ties(core):
+    """l.9 alone: small integer loads make quotients equal each other and the core's bulk-start
+    threshold sum(load) / total exactly; the counts must still be numpy's, slot for slot."""
+    rng = np.random.default_rng(17)
+    for _ in range(3000):
+        J = int(rng.integers(0, 9))
+        load_J = np.sort(rng.integers(0, 7, J).astype(np.float64) * float(rng.choice([1.0, 3.0, 0.1])))[::-1].copy()
+        if rng.integers(4) == 0:
+            load_J = rng.random(J) * 10.0 ** rng.uniform(-300, 300)
+        copies_J = rng.integers(1, 5, J).astype(np.int64)
+        room_J = rng.integers(0, 9, J).astype(np.int64)
+        total = int(rng.integers(0, 40))
+        n_J = np.full(J, -1, dtype=np.int64)
+        core.assign_slots(load_J, copies_J, room_J, total, n_J)
+        expected_J = materialize._assign_slots_by_load(load_J, copies_J, room_J, total)
+        assert np.array_equal(n_J, expected_J), (load_J, copies_J, room_J, total)
+
+
 def test_place_replicas_from_a_replicated_mask(core):
     """calibrate's use: a mask that already holds replicas, uneven free slots, experts in load order."""
     rng = np.random.default_rng(5)
@@ -227,6 +245,21 @@ def test_inputs_of_other_types_and_layouts(core):
         assert_same(*run_both(core, topology_aware_dispatch, placement, tokens_ED, topo))
         assert_same(*run_both(core, dispatch_rows, placement, tokens_ED, topo, [4, 0, 4]))
         assert_same(*run_both(core, dispatch_device_load, placement, tokens_ED, topo))
+
+
+def test_extreme_loads_overflowing_the_modeled_loads(core):
+    """Finite loads near the float maximum make the modeled device loads inf or NaN; the core orders
+    them as numpy does (NaN last) and makes the same comparisons."""
+    rng = np.random.default_rng(23)
+    for i in range(300):
+        topo = Topology([(2, 2), (3, 2), (5, 3, 8), (1,), (4, 4, 4)][i % 5])
+        D = topo.num_devices
+        E = int(rng.integers(2, 20))
+        shard = Placement.from_owners(rng.integers(0, D, E), D)
+        load_E = rng.choice([0.0, 1e308, 1.7e308, 5e307, 1.0, 1e-320], E)
+        with np.errstate(all="ignore"):
+            assert_same(*run_both(core, sparse_materialization, shard, load_E, int(rng.integers(1, E + 1)),
+                                  int(rng.integers(1, 4)), topo))
 
 
 def test_wide_counts_and_no_experts(core):

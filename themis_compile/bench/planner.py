@@ -7,6 +7,11 @@ drifts a little every iteration, each device routing its tokens multinomially. T
 (§4.2, run on the actual gate counts after Alg. 1) is timed separately, on counts drawn from a popularity
 perturbed away from the predicted one. Alg. 2 is timed over 24 layers. Prints one JSON document and
 returns it; ``load_average`` records how busy the machine was (timings on a shared machine are noisy).
+
+``backend`` names the planner core that ran (``"c"``: the compiled core, ``"numpy"``: its numpy
+reference; see `dispatch.planner_backend`). ``--backend both`` times the two plan by plan, interleaved,
+and adds ``numpy_setups`` and the per-metric median ratios ``numpy_over_c`` (ratios are what stay
+comparable on a noisy machine).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import time
 import numpy as np
 
 from themis_compile.planner import (
-    PlanCost, Topology, calibrate, heterogeneous_sharding, homogeneous_sharding, sparse_materialization,
-    topology_aware_dispatch,
+    PlanCost, Topology, calibrate, dispatch, heterogeneous_sharding, homogeneous_sharding,
+    sparse_materialization, topology_aware_dispatch,
 )
 from themis_compile.planner.dispatch import dispatch_rows
 
@@ -43,7 +48,37 @@ def _percentiles(samples_us: list[float]) -> dict[str, float]:
             "min_us": round(float(arr.min()), 2)}
 
 
-def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len: int = 4096) -> dict:
+TIMED = ("alg1_plus_alg3", "alg1", "alg3", "alg1_plus_alg3_own_row", "calibrate_with_tokens")
+
+
+def _timed_plan(i: int, shard, trace, t: int, m: int, topology: Topology, cost: PlanCost, samples: dict):
+    """One plan of the timed loop (Alg. 1, Alg. 3, own row, calibration); appends to ``samples``."""
+    load_E, tokens_ED, actual_ED = trace
+    D = topology.num_devices
+    t0 = time.perf_counter()
+    placement = sparse_materialization(shard, load_E, t, m, topology)
+    t1 = time.perf_counter()
+    R_EDD = topology_aware_dispatch(placement, tokens_ED, topology)
+    t2 = time.perf_counter()
+    samples["alg1"].append((t1 - t0) * 1e6)
+    samples["alg3"].append((t2 - t1) * 1e6)
+    samples["alg1_plus_alg3"].append((t2 - t0) * 1e6)
+    t3 = time.perf_counter()
+    dispatch_rows(placement, tokens_ED, topology, i % D)
+    # What one rank needs per layer: Alg. 1 and its own row R[:, rank, :] of the Alg. 3 plan.
+    samples["alg1_plus_alg3_own_row"].append((time.perf_counter() - t3) * 1e6 + samples["alg1"][-1])
+    t3 = time.perf_counter()
+    calibrate(shard, placement, actual_ED.sum(axis=1), t, m + 1, topology, cost, tokens_ED=actual_ED)
+    samples["calibrate_with_tokens"].append((time.perf_counter() - t3) * 1e6)
+    return R_EDD
+
+
+def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len: int = 4096,
+                backends: tuple | None = None) -> list[dict]:
+    """Time one setup; ``backends``: planner cores to interleave plan by plan (the compiled module, or
+    None for numpy; default: the loaded one). One result per backend, in that order."""
+    if backends is None:
+        backends = (dispatch._C,)
     rng = np.random.default_rng(seed)
     E, D = setup["num_experts"], topology.num_devices
     t, m = setup["overlap_degree"], setup["materialization_budget"]
@@ -59,37 +94,28 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
         actual_E = popularity_E * np.exp(rng_actual.normal(0.0, 0.3, E))
         actual_ED = skewed_tokens(rng_actual, actual_E / actual_E.sum(), D, seq_len * setup["top_k"])
         traces.append((tokens_ED.sum(axis=1).astype(np.float64), tokens_ED, actual_ED))
-    alg1_us, alg3_us, total_us, calib_us, rows_us, imbalance = [], [], [], [], [], []
-    for i in range(plans):
-        load_E, tokens_ED, actual_ED = traces[i % len(traces)]
-        t0 = time.perf_counter()
-        placement = sparse_materialization(shard, load_E, t, m, topology)
-        t1 = time.perf_counter()
-        R_EDD = topology_aware_dispatch(placement, tokens_ED, topology)
-        t2 = time.perf_counter()
-        alg1_us.append((t1 - t0) * 1e6)
-        alg3_us.append((t2 - t1) * 1e6)
-        total_us.append((t2 - t0) * 1e6)
-        t3 = time.perf_counter()
-        dispatch_rows(placement, tokens_ED, topology, i % D)
-        rows_us.append((time.perf_counter() - t3) * 1e6 + alg1_us[-1])
-        t3 = time.perf_counter()
-        calibrate(shard, placement, actual_ED.sum(axis=1), t, m + 1, topology, cost, tokens_ED=actual_ED)
-        calib_us.append((time.perf_counter() - t3) * 1e6)
-        if i < len(traces):
-            ep = topology_aware_dispatch(shard, tokens_ED, topology).sum(axis=(0, 1))
-            imbalance.append((float(ep.max() / ep.mean()), float(R_EDD.sum(axis=(0, 1)).max() / ep.mean())))
+    samples = [{name: [] for name in TIMED} for _ in backends]
+    imbalance = []
+    saved = dispatch._C
+    try:
+        for i in range(plans):
+            trace = traces[i % len(traces)]
+            for b, backend in enumerate(backends):
+                dispatch._C = backend
+                R_EDD = _timed_plan(i, shard, trace, t, m, topology, cost, samples[b])
+            if i < len(traces):
+                ep = topology_aware_dispatch(shard, trace[1], topology).sum(axis=(0, 1))
+                imbalance.append((float(ep.max() / ep.mean()), float(R_EDD.sum(axis=(0, 1)).max() / ep.mean())))
+    finally:
+        dispatch._C = saved
     imb = np.asarray(imbalance)
-    return {
+    return [{
         "setup": setup["name"], "num_experts": E, "top_k": setup["top_k"], "overlap_degree": t,
         "materialization_budget": m, "plans": plans,
-        "alg1_plus_alg3": _percentiles(total_us), "alg1": _percentiles(alg1_us), "alg3": _percentiles(alg3_us),
-        # What one rank needs per layer: Alg. 1 and its own row R[:, rank, :] of the Alg. 3 plan.
-        "alg1_plus_alg3_own_row": _percentiles(rows_us),
-        "calibrate_with_tokens": _percentiles(calib_us),
+        **{name: _percentiles(backend_samples[name]) for name in TIMED},
         "max_over_mean_device_load": {"ep": round(float(imb[:, 0].mean()), 3),
                                       "themis_alg1": round(float(imb[:, 1].mean()), 3)},
-    }
+    } for backend_samples in samples]
 
 
 def bench_alg2(num_layers: int, num_experts: int, overlap_degree: int, topology: Topology, repeats: int,
@@ -112,19 +138,38 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--devices-per-node", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a few plans only (smoke test)")
+    parser.add_argument("--backend", choices=("auto", "c", "numpy", "both"), default="auto",
+                        help="planner core: the loaded one (auto), the compiled core, numpy, or both interleaved")
     args = parser.parse_args(argv)
     plans = 20 if args.quick else args.plans
     topology = Topology.uniform(args.nodes, args.devices_per_node)
+    loaded = dispatch._C
+    if args.backend in ("c", "both") and loaded is None:
+        compiled = dispatch._load_compiled_core() if "THEMIS_PLANNER_NUMPY" not in os.environ else None
+        if compiled is None:
+            parser.error("--backend c/both: the compiled planner core is not available (pip install -e . builds "
+                         "it; THEMIS_PLANNER_NUMPY must be unset)")
+        loaded = compiled
+    backends = {"auto": (loaded,), "c": (loaded,), "numpy": (None,), "both": (loaded, None)}[args.backend]
+    per_setup = [bench_setup(s, plans, args.seed, topology, backends=backends) for s in SETUPS]
     result = {
         "benchmark": "planner",
+        "backend": "numpy" if backends[0] is None else "c",
         "topology": topology.describe(),
         "target": {"median_us": 24.0, "p95_us": 50.0, "paper_median_us": [24, 51], "paper_p95_us": 67},
-        "setups": [bench_setup(s, plans, args.seed, topology) for s in SETUPS],
+        "setups": [runs[0] for runs in per_setup],
+    }
+    if len(backends) == 2:
+        result["numpy_setups"] = [runs[1] for runs in per_setup]
+        result["numpy_over_c"] = [
+            {"setup": c["setup"], **{name: round(n[name]["median_us"] / c[name]["median_us"], 2) for name in TIMED}}
+            for c, n in (runs for runs in per_setup)]
+    result.update({
         "alg2": bench_alg2(24, 64, 8, topology, 1 if args.quick else 5, args.seed),
         "quick": bool(args.quick),
         "python": platform.python_version(), "numpy": np.__version__,
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-    }
+    })
     print(json.dumps(result, indent=2))
     return result
 

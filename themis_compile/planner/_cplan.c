@@ -123,14 +123,41 @@ static Py_ssize_t top_experts(const double *load_E, Py_ssize_t E, Py_ssize_t t, 
 /* Alg. 1 l.9 for all experts at once (_assign_slots_by_load): highest averages, slot after slot to
  * the largest per-copy load load / (copies + n + 1), ties to the earlier expert of J, at most room_J
  * per expert; only positive quotients take a slot. A row's quotients do not increase, so this greedy
- * merge is the stable sort of numpy's quotient table. */
+ * merge is the stable sort of numpy's quotient table.
+ *
+ * Bulk start: with lambda = sum(load) / total_slots, a row has at most load / lambda quotients above
+ * lambda, so (up to rounding, checked) at most total_slots quotients exceed it. Those lead the sorted
+ * order, so the greedy takes all of them first: they are counted per row (with the same division as
+ * the greedy, monotone in n) and only the few remaining slots go one by one. */
 static void assign_slots(const double *load_J, const int64_t *copies_J, const int64_t *room_J,
                          Py_ssize_t J, int64_t total_slots, int64_t *n_J, double *head_J)
 {
-    for (Py_ssize_t j = 0; j < J; j++) {   /* head_J: the quotient of a row's next slot, 0 when none */
+    double sum = 0.0;
+    for (Py_ssize_t j = 0; j < J; j++) {
         n_J[j] = 0;
-        head_J[j] = room_J[j] > 0 ? load_J[j] / (double)(copies_J[j] + 1) : 0.0;
+        sum += load_J[j];
     }
+    const double lambda = total_slots > 0 ? sum / (double)total_slots : 0.0;
+    if (lambda > 0 && lambda < INFINITY) {
+        int64_t counted = 0;
+        for (Py_ssize_t j = 0; j < J && counted <= total_slots; j++) {
+            const double load = load_J[j];
+            const int64_t c = copies_J[j], room = room_J[j];
+            if (room <= 0 || !(load > 0)) continue;
+            double guess = floor(load / lambda) - (double)c;     /* about the count; corrected below */
+            int64_t n = guess <= 0 ? 0 : guess >= (double)room ? room : (int64_t)guess;
+            while (n < room && load / (double)(c + n + 1) > lambda) n++;
+            while (n > 0 && !(load / (double)(c + n) > lambda)) n--;
+            n_J[j] = n;
+            counted += n;
+        }
+        if (counted > total_slots)   /* rounding put more than total_slots above lambda: start at zero */
+            for (Py_ssize_t j = 0; j < J; j++) n_J[j] = 0;
+        else
+            total_slots -= counted;
+    }
+    for (Py_ssize_t j = 0; j < J; j++)   /* head_J: the quotient of a row's next slot, 0 when none */
+        head_J[j] = n_J[j] < room_J[j] ? load_J[j] / (double)(copies_J[j] + n_J[j] + 1) : 0.0;
     for (int64_t s = 0; s < total_slots; s++) {
         Py_ssize_t best_j = -1;
         double best = 0.0;
@@ -368,7 +395,7 @@ done:
 /* materialize(topology, owners_E, load_E, t, m, mask_ED (w), copies_E (w), dev_load_D (w) or None)
  *     -> int
  * sparse_materialization after its shard and count checks, t and m already capped (l.1). mask_ED: a
- * copy of the shard mask; copies_E: ones. dev_load_D: the initial modeled loads for the LPT branch when
+ * copy of the shard mask; copies_E: the holder counts, written here (ones, then the replicas). dev_load_D: the initial modeled loads for the LPT branch when
  * they are not the bincount of `shard_device_load` (None: computed here). Returns -1 when a load is
  * negative, NaN or infinite (nothing written), 0 when P' = P (no top expert, or m = 0), else 1. */
 static PyObject *py_materialize(PyObject *self, PyObject *args)
@@ -396,6 +423,8 @@ static PyObject *py_materialize(PyObject *self, PyObject *args)
             rc = -1;
             goto done;
         }
+    int64_t *copies_E = (int64_t *)bcopies.buf;
+    for (Py_ssize_t e = 0; e < E; e++) copies_E[e] = 1;   /* a shard placement: one holder each */
     if (t > E) t = E;
     if (m > t) m = t;
     /* J <= t; the scratch's extra words hold the top list, the free slots and the modeled loads. */
@@ -416,7 +445,6 @@ static PyObject *py_materialize(PyObject *self, PyObject *args)
         goto done;
     }
     uint8_t *mask_ED = (uint8_t *)bmask.buf;
-    int64_t *copies_E = (int64_t *)bcopies.buf;
     if (t <= m) {                                                                   /* l.4-5 */
         for (Py_ssize_t j = 0; j < J; j++) {
             memset(mask_ED + (size_t)top_J[j] * (size_t)D, 1, (size_t)D);
@@ -439,6 +467,37 @@ done:
     PyBuffer_Release(&bcopies);
     if (rc == -2) return NULL;
     return PyLong_FromLong(rc);
+}
+
+/* assign_slots(load_J, copies_J, room_J, total_slots, n_J (w)) -> None: l.9 alone (for tests). */
+static PyObject *py_assign_slots(PyObject *self, PyObject *args)
+{
+    Py_buffer bload, bcopies, broom, bout;
+    long long total;
+    PyObject *result = NULL;
+    double *head_J = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*Lw*", &bload, &bcopies, &broom, &total, &bout)) return NULL;
+    const Py_ssize_t J = bload.len / (Py_ssize_t)sizeof(double);
+    if (check_len(&bcopies, J, 8, "copies_J") < 0 || check_len(&broom, J, 8, "room_J") < 0 ||
+        check_len(&bout, J, 8, "n_J") < 0)
+        goto done;
+    head_J = (double *)malloc((size_t)(J > 0 ? J : 1) * sizeof(double));
+    if (head_J == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    assign_slots((const double *)bload.buf, (const int64_t *)bcopies.buf, (const int64_t *)broom.buf, J,
+                 (int64_t)total, (int64_t *)bout.buf, head_J);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    free(head_J);
+    PyBuffer_Release(&bload);
+    PyBuffer_Release(&bcopies);
+    PyBuffer_Release(&broom);
+    PyBuffer_Release(&bout);
+    return result;
 }
 
 /* ------------------------------------------------------------------------------------ Alg. 3 */
@@ -504,7 +563,8 @@ static inline void split_row(const topo_t *tp, int64_t e, int64_t d, int64_t tok
 typedef enum { PLAN_FULL, PLAN_ROWS, PLAN_LOAD } plan_kind;
 
 /* The three Alg. 3 entry points share this loop. PLAN_FULL: out = R [E, D, D]; PLAN_ROWS: out =
- * R[:, sources, :] as [E, S, D]; PLAN_LOAD: out = [D] tokens each device computes. out is zeroed. */
+ * R[:, sources, :] as [E, S, D] (both written entirely: every expert's slab is zeroed just before its
+ * entries, while it is in cache); PLAN_LOAD: out = [D] tokens each device computes (zeroed here). */
 static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens_ED, Py_ssize_t se,
                  Py_ssize_t sd, Py_ssize_t E, plan_kind kind, const int64_t *sources_S, Py_ssize_t S,
                  int64_t *out)
@@ -514,6 +574,7 @@ static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens
     int64_t *mem = (int64_t *)malloc(((size_t)D + (size_t)N * 2 + 1) * sizeof(int64_t));
     if (mem == NULL) return -1;
     holders_t h = {mem, mem + D, mem + D + N};
+    if (kind == PLAN_LOAD) memset(out, 0, (size_t)D * sizeof(int64_t));
     for (Py_ssize_t e = 0; e < E && rc == 0; e++) {
         const uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
         const int64_t *tok_e = tokens_ED + e * se;      /* T[e, d] = tok_e[d * sd] */
@@ -527,6 +588,10 @@ static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens
             rc = 1;
             break;
         }
+        if (kind == PLAN_FULL)
+            memset(out + (size_t)e * (size_t)D * (size_t)D, 0, (size_t)D * (size_t)D * sizeof(int64_t));
+        else if (kind == PLAN_ROWS)
+            memset(out + (size_t)e * (size_t)S * (size_t)D, 0, (size_t)S * (size_t)D * sizeof(int64_t));
         if (copies == 0) {
             if (bits) rc = 2;
             continue;
@@ -636,21 +701,21 @@ done:
     return PyLong_FromLong(rc);
 }
 
-/* dispatch(topology, mask_ED, tokens_ED, E, R_EDD (w, zeroed)) -> int */
+/* dispatch(topology, mask_ED, tokens_ED, E, R_EDD (w)) -> int */
 static PyObject *py_dispatch(PyObject *self, PyObject *args)
 {
     (void)self;
     return run_plan(args, PLAN_FULL);
 }
 
-/* dispatch_rows(topology, mask_ED, tokens_ED, E, sources (int or int64 buffer), R_ESD (w, zeroed)) -> int */
+/* dispatch_rows(topology, mask_ED, tokens_ED, E, sources (int or int64 buffer), R_ESD (w)) -> int */
 static PyObject *py_dispatch_rows(PyObject *self, PyObject *args)
 {
     (void)self;
     return run_plan(args, PLAN_ROWS);
 }
 
-/* dispatch_device_load(topology, mask_ED, tokens_ED, E, load_D (w, zeroed)) -> int */
+/* dispatch_device_load(topology, mask_ED, tokens_ED, E, load_D (w)) -> int */
 static PyObject *py_dispatch_device_load(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -661,6 +726,7 @@ static PyObject *py_dispatch_device_load(PyObject *self, PyObject *args)
 static PyMethodDef cplan_methods[] = {
     {"materialize", py_materialize, METH_VARARGS, "Alg. 1 core (sparse_materialization after validation)."},
     {"place_replicas", py_place_replicas, METH_VARARGS, "Alg. 1 l.7-11 in place (_place_replicas)."},
+    {"assign_slots", py_assign_slots, METH_VARARGS, "Alg. 1 l.9 (_assign_slots_by_load), for tests."},
     {"dispatch", py_dispatch, METH_VARARGS, "Alg. 3: the full plan R[e, d, d2]."},
     {"dispatch_rows", py_dispatch_rows, METH_VARARGS, "Alg. 3: rows R[:, sources, :]."},
     {"dispatch_device_load", py_dispatch_device_load, METH_VARARGS, "Alg. 3: tokens per device."},

@@ -205,7 +205,7 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     if _C is not None:
         E, D = placement.shape
         tokens_C = _c_tokens(tokens_ED, placement, topology)
-        R_EDD = np.zeros((E, D, D), dtype=np.int64)
+        R_EDD = np.empty((E, D, D), dtype=np.int64)     # written entirely by the core
         if _C.dispatch(topology._c_layout, placement._mask_ED, tokens_C, E, R_EDD) == 0:
             return R_EDD
         _checked(placement, tokens_ED, topology)            # raises the precise ValueError
@@ -251,14 +251,14 @@ def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topolog
         E, D = placement.shape
         tokens_C = _c_tokens(tokens_ED, placement, topology)
         if type(sources) is int and 0 <= sources < D:      # one rank's own row: the runtime's call
-            src, R_out = sources, np.zeros((E, D), dtype=np.int64)
+            src, R_out = sources, np.empty((E, D), dtype=np.int64)   # written entirely
         else:
             try:
                 src = _check_sources(sources, D)
             except ValueError:
                 _checked(placement, tokens_ED, topology)    # bad tokens are reported first, as below
                 raise
-            R_out = np.zeros((E, src.size, D), dtype=np.int64)
+            R_out = np.empty((E, src.size, D), dtype=np.int64)
         if _C.dispatch_rows(topology._c_layout, placement._mask_ED, tokens_C, E, src, R_out) == 0:
             return R_out[:, 0, :] if R_out.ndim == 3 and np.ndim(sources) == 0 else R_out
         _checked(placement, tokens_ED, topology)            # raises the precise ValueError
@@ -287,7 +287,7 @@ def dispatch_device_load(placement: Placement, tokens_ED: np.ndarray, topology: 
     ``cost.device_compute_load(topology_aware_dispatch(...))``, without building the [E, D, D] plan."""
     if _C is not None:
         tokens_C = _c_tokens(tokens_ED, placement, topology)
-        load_D = np.zeros(placement.num_devices, dtype=np.int64)
+        load_D = np.empty(placement.num_devices, dtype=np.int64)
         if _C.dispatch_device_load(topology._c_layout, placement._mask_ED, tokens_C,
                                    placement.num_experts, load_D) == 0:
             return load_D

@@ -335,9 +335,9 @@ def _materialize_compiled(core, shard: Placement, load_E: np.ndarray, overlap_de
         check_loads(load_E, E)                                           # bad loads are reported first
         raise
     mask_ED = shard._mask_ED.copy()                                      # l.2
-    copies_E = np.ones(E, dtype=np.int64)
+    copies_E = np.empty(E, dtype=np.int64)                               # the core writes ones first
     dev_load_D = None    # l.10's initial modeled loads: the core's bincount where that is the model's sum
-    if t > m and m and (topology.num_nodes == 1 or not _bincount_is_the_model(E, topology)):
+    if t > m and m and not _bincount_is_the_model(E, topology):
         dev_load_D = np.ascontiguousarray(_shard_device_load(shard.owners(), load_C, topology))
     done = core.materialize(topology._c_layout, shard.owners(), load_C, t, m, mask_ED, copies_E, dev_load_D)
     if done < 0:
@@ -348,11 +348,22 @@ def _materialize_compiled(core, shard: Placement, load_E: np.ndarray, overlap_de
     return Placement._trusted(mask_ED, copies_E)
 
 
-def _bincount_is_the_model(num_experts: int, topology: Topology) -> bool:
-    """Whether `_shard_device_load` takes its bincount branch (which the compiled core reproduces)."""
-    from themis_compile.planner.cost import column_sums_are_sequential
+_BINCOUNT_IS_THE_MODEL: dict[tuple[int, bytes], bool] = {}    # per (E, topology layout); small
 
-    return topology.num_nodes > 1 and column_sums_are_sequential(num_experts, topology)
+
+def _bincount_is_the_model(num_experts: int, topology: Topology) -> bool:
+    """Whether `_shard_device_load` takes its bincount branch (which the compiled core reproduces).
+    Cached by the topology's layout bytes, whose hash Python keeps (hashing a Topology costs more)."""
+    key = (num_experts, topology._c_layout)
+    answer = _BINCOUNT_IS_THE_MODEL.get(key)
+    if answer is None:
+        from themis_compile.planner.cost import column_sums_are_sequential
+
+        answer = topology.num_nodes > 1 and column_sums_are_sequential(num_experts, topology)
+        if len(_BINCOUNT_IS_THE_MODEL) > 256:
+            _BINCOUNT_IS_THE_MODEL.clear()
+        _BINCOUNT_IS_THE_MODEL[key] = answer
+    return answer
 
 
 def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarray,
