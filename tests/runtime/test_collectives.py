@@ -381,11 +381,14 @@ def test_layout_snaps_to_element_boundaries() -> None:
 def test_benchmark_quick_smoke(capsys) -> None:
     from themis_compile.bench import collectives as bench
 
-    out = bench.main(["--quick"])
+    out = bench.main(["--quick", "--network", "declared"])
     assert capsys.readouterr().out.strip().startswith("{")
     assert out["link"]["pair_bw"] > 0 and out["link"]["ring_bw"] > 0
+    assert "emulated" not in out
     moving = [r for r in out["spag"] + out["sprs"] if r["delta_pairs"] > 0]
-    assert moving and all(r["time_s"] > 0 and r["bound_s"] > 0 for r in moving)
+    assert moving and all(r["time_s"] > 0 and r["bound_s"] > 0 and r["ring_time_s"] > 0 and r["latency_floor_s"] > 0
+                          for r in moving)
+    assert all(r["chunk_bytes"] >= 0.0625 * (1 << 20) for r in moving)      # Ψ never below the requested size
     for r in out["vs_naive"]:
         assert r["inter_node_bytes"] * 2 == r["naive_inter_node_bytes"]   # Ψ once per node, not per replica
         assert r["modeled_speedup"] > 1.5

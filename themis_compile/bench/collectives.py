@@ -14,10 +14,15 @@ Launches its own gloo ranks on loopback through the multi-rank harness and print
   ``speedup = naive / ours`` (target ≥ 1.5), plus ``modeled_speedup``: both message plans replayed on a
   link model whose node boundary is ``--inter-ratio`` times slower than the measured pair bandwidth;
 - ``dense_reference``: SpAG toward the full placement (every expert everywhere) against gloo's own
-  ``all_gather`` of the same bytes — the best the library does for that pattern.
+  ``all_gather`` of the same bytes — the best the library does for that pattern;
+- ``emulated``: the ``vs_naive`` comparison again, measured on real node boundaries: every node is a
+  network namespace whose link to the others is shaped to ``--inter-node-bw`` bytes/s each way
+  (`themis_compile.testing.netns.EmulatedNodes`; needs root — otherwise the section says why it is
+  missing). ``speedup`` there is measured, not modeled, and ``bound_ratio`` uses the §3.3 bound with
+  both the measured intra-node bandwidth and the shaped node boundary.
 
-On one machine the "nodes" are declared, not physical: loopback links all share the same CPUs, so the
-figures show the effect of fewer bytes per device and per node boundary, not of a slower NIC.
+Without ``emulated``, the "nodes" on one machine are declared, not physical: loopback links all share the
+same CPUs, so those figures show the effect of fewer bytes per device, not of a slower node boundary.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -58,6 +63,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inter-ratio", type=float, default=4.0,
                    help="device link / node boundary bandwidth ratio for the modeled comparison")
+    p.add_argument("--network", choices=("auto", "emulated", "declared"), default="auto",
+                   help="emulated: also measure on namespaces with shaped node boundaries (root); auto: when "
+                        "possible; declared: loopback only")
+    p.add_argument("--inter-node-bw", type=float, default=200e6,
+                   help="bytes/s of every emulated node boundary, each way (default 200 MB/s)")
     return p.parse_args(argv)
 
 
@@ -90,12 +100,20 @@ def _link_bandwidth(rank: int, world: int, nbytes: int, repeats: int) -> dict[st
         elif rank == 1:
             dist.irecv(buf_recv, src=0).wait()
 
-    def ring() -> None:
+    return {"bytes": nbytes, "pair_bw": nbytes / _timed(pair, repeats),
+            "ring_bw": nbytes / _timed(_ring(rank, world, nbytes), repeats)}
+
+
+def _ring(rank: int, world: int, nbytes: int) -> Callable[[], None]:
+    """Every rank sends ``nbytes`` to the next and receives as many from the previous, at once."""
+    buf_send = torch.ones(nbytes, dtype=torch.uint8)
+    buf_recv = torch.empty(nbytes, dtype=torch.uint8)
+
+    def run() -> None:
         works = [dist.irecv(buf_recv, src=(rank - 1) % world), dist.isend(buf_send, dst=(rank + 1) % world)]
         for w in works:
             w.wait()
-
-    return {"bytes": nbytes, "pair_bw": nbytes / _timed(pair, repeats), "ring_bw": nbytes / _timed(ring, repeats)}
+    return run
 
 
 def _naive_all_gather(chunks: dict[int, list[torch.Tensor]], spec: list[tuple[tuple[int, ...], torch.dtype]],
@@ -119,7 +137,7 @@ def _naive_all_gather(chunks: dict[int, list[torch.Tensor]], spec: list[tuple[tu
 def _swiglu_spec(psi_bytes: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Three fp32 matrices (w1, w2, w3) of about ``psi_bytes`` together."""
     hidden = 64
-    ffn = max(1, psi_bytes // (3 * hidden * 4))
+    ffn = max(1, -(-psi_bytes // (3 * hidden * 4)))     # rounded up: Ψ >= the requested size
     return [((hidden, ffn), torch.float32), ((ffn, hidden), torch.float32), ((hidden, ffn), torch.float32)]
 
 
@@ -178,15 +196,31 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
                 sparse_reduce_scatter(grads, placement, shard, topology, spec=spec, layer="bench").wait()
 
             vol = sparse_all_gather_volume(shard, placement, psi, topology)
-            bound = lower_bound_time(shard, placement, psi, topology, device_bw=bw, inter_node_bw=bw)
-            bound_pair = lower_bound_time(shard, placement, psi, topology, device_bw=link["pair_bw"],
-                                          inter_node_bw=link["pair_bw"])
-            for key, fn in (("spag", spag), ("sprs", sprs)):
-                t = _timed(fn, repeats)
+            per_device = max(max(r, s) for r, s in zip(vol.recv_bytes_D, vol.send_bytes_D))
+            ring = _ring(rank, world, per_device)
+            bound_link = lower_bound_time(shard, placement, psi, topology, device_bw=bw, inter_node_bw=bw)
+            tiny_spec = [((16,), torch.float32)]
+            tiny_chunks = {rank: [torch.zeros(16)]}
+            tiny_grads = {int(e): tiny_chunks[rank] for e in placement.experts_on(rank)}
+
+            def spag_tiny() -> None:
+                sparse_all_gather(tiny_chunks, shard, placement, topology, spec=tiny_spec, layer="bench").wait()
+
+            def sprs_tiny() -> None:
+                sparse_reduce_scatter(tiny_grads, placement, shard, topology, spec=tiny_spec, layer="bench").wait()
+
+            for key, fn, tiny in (("spag", spag, spag_tiny), ("sprs", sprs, sprs_tiny)):
+                t, t_ring, t_tiny = _interleaved(fn, ring, tiny, repeats=repeats)
+                # The link bandwidth of this moment: a ring moving the same per-device volume, timed in
+                # the same repeats (this machine's loopback speed drifts with its other load).
+                bw_now = per_device / t_ring if t_ring else bw
+                bound = lower_bound_time(shard, placement, psi, topology, device_bw=bw_now, inter_node_bw=bw_now)
                 result[key].append({"chunk_bytes": psi, "placement": name, "delta_pairs": vol.total_bytes // psi,
-                                    "max_device_bytes": max(vol.recv_bytes_D), "time_s": t,
+                                    "max_device_bytes": per_device, "time_s": t, "ring_time_s": t_ring,
                                     "bound_s": bound, "bound_ratio": bound / t if t else None,
-                                    "bound_ratio_pair_bw": bound_pair / t if t else None})
+                                    "bound_ratio_link_bw": bound_link / t if t else None,
+                                    # The same message plan with 64-byte chunks: its per-message latency.
+                                    "latency_floor_s": t_tiny})
         # Reference: SpAG toward the full placement is a dense all-gather; time gloo's own.
         flat = torch.randn(psi // 4)
         gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -205,7 +239,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
             def naive() -> None:
                 _naive_all_gather(chunks, spec, shard, placement, rank)
 
-            t_ours, t_naive = _timed(ours, repeats), _timed(naive, repeats)
+            t_ours, t_naive = _interleaved(ours, naive, repeats=repeats)
             vol = sparse_all_gather_volume(shard, placement, psi, topology)
             # Link model with a node boundary `inter_ratio` times slower than a device link (what loopback
             # cannot show): the measured pair bandwidth inside nodes.
@@ -223,6 +257,76 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
                                        "modeled_inter_node_bw": inter_bw, "modeled_time_s": m_ours,
                                        "modeled_naive_time_s": m_naive, "modeled_speedup": m_naive / m_ours})
     return result if rank == 0 else None
+
+
+def _bench_emulated_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """Ours against the prototype across real (shaped) node boundaries; see the module docstring."""
+    topology = Topology.from_env(world)
+    repeats, k = cfg["repeats"], topology.devices_per_node[0]
+    buf_send = torch.ones(cfg["link_bytes"], dtype=torch.uint8)
+    buf_recv = torch.empty_like(buf_send)
+
+    def pair(peer: int) -> Callable[[], None]:
+        def run() -> None:
+            if rank == 0:
+                dist.isend(buf_send, dst=peer).wait()
+            elif rank == peer:
+                dist.irecv(buf_recv, src=0).wait()
+        return run
+
+    intra_bw = cfg["link_bytes"] / _timed(pair(1), repeats)
+    inter_bw = cfg["link_bytes"] / _timed(pair(k), repeats)
+    result: dict[str, Any] = {"inter_node_bw": cfg["inter_node_bw"], "topology": list(topology.devices_per_node),
+                              "link": {"intra_pair_bw": intra_bw, "inter_pair_bw": inter_bw}, "vs_naive": []}
+    for chunk_mib in cfg["chunk_mib"]:
+        spec = _swiglu_spec(int(chunk_mib * MiB))
+        psi = sum(int(np.prod(s)) * dt.itemsize for s, dt in spec)
+        chunks = {rank: [torch.randn(s).to(dt) for s, dt in spec]}
+        for name, shard, placement in _cross_node_placements(topology):
+            def ours() -> None:
+                sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()
+
+            def naive() -> None:
+                _naive_all_gather(chunks, spec, shard, placement, rank)
+
+            t_ours, t_naive = _interleaved(ours, naive, repeats=repeats)
+            bound = lower_bound_time(shard, placement, psi, topology, device_bw=intra_bw,
+                                     inter_node_bw=cfg["inter_node_bw"])
+            result["vs_naive"].append({
+                "chunk_bytes": psi, "placement": name,
+                "inter_node_bytes": sparse_all_gather_volume(shard, placement, psi, topology).inter_node_bytes,
+                "naive_inter_node_bytes": _naive_inter_node_bytes(shard, placement, psi, topology),
+                "time_s": t_ours, "naive_time_s": t_naive, "speedup": t_naive / t_ours,
+                "bound_s": bound, "bound_ratio": bound / t_ours})
+    return result if rank == 0 else None
+
+
+def _interleaved(*fns: Callable[[], None], repeats: int) -> list[float]:
+    """`_timed` of several functions, alternating them repeat by repeat (machine noise hits all alike)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            out.append(_max_over_ranks(time.perf_counter() - t0))
+    return [statistics.median(t) for t in times]
+
+
+def _emulated(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
+    from themis_compile.testing import run_multirank
+    from themis_compile.testing.netns import EmulatedNodes
+
+    reason = EmulatedNodes.unavailable_reason()
+    if reason is not None:
+        if args.network == "emulated":
+            raise SystemExit(f"--network emulated: {reason}")
+        return {"skipped": reason}
+    with EmulatedNodes(args.world_size // args.devices_per_node, args.inter_node_bw) as net:
+        return run_multirank(_bench_emulated_rank, args.world_size, args=(cfg,),
+                             devices_per_node=args.devices_per_node, timeout_s=120.0, network=net)[0]
 
 
 def _naive_plan(shard: Placement, placement: Placement, psi: int, topology: Topology) -> CommPlan:
@@ -275,17 +379,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "chunk_mib": args.chunk_mib or ([0.0625] if args.quick else [1.0, 4.0]),
         "repeats": args.repeats or (2 if args.quick else 5),
         "link_bytes": (256 << 10) if args.quick else 4 * MiB,
+        "inter_node_bw": args.inter_node_bw,
     }
     t0 = time.perf_counter()
     results = run_multirank(_bench_rank, args.world_size, args=(cfg,), devices_per_node=args.devices_per_node,
                             timeout_s=120.0)
     out = results[0]
+    if args.network != "declared" and args.world_size > args.devices_per_node:
+        out["emulated"] = _emulated(args, cfg)
     big = [r for r in out["spag"] + out["sprs"] if r["chunk_bytes"] >= MiB and r["delta_pairs"] > 0]
     out["summary"] = {
         "min_bound_ratio_chunks_ge_1MiB": min((r["bound_ratio"] for r in big), default=None),
         "median_bound_ratio_chunks_ge_1MiB": statistics.median([r["bound_ratio"] for r in big]) if big else None,
         "min_speedup_vs_naive": min((r["speedup"] for r in out["vs_naive"]), default=None),
         "min_modeled_speedup_vs_naive": min((r["modeled_speedup"] for r in out["vs_naive"]), default=None),
+        "min_emulated_speedup_vs_naive": min((r["speedup"] for r in out.get("emulated", {}).get("vs_naive", [])),
+                                             default=None),
         "wall_s": time.perf_counter() - t0,
     }
     print(json.dumps(out, indent=1))

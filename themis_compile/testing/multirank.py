@@ -29,7 +29,10 @@ import pickle
 import queue
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from themis_compile.testing.netns import EmulatedNodes
 
 __all__ = ["run_multirank", "RankError"]
 
@@ -49,8 +52,12 @@ def _worker(
     timeout_s: float,
     env: dict[str, str],
     results: "mp.Queue[tuple[str, int, Any]]",
+    netns: str | None = None,
 ) -> None:
-    os.environ.update(env)
+    if netns is not None:        # an emulated node: this process lives in the node's network namespace
+        from themis_compile.testing.netns import enter_namespace
+
+        enter_namespace(netns)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -61,13 +68,14 @@ def _worker(
         GROUP_RANK=str(rank // devices_per_node),
         OMP_NUM_THREADS="1",
     )
+    os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, world_size + 1, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             out = fn(rank, world_size, *args, **kwargs)
@@ -110,6 +118,7 @@ def run_multirank(
     devices_per_node: int | None = None,
     timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    network: EmulatedNodes | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
 
@@ -120,6 +129,8 @@ def run_multirank(
         timeout_s: the process group's collective timeout. The whole run is given
             ``timeout_s + 60`` seconds (process start-up included) before ranks are killed.
         env: extra environment variables for the ranks.
+        network: run each node's ranks in its namespace of an entered `EmulatedNodes` (real, shaped
+            node boundaries); it must have ``world_size // devices_per_node`` nodes.
 
     Raises:
         RankError: a rank raised; the first failure (by arrival) is reported with its traceback.
@@ -130,6 +141,9 @@ def run_multirank(
     devices_per_node = world_size if devices_per_node is None else devices_per_node
     if devices_per_node < 1 or world_size % devices_per_node:
         raise ValueError(f"devices_per_node={devices_per_node} must divide world_size={world_size}")
+    num_nodes = world_size // devices_per_node
+    if network is not None and network.num_nodes != num_nodes:
+        raise ValueError(f"the emulated network has {network.num_nodes} nodes, the run {num_nodes}")
     import torch.distributed as dist
 
     # The parent hosts the rendezvous store on a port the OS picked: no free-port race.
@@ -143,7 +157,8 @@ def run_multirank(
         ctx.Process(
             target=_worker,
             args=(rank, world_size, store.port, fn, tuple(args), dict(kwargs or {}), devices_per_node,
-                  timeout_s, dict(env or {}), results),
+                  timeout_s, {**(network.rank_env(rank // devices_per_node) if network else {}), **(env or {})},
+                  results, network.netns_of(rank // devices_per_node) if network else None),
             daemon=True,
         )
         for rank in range(world_size)
