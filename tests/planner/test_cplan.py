@@ -25,7 +25,7 @@ from themis_compile.planner import (
     PlanCost, Placement, Topology, calibrate, dispatch, materialize, sparse_materialization,
     topology_aware_dispatch,
 )
-from themis_compile.planner.cost import column_sums_are_sequential
+from themis_compile.planner.cost import column_sums_are_sequential, fluid_device_load
 from themis_compile.planner.dispatch import dispatch_device_load, dispatch_rows
 
 TOPOLOGIES = [(1,), (3,), (2, 2), (3, 2), (2, 2, 2), (4, 1), (1, 3), (5, 3, 8), (4, 4, 4), (8, 8, 8, 8)]
@@ -142,6 +142,8 @@ def test_environment_variable_forces_numpy(monkeypatch, core):
     assert dispatch._load_compiled_core() is core
     monkeypatch.delenv("THEMIS_PLANNER_NUMPY")
     assert dispatch._load_compiled_core() is core
+    monkeypatch.setattr(core, "ABI", core.ABI + 1)                  # a build from an older source
+    assert dispatch._load_compiled_core() is None
 
 
 # --------------------------------------------------------------------------------------- equality
@@ -201,6 +203,21 @@ def test_slot_apportionment_matches_numpy_under_exact_ties(core):
         core.assign_slots(load_J, copies_J, room_J, total, n_J)
         expected_J = materialize._assign_slots_by_load(load_J, copies_J, room_J, total)
         assert np.array_equal(n_J, expected_J), (load_J, copies_J, room_J, total)
+
+
+def test_modeled_loads_of_replicated_masks_are_the_cost_model_bit_for_bit(core):
+    """The core's own `fluid_device_load` (calibration's starting loads) on several-node topologies."""
+    rng = np.random.default_rng(29)
+    for dpn in [tp for tp in TOPOLOGIES if len(tp) > 1] * 20:
+        topo = Topology(dpn)
+        D = topo.num_devices
+        E = int(rng.integers(1, 60))
+        mask_ED = Placement.from_owners(rng.integers(0, D, E), D).mask | (rng.random((E, D)) < rng.random())
+        load_E = make_loads(rng, E, int(rng.integers(5)))
+        assert column_sums_are_sequential(E, topo)
+        out_D = np.full(D, np.nan)
+        core.fluid_device_load(topo._c_layout, mask_ED, load_E, out_D)
+        assert np.array_equal(out_D, fluid_device_load(Placement(mask_ED), load_E, topo))
 
 
 def test_place_replicas_from_a_replicated_mask(core):

@@ -347,48 +347,117 @@ static void shard_device_load(const int64_t *owners_E, const double *load_E, Py_
     for (Py_ssize_t e = 0; e < E; e++) out_D[owners_E[e]] += (load_E[e] / (double)D) * (double)D;
 }
 
-/* place_replicas(topology, mask_ED (w), load_E, experts_J, slots_D (w), copies_E (w), dev_load_D (w),
- *                owners_E or None) -> None */
+/* cost.fluid_device_load of any placement, where it sums over (expert, holder) pairs in ascending
+ * expert order (several nodes, `column_sums_are_sequential`): a holder d of e on node n adds
+ * load_e / D · (k_n / h_en + U_e / c_e), U_e = devices on nodes without e (a sum of small integers,
+ * exact in any order), in the order of numpy's weighted bincount. holders_N: [N] scratch. */
+static void fluid_device_load_pairs(const topo_t *tp, const uint8_t *mask_ED, const double *load_E,
+                                    Py_ssize_t E, double *out_D, int64_t *holders_N)
+{
+    const Py_ssize_t D = (Py_ssize_t)tp->D, N = (Py_ssize_t)tp->N;
+    for (Py_ssize_t d = 0; d < D; d++) out_D[d] = 0.0;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        const uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
+        int64_t copies = 0;
+        for (Py_ssize_t nn = 0; nn < N; nn++) holders_N[nn] = 0;
+        for (Py_ssize_t d = 0; d < D; d++)
+            if (row_D[d]) {
+                holders_N[tp->node_D[d]]++;
+                copies++;
+            }
+        if (copies == 0) continue;
+        double uncovered = 0.0;
+        for (Py_ssize_t nn = 0; nn < N; nn++)
+            if (holders_N[nn] == 0) uncovered += (double)tp->k_N[nn];
+        const double spread = uncovered / (double)copies, per_device = load_E[e] / (double)D;
+        for (Py_ssize_t d = 0; d < D; d++)
+            if (row_D[d]) {
+                const int64_t nd = tp->node_D[d];
+                out_D[d] += per_device * ((double)tp->k_N[nd] / (double)holders_N[nd] + spread);
+            }
+    }
+}
+
+/* fluid_device_load(topology, mask_ED, load_E, out_D (w)) -> None: the pair sum alone (for tests). */
+static PyObject *py_fluid_device_load(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bmask, bload, bout;
+    PyObject *result = NULL;
+    int64_t *holders_N = NULL;
+    topo_t tp;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &btopo, &bmask, &bload, &bout)) return NULL;
+    if (parse_topo(&btopo, &tp) < 0) goto done;
+    const Py_ssize_t E = bload.len / (Py_ssize_t)sizeof(double);
+    if (check_len(&bmask, E * (Py_ssize_t)tp.D, 1, "mask_ED") < 0 || check_len(&bout, (Py_ssize_t)tp.D, 8, "out_D") < 0)
+        goto done;
+    holders_N = (int64_t *)malloc((size_t)tp.N * sizeof(int64_t));
+    if (holders_N == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    fluid_device_load_pairs(&tp, (const uint8_t *)bmask.buf, (const double *)bload.buf, E, (double *)bout.buf,
+                            holders_N);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    free(holders_N);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bmask);
+    PyBuffer_Release(&bload);
+    PyBuffer_Release(&bout);
+    return result;
+}
+
+/* place_replicas(topology, mask_ED (w), load_E, experts_J, slots_D (w), copies_E (w),
+ *                dev_load_D (w) or None, owners_E or None) -> None
+ * dev_load_D None: the initial modeled loads are `fluid_device_load_pairs` of mask_ED (the caller
+ * checked that this is the model's own sum). */
 static PyObject *py_place_replicas(PyObject *self, PyObject *args)
 {
-    Py_buffer btopo, bmask, bload, bexp, bslots, bcopies, bdev, bown = {0};
-    PyObject *owners_obj, *result = NULL;
+    Py_buffer btopo, bmask, bload, bexp, bslots, bcopies, bdev = {0}, bown = {0};
+    PyObject *owners_obj, *dev_obj, *result = NULL;
     topo_t tp;
     scratch_t s;
     void *mem = NULL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*y*y*w*w*w*O", &btopo, &bmask, &bload, &bexp, &bslots, &bcopies, &bdev,
+    if (!PyArg_ParseTuple(args, "y*w*y*y*w*w*OO", &btopo, &bmask, &bload, &bexp, &bslots, &bcopies, &dev_obj,
                           &owners_obj))
         return NULL;
-    int have_owners = owners_obj != Py_None;
+    int have_owners = owners_obj != Py_None, have_dev = dev_obj != Py_None;
     if (have_owners && PyObject_GetBuffer(owners_obj, &bown, PyBUF_SIMPLE) < 0) goto done;
+    if (have_dev && PyObject_GetBuffer(dev_obj, &bdev, PyBUF_WRITABLE) < 0) goto done;
     if (parse_topo(&btopo, &tp) < 0) goto done;
     Py_ssize_t D = (Py_ssize_t)tp.D, E = bload.len / (Py_ssize_t)sizeof(double);
     Py_ssize_t J = bexp.len / (Py_ssize_t)sizeof(int64_t);
     if (check_len(&bmask, E * D, 1, "mask_ED") < 0 || check_len(&bslots, D, 8, "slots_D") < 0 ||
-        check_len(&bcopies, E, 8, "copies_E") < 0 || check_len(&bdev, D, 8, "dev_load_D") < 0 ||
+        check_len(&bcopies, E, 8, "copies_E") < 0 || (have_dev && check_len(&bdev, D, 8, "dev_load_D") < 0) ||
         (have_owners && check_len(&bown, E, 8, "owners_E") < 0))
         goto done;
-    mem = alloc_scratch(&s, J, D, (Py_ssize_t)tp.N, 0);
+    mem = alloc_scratch(&s, J, D, (Py_ssize_t)tp.N, D);
     if (mem == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    double *dev_load_D = have_dev ? (double *)bdev.buf : (double *)s.extra;
+    if (!have_dev)
+        fluid_device_load_pairs(&tp, (const uint8_t *)bmask.buf, (const double *)bload.buf, E, dev_load_D,
+                                s.holders_N);
     place_replicas(&tp, (uint8_t *)bmask.buf, (const double *)bload.buf, (const int64_t *)bexp.buf, J,
-                   (int64_t *)bslots.buf, (int64_t *)bcopies.buf, (double *)bdev.buf,
+                   (int64_t *)bslots.buf, (int64_t *)bcopies.buf, dev_load_D,
                    have_owners ? (const int64_t *)bown.buf : NULL, &s);
     result = Py_None;
     Py_INCREF(result);
 done:
     free(mem);
-    if (have_owners && bown.obj != NULL) PyBuffer_Release(&bown);
+    if (bown.obj != NULL) PyBuffer_Release(&bown);
+    if (bdev.obj != NULL) PyBuffer_Release(&bdev);
     PyBuffer_Release(&btopo);
     PyBuffer_Release(&bmask);
     PyBuffer_Release(&bload);
     PyBuffer_Release(&bexp);
     PyBuffer_Release(&bslots);
     PyBuffer_Release(&bcopies);
-    PyBuffer_Release(&bdev);
     return result;
 }
 
@@ -727,6 +796,7 @@ static PyMethodDef cplan_methods[] = {
     {"materialize", py_materialize, METH_VARARGS, "Alg. 1 core (sparse_materialization after validation)."},
     {"place_replicas", py_place_replicas, METH_VARARGS, "Alg. 1 l.7-11 in place (_place_replicas)."},
     {"assign_slots", py_assign_slots, METH_VARARGS, "Alg. 1 l.9 (_assign_slots_by_load), for tests."},
+    {"fluid_device_load", py_fluid_device_load, METH_VARARGS, "cost.fluid_device_load's pair sum, for tests."},
     {"dispatch", py_dispatch, METH_VARARGS, "Alg. 3: the full plan R[e, d, d2]."},
     {"dispatch_rows", py_dispatch_rows, METH_VARARGS, "Alg. 3: rows R[:, sources, :]."},
     {"dispatch_device_load", py_dispatch_device_load, METH_VARARGS, "Alg. 3: tokens per device."},
@@ -738,7 +808,15 @@ static struct PyModuleDef cplan_module = {
     cplan_methods, NULL, NULL, NULL, NULL,
 };
 
+/* Bumped whenever an entry point's arguments change: the Python side ignores a stale build. */
+#define CPLAN_ABI 1
+
 PyMODINIT_FUNC PyInit__cplan(void)
 {
-    return PyModule_Create(&cplan_module);
+    PyObject *module = PyModule_Create(&cplan_module);
+    if (module != NULL && PyModule_AddIntConstant(module, "ABI", CPLAN_ABI) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

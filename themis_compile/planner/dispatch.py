@@ -55,15 +55,22 @@ __all__ = ["topology_aware_dispatch", "dispatch_rows", "dispatch_device_load", "
            "planner_backend"]
 
 
+_CORE_ABI = 1    # the argument conventions this module calls the core with (`ABI` in _cplan.c)
+
+
 def _load_compiled_core():
-    """The compiled planner core, or None (not built, or ``THEMIS_PLANNER_NUMPY`` set to anything but
-    ``0``/empty): the numpy code then runs."""
+    """The compiled planner core, or None (not built, built from an older source, or
+    ``THEMIS_PLANNER_NUMPY`` set to anything but ``0``/empty): the numpy code then runs."""
     if os.environ.get("THEMIS_PLANNER_NUMPY", "") not in ("", "0"):
         return None
     try:
         from themis_compile.planner import _cplan
     except ImportError as exc:
         logger.debug("compiled planner core unavailable (%s); using numpy", exc)
+        return None
+    if getattr(_cplan, "ABI", None) != _CORE_ABI:
+        logger.warning("compiled planner core %s is stale (rebuild with `pip install -e .`); using numpy",
+                       _cplan.__file__)
         return None
     return _cplan
 

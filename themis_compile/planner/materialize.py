@@ -165,16 +165,18 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
         return
     core = _dispatch._C
     if core is not None:
-        # Same initial modeled loads as below; the compiled loop then makes the same float operations.
+        # Same initial modeled loads as below (None: the core sums the model's pairs itself, in the
+        # model's order); the compiled loop then makes the same float operations.
         if owners_E is not None:
-            dev_load_D = _shard_device_load(owners_E, load_E, topology)
+            dev_load_D = np.ascontiguousarray(_shard_device_load(owners_E, load_E, topology))
+        elif _bincount_is_the_model(mask_ED.shape[0], topology):
+            dev_load_D = None
         else:
             from themis_compile.planner.cost import fluid_device_load
 
             dev_load_D = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E, topology)
         core.place_replicas(topology._c_layout, mask_ED, np.ascontiguousarray(load_E, dtype=np.float64),
-                            np.ascontiguousarray(experts_J, dtype=np.int64), slots_D, copies_E,
-                            np.ascontiguousarray(dev_load_D, dtype=np.float64),
+                            np.ascontiguousarray(experts_J, dtype=np.int64), slots_D, copies_E, dev_load_D,
                             None if owners_E is None else np.ascontiguousarray(owners_E, dtype=np.int64))
         return
     D = mask_ED.shape[1]
