@@ -34,6 +34,9 @@ SPECS = {
     "mixed": [((3, 5), torch.bfloat16), ((7,), torch.float32), ((0, 4), torch.float32), ((), torch.float64),
               ((5,), torch.int64), ((3,), torch.float16)],
     "empty": [((0, 3), torch.float32), ((0,), torch.int64)],
+    # Tensors over 1 MiB travel as their own messages, without copies; the small ones between them are
+    # bucketed (runtime.collectives._runs).
+    "large": [((300, 1000), torch.float32), ((7,), torch.bfloat16), ((3,), torch.float32), ((1, 270_000), torch.float32)],
 }
 GATHER_ONLY_SPEC = [((5,), torch.bool), ((9,), torch.uint8), ((2, 3), torch.int8), ((4,), torch.float32)]
 
@@ -203,7 +206,7 @@ def _run_single_node(rank: int, world: int) -> dict:
     topology = Topology.from_env(world)
     out = {"overlap": _check_overlap(rank, world, topology), "cases": []}
     for seed, E, spec_name, density in [(1, 8, "swiglu", 0.35), (2, 5, "mixed", 0.5), (3, 6, "empty", 0.5),
-                                        (4, 7, "gather_only", 0.4), (5, 4, "swiglu", 0.0)]:
+                                        (4, 7, "gather_only", 0.4), (5, 4, "swiglu", 0.0), (6, 5, "large", 0.5)]:
         out["cases"].append(_check_case(rank, world, topology, seed, E, spec_name, density, f"n1s{seed}"))
     out["float_experts"] = _check_float_sums(rank, world, topology)
     return out
@@ -243,7 +246,7 @@ def test_four_ranks_one_node_gather_reduce_overlap() -> None:
     overlap = results[1]["overlap"]
     assert overlap == {"started_incomplete": True, "incomplete_after_compute": True, "compute_finite": True,
                        "completed_without_wait": True}
-    for case in range(5):
+    for case in range(6):
         per_rank = [r["cases"][case] for r in results]
         assert sum(s["spag_recv"] for s in per_rank) == per_rank[0]["spag_model_total"]
         assert sum(s["spag_sent"] for s in per_rank) == per_rank[0]["spag_model_total"]
@@ -392,3 +395,15 @@ def test_benchmark_quick_smoke(capsys) -> None:
     for r in out["vs_naive"]:
         assert r["inter_node_bytes"] * 2 == r["naive_inter_node_bytes"]   # Ψ once per node, not per replica
         assert r["modeled_speedup"] > 1.5
+
+
+def test_large_segments_travel_alone_small_ones_bucketed() -> None:
+    from themis_compile.runtime.collectives import _ZERO_COPY_BYTES, _runs
+
+    big = _ZERO_COPY_BYTES
+    segs = [("a", 0, 10), ("b", 0, big), ("c", 5, 9), ("d", 0, 3), ("e", 0, big + 8), ("f", 1, 2)]
+    assert [[s[0] for s in run] for run in _runs(segs)] == [["a"], ["b"], ["c", "d"], ["e"], ["f"]]
+    assert _runs([]) == []
+    # The "large" spec of the exactness cases really has segments above the threshold.
+    layout = ChunkLayout.from_spec(SPECS["large"])
+    assert sum(hi - lo >= big for _, lo, hi in layout.segments(0, layout.nbytes)) == 2

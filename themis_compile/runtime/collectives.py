@@ -361,6 +361,29 @@ def _typed(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buf.view(dtype)
 
 
+_Segment = tuple[Any, int, int]     # (where, lo, hi): bytes [lo, hi) of one tensor of a chunk
+_ZERO_COPY_BYTES = 1 << 20           # segments at least this large travel as their own message
+
+
+def _runs(segments: list[_Segment]) -> list[list[_Segment]]:
+    """Cut one message's segments into runs sent as one buffer each: a segment of at least
+    ``_ZERO_COPY_BYTES`` alone (no copy on either side), consecutive smaller ones bucketed together
+    (one message instead of many). Depends only on the segment sizes, which sender and receiver share."""
+    runs: list[list[_Segment]] = []
+    bucket: list[_Segment] = []
+    for seg in segments:
+        if seg[2] - seg[1] >= _ZERO_COPY_BYTES:
+            if bucket:
+                runs.append(bucket)
+                bucket = []
+            runs.append([seg])
+        else:
+            bucket.append(seg)
+    if bucket:
+        runs.append(bucket)
+    return runs
+
+
 class _GroupWorker:
     """One daemon thread per process group running collective jobs in issue order."""
 
@@ -457,10 +480,15 @@ class SparseCollectiveHandle:
             self._done.set()
 
     def _exchange(self, group: Any, stage: int, deadline: float, device: torch.device,
-                  send_buf: Callable[[list[Transfer]], torch.Tensor],
-                  recv_buf: Callable[[list[Transfer]], torch.Tensor | None],
-                  on_recv: Callable[[list[Transfer], torch.Tensor], None]) -> None:
-        """Post this rank's sends and receives of one stage, wait for them, then unpack the receives."""
+                  send_segs: Callable[[list[Transfer]], list[_Segment]],
+                  recv_segs: Callable[[list[Transfer]], list[_Segment]], direct_recv: bool,
+                  on_recv: Callable[[list[_Segment], torch.Tensor], None]) -> None:
+        """Post this rank's sends and receives of one stage, wait for them, then unpack the receives.
+
+        Each (src, dst) message of the plan travels as the runs of `_runs` (both sides cut the same
+        segment sizes into the same runs, posted in the same order, so gloo matches them in order): a
+        large segment is sent from, and with ``direct_recv`` received into, its tensor without a copy.
+        """
         msgs = self.plan.messages(stage)
         node_ids = self.plan.node_ids
         works: list[tuple[int, Any]] = []
@@ -468,22 +496,25 @@ class SparseCollectiveHandle:
         try:
             for (src, dst), transfers in sorted(msgs.items()):
                 if dst == self.rank:
-                    buf = recv_buf(transfers)
-                    direct = buf is not None
-                    if buf is None:
-                        buf = torch.empty(sum(t.nbytes for t in transfers), dtype=torch.uint8, device=device)
-                    works.append((src, dist.irecv(buf, group=group, group_src=src, tag=_P2P_TAG)))
-                    self.recv_bytes += buf.numel()
-                    if not direct:
-                        received.append((transfers, buf))
+                    for run in _runs(recv_segs(transfers)):
+                        if direct_recv and len(run) == 1:          # straight into the destination tensor
+                            view, lo, hi = run[0]
+                            buf = view[lo:hi]
+                        else:
+                            buf = torch.empty(sum(hi - lo for _, lo, hi in run), dtype=torch.uint8, device=device)
+                            received.append((run, buf))
+                        works.append((src, dist.irecv(buf, group=group, group_src=src, tag=_P2P_TAG)))
+                        self.recv_bytes += buf.numel()
             for (src, dst), transfers in sorted(msgs.items()):
                 if src == self.rank:
-                    buf = send_buf(transfers)
-                    keep.append(buf)
-                    works.append((dst, dist.isend(buf, group=group, group_dst=dst, tag=_P2P_TAG)))
-                    self.sent_bytes += buf.numel()
-                    if node_ids[src] != node_ids[dst]:
-                        self.inter_node_sent_bytes += buf.numel()
+                    for run in _runs(send_segs(transfers)):
+                        buf = run[0][0][run[0][1]:run[0][2]] if len(run) == 1 else \
+                            torch.cat([view[lo:hi] for view, lo, hi in run])
+                        keep.append(buf)
+                        works.append((dst, dist.isend(buf, group=group, group_dst=dst, tag=_P2P_TAG)))
+                        self.sent_bytes += buf.numel()
+                        if node_ids[src] != node_ids[dst]:
+                            self.inter_node_sent_bytes += buf.numel()
             for _, work in works:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -498,8 +529,8 @@ class SparseCollectiveHandle:
             what = f"timed out after {self.timeout_s:.1f}s" if timed_out else "failed"
             raise kind(f"{self._name()} {what} on rank {self.rank}: stage {stage} was still exchanging "
                        f"with ranks {pending} ({exc})") from exc
-        for transfers, buf in received:
-            on_recv(transfers, buf)
+        for run, buf in received:
+            on_recv(run, buf)
 
 
 def _group_rank_and_size(group: Any) -> tuple[int, int]:
@@ -637,23 +668,9 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
                 segs.append((views[i], lo, hi))
         return segs
 
-    def send_buf(transfers: list[Transfer]) -> torch.Tensor:
-        segs = segments(transfers)
-        if len(segs) == 1:
-            view, lo, hi = segs[0]
-            return view[lo:hi]
-        return torch.cat([view[lo:hi] for view, lo, hi in segs])
-
-    def recv_buf(transfers: list[Transfer]) -> torch.Tensor | None:
-        segs = segments(transfers)
-        if len(segs) == 1:                       # receive straight into the destination tensor
-            view, lo, hi = segs[0]
-            return view[lo:hi]
-        return None
-
-    def on_recv(transfers: list[Transfer], buf: torch.Tensor) -> None:
+    def on_recv(run: list[_Segment], buf: torch.Tensor) -> None:
         pos = 0
-        for view, lo, hi in segments(transfers):
+        for view, lo, hi in run:
             view[lo:hi].copy_(buf[pos:pos + hi - lo])
             pos += hi - lo
 
@@ -661,7 +678,7 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
 
     def body() -> dict[int, list[torch.Tensor]]:
         for s in range(len(plan.stages)):
-            handle._exchange(group, s, deadline, device, send_buf, recv_buf, on_recv)
+            handle._exchange(group, s, deadline, device, segments, segments, True, on_recv)
         return result
 
     _launch(handle, group, body)
@@ -749,31 +766,36 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
     device = _default_device(group, grads)
     acc_flat = {e: [a.reshape(-1) for a in ts] for e, ts in acc.items()}
 
-    def send_buf_for(stage: int) -> Callable[[list[Transfer]], torch.Tensor]:
-        def send_buf(transfers: list[Transfer]) -> torch.Tensor:
-            parts = []
-            for t in transfers:
-                use_acc = stage == len(plan.stages) - 1 and t.expert in acc
-                views = [a.view(torch.uint8) for a in acc_flat[t.expert]] if use_acc else src_bytes[t.expert]
-                for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop):
-                    parts.append(views[i][lo:hi])
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-        return send_buf
+    acc_bytes = {e: [a.view(torch.uint8) for a in ts] for e, ts in acc_flat.items()}
 
-    def on_recv(transfers: list[Transfer], buf: torch.Tensor) -> None:
+    def send_segs_for(stage: int) -> Callable[[list[Transfer]], list[_Segment]]:
+        last = stage == len(plan.stages) - 1          # the gather to the owners sends partial sums
+
+        def send_segs(transfers: list[Transfer]) -> list[_Segment]:
+            segs = []
+            for t in transfers:
+                views = acc_bytes[t.expert] if last and t.expert in acc else src_bytes[t.expert]
+                for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop):
+                    segs.append((views[i], lo, hi))
+            return segs
+        return send_segs
+
+    def recv_segs(transfers: list[Transfer]) -> list[_Segment]:
+        return [((t.expert, i), lo, hi) for t in transfers
+                for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop)]
+
+    def on_recv(run: list[_Segment], buf: torch.Tensor) -> None:
         pos = 0
-        for t in transfers:
-            layout = _layout_of(layouts, t.expert)
-            for i, lo, hi in layout.segments(t.start, t.stop):
-                dt = layout.dtypes[i]
-                acc_flat[t.expert][i][lo // dt.itemsize:hi // dt.itemsize].add_(_typed(buf[pos:pos + hi - lo], dt))
-                pos += hi - lo
+        for (e, i), lo, hi in run:
+            dt = _layout_of(layouts, e).dtypes[i]
+            acc_flat[e][i][lo // dt.itemsize:hi // dt.itemsize].add_(_typed(buf[pos:pos + hi - lo], dt))
+            pos += hi - lo
 
     deadline = time.monotonic() + handle.timeout_s
 
     def body() -> dict[int, list[torch.Tensor]]:
         for s in range(len(plan.stages)):
-            handle._exchange(group, s, deadline, device, send_buf_for(s), lambda transfers: None, on_recv)
+            handle._exchange(group, s, deadline, device, send_segs_for(s), recv_segs, False, on_recv)
         for e in owned_rep_E:
             result[e] = acc[e]
         return result
