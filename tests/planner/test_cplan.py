@@ -267,7 +267,8 @@ def test_inputs_of_other_types_and_layouts(core):
     for load_E in (loads, np.asarray(loads, dtype=np.float32), np.asarray(loads * 2)[::2], np.asarray(loads, int)):
         assert_same(*run_both(core, sparse_materialization, shard, load_E, 4, 2, topo))
     placement = run_both(core, sparse_materialization, shard, loads, 4, 2, topo)[1]
-    for tokens_ED in (wide_ED[:, ::2], np.asfortranarray(wide_ED[:, :5]), wide_ED[:, :5].astype(np.float64),
+    for tokens_ED in (wide_ED[:, ::2], np.asfortranarray(wide_ED[:, :5]), wide_ED[::-1, 5:],
+                      np.broadcast_to(wide_ED[:1, :5], (9, 5)), wide_ED[:, :5].astype(np.float64),
                       wide_ED[:, :5].astype(np.int32), wide_ED[:, :5].tolist()):
         assert_same(*run_both(core, topology_aware_dispatch, placement, tokens_ED, topo))
         assert_same(*run_both(core, dispatch_rows, placement, tokens_ED, topo, [4, 0, 4]))
