@@ -53,7 +53,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -482,8 +482,12 @@ class SparseCollectiveHandle:
     def _exchange(self, group: Any, stage: int, deadline: float, device: torch.device,
                   send_segs: Callable[[list[Transfer]], list[_Segment]],
                   recv_segs: Callable[[list[Transfer]], list[_Segment]], direct_recv: bool,
-                  on_recv: Callable[[list[_Segment], torch.Tensor], None]) -> None:
-        """Post this rank's sends and receives of one stage, wait for them, then unpack the receives.
+                  on_recv: Callable[[list[_Segment], torch.Tensor], None]) -> _Pending:
+        """Post this rank's sends and receives of one stage, wait for the receives and unpack them.
+
+        Returns the sends still in flight: the next stage may start as soon as this rank has its inputs
+        (per peer, gloo delivers messages in posting order, so a later stage's message cannot overtake);
+        the caller waits for them at the end (`_finish`).
 
         Each (src, dst) message of the plan travels as the runs of `_runs` (both sides cut the same
         segment sizes into the same runs, posted in the same order, so gloo matches them in order): a
@@ -491,8 +495,9 @@ class SparseCollectiveHandle:
         """
         msgs = self.plan.messages(stage)
         node_ids = self.plan.node_ids
-        works: list[tuple[int, Any]] = []
-        received, keep = [], []
+        recvs: list[tuple[int, Any]] = []
+        sends = _Pending(stage)
+        received = []
         try:
             for (src, dst), transfers in sorted(msgs.items()):
                 if dst == self.rank:
@@ -503,34 +508,61 @@ class SparseCollectiveHandle:
                         else:
                             buf = torch.empty(sum(hi - lo for _, lo, hi in run), dtype=torch.uint8, device=device)
                             received.append((run, buf))
-                        works.append((src, dist.irecv(buf, group=group, group_src=src, tag=_P2P_TAG)))
+                        recvs.append((src, dist.irecv(buf, group=group, group_src=src, tag=_P2P_TAG)))
                         self.recv_bytes += buf.numel()
             for (src, dst), transfers in sorted(msgs.items()):
                 if src == self.rank:
                     for run in _runs(send_segs(transfers)):
                         buf = run[0][0][run[0][1]:run[0][2]] if len(run) == 1 else \
                             torch.cat([view[lo:hi] for view, lo, hi in run])
-                        keep.append(buf)
-                        works.append((dst, dist.isend(buf, group=group, group_dst=dst, tag=_P2P_TAG)))
+                        sends.buffers.append(buf)
+                        sends.works.append((dst, dist.isend(buf, group=group, group_dst=dst, tag=_P2P_TAG)))
                         self.sent_bytes += buf.numel()
                         if node_ids[src] != node_ids[dst]:
                             self.inter_node_sent_bytes += buf.numel()
+        except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
+            raise self._failure(exc, stage, recvs + sends.works, deadline) from exc
+        self._wait(recvs, stage, deadline)
+        for run, buf in received:
+            on_recv(run, buf)
+        return sends
+
+    def _finish(self, pending: list[_Pending], deadline: float) -> None:
+        """Wait for the sends of every stage (their buffers stay alive until then)."""
+        for p in pending:
+            self._wait(p.works, p.stage, deadline)
+
+    def _wait(self, works: list[tuple[int, Any]], stage: int, deadline: float) -> None:
+        try:
             for _, work in works:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError("the deadline passed")
                 work.wait(timeout=datetime.timedelta(seconds=remaining))
         except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
-            peers = sorted({p for (s_, d_) in msgs for p in (s_, d_) if self.rank in (s_, d_)} - {self.rank})
-            pending = sorted({p for p, w in works if not w.is_completed()}) or peers
-            timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() \
-                or time.monotonic() >= deadline
-            kind = TimeoutError if timed_out else RuntimeError
-            what = f"timed out after {self.timeout_s:.1f}s" if timed_out else "failed"
-            raise kind(f"{self._name()} {what} on rank {self.rank}: stage {stage} was still exchanging "
-                       f"with ranks {pending} ({exc})") from exc
-        for run, buf in received:
-            on_recv(run, buf)
+            raise self._failure(exc, stage, works, deadline) from exc
+
+    def _failure(self, exc: BaseException, stage: int, works: list[tuple[int, Any]], deadline: float
+                 ) -> Exception:
+        """The error to raise for ``exc``: names the collective, the layer, the stage and the peers."""
+        msgs = self.plan.messages(stage)
+        peers = sorted({p for (s_, d_) in msgs for p in (s_, d_) if self.rank in (s_, d_)} - {self.rank})
+        pending = sorted({p for p, w in works if not w.is_completed()}) or peers
+        timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() \
+            or time.monotonic() >= deadline
+        kind = TimeoutError if timed_out else RuntimeError
+        what = f"timed out after {self.timeout_s:.1f}s" if timed_out else "failed"
+        return kind(f"{self._name()} {what} on rank {self.rank}: stage {stage} was still exchanging "
+                    f"with ranks {pending} ({exc})")
+
+
+@dataclass
+class _Pending:
+    """Sends of one stage still in flight, and the buffers they read."""
+
+    stage: int
+    works: list[tuple[int, Any]] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
 
 
 def _group_rank_and_size(group: Any) -> tuple[int, int]:
@@ -677,8 +709,9 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
     deadline = time.monotonic() + handle.timeout_s
 
     def body() -> dict[int, list[torch.Tensor]]:
-        for s in range(len(plan.stages)):
-            handle._exchange(group, s, deadline, device, segments, segments, True, on_recv)
+        pending = [handle._exchange(group, s, deadline, device, segments, segments, True, on_recv)
+                   for s in range(len(plan.stages))]
+        handle._finish(pending, deadline)
         return result
 
     _launch(handle, group, body)
@@ -794,8 +827,9 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
     deadline = time.monotonic() + handle.timeout_s
 
     def body() -> dict[int, list[torch.Tensor]]:
-        for s in range(len(plan.stages)):
-            handle._exchange(group, s, deadline, device, send_segs_for(s), recv_segs, False, on_recv)
+        pending = [handle._exchange(group, s, deadline, device, send_segs_for(s), recv_segs, False, on_recv)
+                   for s in range(len(plan.stages))]
+        handle._finish(pending, deadline)
         for e in owned_rep_E:
             result[e] = acc[e]
         return result
