@@ -222,6 +222,22 @@ def _run_two_nodes(rank: int, world: int) -> list[dict]:
     return cases
 
 
+def _run_sliced(rank: int, world: int) -> list[dict]:
+    """Tiny thresholds: relayed pieces go in several pipeline slices and most segments without copies."""
+    from themis_compile.runtime import collectives
+
+    collectives._SLICE_BYTES = 16
+    collectives._ZERO_COPY_BYTES = 24
+    topology = Topology.from_env(world)
+    cases = []
+    for seed, E, spec_name, density in [(21, 6, "swiglu", 0.6), (22, 5, "mixed", 0.7), (23, 3, "swiglu", 1.0)]:
+        cases.append(_check_case(rank, world, topology, seed, E, spec_name, density, f"sl{seed}"))
+    shard, placement = _placements(21, 6, world, 0.6)
+    plan = collectives.plan_sparse_all_gather(shard, placement, topology, ChunkLayout.from_spec(SPECS["swiglu"]))
+    cases.append({"num_slices": plan.num_slices})
+    return cases
+
+
 def _run_missing_rank(rank: int, world: int) -> str:
     """Rank 3 owns the expert everyone needs; it stays alive but never calls the collective."""
     store = dist.distributed_c10d._get_default_store()
@@ -269,6 +285,16 @@ def test_eight_ranks_two_nodes_topology_aware() -> None:
     assert results[0][0]["spag_model_inter"] > 0
     # Every expert replicated everywhere: 3 experts enter the other node once each (swiglu Ψ = 720 B).
     assert results[0][3]["spag_model_inter"] == 3 * 720
+
+
+def test_pipeline_slices_and_zero_copy_runs_stay_exact() -> None:
+    results = run_multirank(_run_sliced, 4, devices_per_node=2, timeout_s=60)
+    assert results[0][-1]["num_slices"] == 4               # relayed pieces really went in slices
+    for case in range(3):
+        per_rank = [r[case] for r in results]
+        assert sum(s["spag_recv"] for s in per_rank) == per_rank[0]["spag_model_total"]
+        assert sum(s["spag_inter"] for s in per_rank) == per_rank[0]["spag_model_inter"]
+        assert sum(s["sprs_inter"] for s in per_rank) == per_rank[0]["spag_model_inter"]
 
 
 def test_missing_rank_times_out_naming_collective_and_layer() -> None:

@@ -165,13 +165,15 @@ class ChunkLayout:
 # ============================================================================================ plan
 @dataclass(frozen=True, order=True)
 class Transfer:
-    """Bytes [start, stop) of expert ``expert``'s flat chunk move from device ``src`` to ``dst``."""
+    """Bytes [start, stop) of expert ``expert``'s flat chunk move from device ``src`` to ``dst``;
+    ``slice``: the pipeline slice it belongs to (see `plan_sparse_all_gather`)."""
 
     src: int
     dst: int
     expert: int
     start: int
     stop: int
+    slice: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -199,15 +201,21 @@ class CommPlan:
     def num_devices(self) -> int:
         return len(self.node_ids)
 
-    def messages(self, stage: int) -> dict[tuple[int, int], list[Transfer]]:
-        """Stage ``stage`` bucketed into one message per (src, dst) pair."""
+    def messages(self, stage: int, slice: int | None = None) -> dict[tuple[int, int], list[Transfer]]:
+        """Stage ``stage`` (only its slice ``slice`` when given) bucketed into one message per (src, dst)."""
         out: dict[tuple[int, int], list[Transfer]] = {}
         for t in self.stages[stage]:
-            out.setdefault((t.src, t.dst), []).append(t)
+            if slice is None or t.slice == slice:
+                out.setdefault((t.src, t.dst), []).append(t)
         return out
 
+    @property
+    def num_slices(self) -> int:
+        """Pipeline slices: stage 1 of slice i may start once stage 0 of slice i has arrived."""
+        return 1 + max((t.slice for stage in self.stages for t in stage), default=0)
+
     def num_messages(self) -> int:
-        return sum(len(self.messages(s)) for s in range(len(self.stages)))
+        return sum(len(self.messages(s, i)) for s in range(len(self.stages)) for i in range(self.num_slices))
 
     def sent_bytes_D(self) -> tuple[int, ...]:
         """[D] bytes each device sends."""
@@ -275,6 +283,20 @@ def _pieces(layout: ChunkLayout, members: Sequence[int], sent: list[float]) -> l
     return out
 
 
+_SLICE_BYTES = 1 << 20       # a relayed piece is cut into slices of about this size ...
+_MAX_SLICES = 4              # ... but into no more than this many
+
+
+def _slices(layout: ChunkLayout, start: int, stop: int) -> list[tuple[int, int]]:
+    """Bytes [start, stop) of a relayed piece as pipeline slices, cut at element boundaries (non-empty)."""
+    k = min(_MAX_SLICES, max(1, (stop - start) // _SLICE_BYTES))
+    cuts = [start]
+    for i in range(1, k):
+        cuts.append(min(max(layout.snap(start + (stop - start) * i / k), cuts[-1]), stop))
+    cuts.append(stop)
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
 def _check_placements(shard: Placement, placement: Placement, topology: Topology) -> None:
     if not isinstance(shard, Placement) or not isinstance(placement, Placement):
         raise ValueError("shard and placement must be themis_compile.planner.Placement objects")
@@ -325,9 +347,15 @@ def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Top
             sent[owner] += psi
             pieces = _pieces(layout_E[e], members, sent)
             for d, a, b in pieces:
-                if b > a:
-                    stage0.append(Transfer(owner, d, e, a, b))                  # scatter into node n
-                    stage1.extend(Transfer(d, d2, e, a, b) for d2 in members if d2 != d)  # all-gather
+                if b <= a:
+                    continue
+                if len(members) == 1:
+                    stage0.append(Transfer(owner, d, e, a, b))                  # the whole chunk
+                    continue
+                # Pipelining: a large piece goes in slices; stage 1 forwards slice i as soon as it arrived.
+                for i, (lo, hi) in enumerate(_slices(layout_E[e], a, b)):
+                    stage0.append(Transfer(owner, d, e, lo, hi, i))                   # scatter into node n
+                    stage1.extend(Transfer(d, d2, e, lo, hi, i) for d2 in members if d2 != d)  # all-gather
     stages = tuple(tuple(sorted(s)) for s in (stage0, stage1) if s)
     plan = CommPlan(SPAG, stages, tuple(int(n) for n in node_ids), topology.num_nodes)
     if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
@@ -340,7 +368,7 @@ def plan_sparse_reduce_scatter(placement: Placement, shard: Placement, topology:
                                layouts: ChunkLayout | Sequence[ChunkLayout]) -> CommPlan:
     """The plan of SpRS(P'=placement, P=shard): the SpAG plan run backwards with src and dst swapped."""
     spag = plan_sparse_all_gather(shard, placement, topology, layouts)
-    stages = tuple(tuple(sorted(Transfer(t.dst, t.src, t.expert, t.start, t.stop) for t in stage))
+    stages = tuple(tuple(sorted(Transfer(t.dst, t.src, t.expert, t.start, t.stop, t.slice) for t in stage))
                    for stage in reversed(spag.stages))
     return CommPlan(SPRS, stages, spag.node_ids, spag.num_nodes)
 
@@ -479,27 +507,50 @@ class SparseCollectiveHandle:
         finally:
             self._done.set()
 
-    def _exchange(self, group: Any, stage: int, deadline: float, device: torch.device,
-                  send_segs: Callable[[list[Transfer]], list[_Segment]],
-                  recv_segs: Callable[[list[Transfer]], list[_Segment]], direct_recv: bool,
-                  on_recv: Callable[[list[_Segment], torch.Tensor], None]) -> _Pending:
-        """Post this rank's sends and receives of one stage, wait for the receives and unpack them.
+    def _run_stages(self, group: Any, deadline: float, device: torch.device,
+                    send_segs: Callable[[int, list[Transfer]], list[_Segment]],
+                    recv_segs: Callable[[list[Transfer]], list[_Segment]], direct_recv: bool,
+                    on_recv: Callable[[list[_Segment], torch.Tensor], None]) -> None:
+        """Run this rank's part of the plan: stage 0 of every slice is posted at once; stage 1 of slice
+        i is posted as soon as this rank's stage-0 receives of slice i have arrived (and been unpacked),
+        so relaying overlaps the rest of stage 0. Sends are waited for at the end.
 
-        Returns the sends still in flight: the next stage may start as soon as this rank has its inputs
-        (per peer, gloo delivers messages in posting order, so a later stage's message cannot overtake);
-        the caller waits for them at the end (`_finish`).
-
-        Each (src, dst) message of the plan travels as the runs of `_runs` (both sides cut the same
-        segment sizes into the same runs, posted in the same order, so gloo matches them in order): a
-        large segment is sent from, and with ``direct_recv`` received into, its tensor without a copy.
+        Per peer, gloo matches messages in posting order, and both sides post in the same order: stage 0
+        by (slice, src, dst, run), then stage 1 by (slice, src, dst, run).
         """
-        msgs = self.plan.messages(stage)
+        num_stages, num_slices = len(self.plan.stages), self.plan.num_slices
+        pending: list[_Pending] = []
+        first = [self._post(group, 0, i, device, send_segs, recv_segs, direct_recv, deadline, pending)
+                 for i in range(num_slices)]
+        later = []
+        for i in range(num_slices):
+            self._complete(first[i], 0, deadline, on_recv)
+            for stage in range(1, num_stages):
+                later.append((stage, self._post(group, stage, i, device, send_segs, recv_segs, direct_recv,
+                                                deadline, pending)))
+        for stage, posted in later:
+            self._complete(posted, stage, deadline, on_recv)
+        for p in pending:
+            self._wait(p.works, p.stage, deadline)
+
+    def _post(self, group: Any, stage: int, slice_: int, device: torch.device,
+              send_segs: Callable[[int, list[Transfer]], list[_Segment]],
+              recv_segs: Callable[[list[Transfer]], list[_Segment]], direct_recv: bool, deadline: float,
+              pending: list[_Pending]) -> tuple[list[tuple[int, Any]], list]:
+        """Post this rank's receives and sends of one (stage, slice); sends go to ``pending``.
+
+        Each (src, dst) message travels as the runs of `_runs` (both sides cut the same segment sizes
+        into the same runs): a large segment is sent from, and with ``direct_recv`` received into, its
+        tensor without a copy. Returns the receives and the buffers to unpack once they arrived.
+        """
+        msgs = sorted(self.plan.messages(stage, slice_).items())
         node_ids = self.plan.node_ids
         recvs: list[tuple[int, Any]] = []
         sends = _Pending(stage)
+        pending.append(sends)
         received = []
         try:
-            for (src, dst), transfers in sorted(msgs.items()):
+            for (src, dst), transfers in msgs:
                 if dst == self.rank:
                     for run in _runs(recv_segs(transfers)):
                         if direct_recv and len(run) == 1:          # straight into the destination tensor
@@ -510,9 +561,9 @@ class SparseCollectiveHandle:
                             received.append((run, buf))
                         recvs.append((src, dist.irecv(buf, group=group, group_src=src, tag=_P2P_TAG)))
                         self.recv_bytes += buf.numel()
-            for (src, dst), transfers in sorted(msgs.items()):
+            for (src, dst), transfers in msgs:
                 if src == self.rank:
-                    for run in _runs(send_segs(transfers)):
+                    for run in _runs(send_segs(stage, transfers)):
                         buf = run[0][0][run[0][1]:run[0][2]] if len(run) == 1 else \
                             torch.cat([view[lo:hi] for view, lo, hi in run])
                         sends.buffers.append(buf)
@@ -522,15 +573,15 @@ class SparseCollectiveHandle:
                             self.inter_node_sent_bytes += buf.numel()
         except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
             raise self._failure(exc, stage, recvs + sends.works, deadline) from exc
+        return recvs, received
+
+    def _complete(self, posted: tuple[list[tuple[int, Any]], list], stage: int, deadline: float,
+                  on_recv: Callable[[list[_Segment], torch.Tensor], None]) -> None:
+        """Wait for posted receives, then unpack the ones that did not land in place."""
+        recvs, received = posted
         self._wait(recvs, stage, deadline)
         for run, buf in received:
             on_recv(run, buf)
-        return sends
-
-    def _finish(self, pending: list[_Pending], deadline: float) -> None:
-        """Wait for the sends of every stage (their buffers stay alive until then)."""
-        for p in pending:
-            self._wait(p.works, p.stage, deadline)
 
     def _wait(self, works: list[tuple[int, Any]], stage: int, deadline: float) -> None:
         try:
@@ -709,9 +760,8 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
     deadline = time.monotonic() + handle.timeout_s
 
     def body() -> dict[int, list[torch.Tensor]]:
-        pending = [handle._exchange(group, s, deadline, device, segments, segments, True, on_recv)
-                   for s in range(len(plan.stages))]
-        handle._finish(pending, deadline)
+        handle._run_stages(group, deadline, device, lambda stage, transfers: segments(transfers), segments,
+                           True, on_recv)
         return result
 
     _launch(handle, group, body)
@@ -801,17 +851,14 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
 
     acc_bytes = {e: [a.view(torch.uint8) for a in ts] for e, ts in acc_flat.items()}
 
-    def send_segs_for(stage: int) -> Callable[[list[Transfer]], list[_Segment]]:
+    def send_segs(stage: int, transfers: list[Transfer]) -> list[_Segment]:
         last = stage == len(plan.stages) - 1          # the gather to the owners sends partial sums
-
-        def send_segs(transfers: list[Transfer]) -> list[_Segment]:
-            segs = []
-            for t in transfers:
-                views = acc_bytes[t.expert] if last and t.expert in acc else src_bytes[t.expert]
-                for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop):
-                    segs.append((views[i], lo, hi))
-            return segs
-        return send_segs
+        segs = []
+        for t in transfers:
+            views = acc_bytes[t.expert] if last and t.expert in acc else src_bytes[t.expert]
+            for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop):
+                segs.append((views[i], lo, hi))
+        return segs
 
     def recv_segs(transfers: list[Transfer]) -> list[_Segment]:
         return [((t.expert, i), lo, hi) for t in transfers
@@ -827,9 +874,7 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
     deadline = time.monotonic() + handle.timeout_s
 
     def body() -> dict[int, list[torch.Tensor]]:
-        pending = [handle._exchange(group, s, deadline, device, send_segs_for(s), recv_segs, False, on_recv)
-                   for s in range(len(plan.stages))]
-        handle._finish(pending, deadline)
+        handle._run_stages(group, deadline, device, send_segs, recv_segs, False, on_recv)
         for e in owned_rep_E:
             result[e] = acc[e]
         return result
