@@ -106,3 +106,29 @@ def test_placement_algebra_properties(E, D, data):
     assert p.receive_counts(shard).sum() == p.delta(shard).num_pairs() == p.num_pairs() - E
     assert (p.delta(shard) | shard) == p
     assert shard.owners().tolist() == owners
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.integers(0, 7), st.data())
+def test_node_mask_and_transfer_time_match_their_definitions(sizes, E, data):
+    """The cached node mask (a reshape on equal nodes) is the per-node OR of the devices; transfer_time's
+    direct counts are receive_counts and new_node_entries."""
+    from themis_compile.planner import PlanCost
+
+    topology = Topology(sizes)
+    D = topology.num_devices
+    bits = data.draw(st.lists(st.booleans(), min_size=E * D, max_size=E * D))
+    owners = data.draw(st.lists(st.integers(0, D - 1), min_size=E, max_size=E))
+    shard = Placement.from_owners(owners, D)
+    p = shard | Placement(np.array(bits, dtype=bool).reshape(E, D))
+    want_EN = np.stack([p.mask[:, topology.devices_of_node(n)].any(axis=1) for n in range(topology.num_nodes)],
+                       axis=1).reshape(E, topology.num_nodes)
+    assert np.array_equal(p.node_mask(topology), want_EN) and np.array_equal(p.node_mask(topology), want_EN)
+    cost = PlanCost(time_per_token_s=1e-6, expert_bytes=3e6,
+                    topology=Topology(sizes, intra_node_bw=7e9, inter_node_bw=1e9))
+    recv, entries = p.receive_counts(shard), p.new_node_entries(shard, topology).sum(axis=0)
+    want = 0.0 if not recv.any() else max(float(recv.max()) * 3e6 / 7e9, float(entries.max()) * 3e6 / 1e9)
+    assert cost.transfer_time(shard, p) == want
+    if p != shard:
+        with pytest.raises(ValueError, match="not a subset"):
+            cost.transfer_time(p, shard)

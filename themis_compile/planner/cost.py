@@ -163,11 +163,18 @@ class PlanCost:
         collective finishes no sooner than its bottleneck device or node.
         """
         self.topology.validate(placement.num_devices)
-        recv_D = placement.receive_counts(shard)
+        shard._check_same_shape(placement)
+        base_ED, mask_ED = shard.mask, placement.mask
+        if (base_ED & ~mask_ED).any():
+            raise ValueError("transfer_time: the base placement is not a subset of the target placement")
+        # What receive_counts and new_node_entries give, counted directly (this runs per layer and
+        # iteration in calibration).
+        recv_D = np.count_nonzero(mask_ED & ~base_ED, axis=0)
         if not recv_D.any():
             return 0.0
         device_s = float(recv_D.max()) * self.expert_bytes / self.topology.intra_node_bw
-        node_entries_N = placement.new_node_entries(shard, self.topology).sum(axis=0)
+        node_entries_N = np.count_nonzero(placement.node_mask(self.topology) & ~shard.node_mask(self.topology),
+                                          axis=0)
         node_s = float(node_entries_N.max()) * self.expert_bytes / self.topology.inter_node_bw
         return max(device_s, node_s)
 

@@ -35,7 +35,7 @@ class Placement:
         mask_ED: boolean-like array of shape [E, D]; copied and made read-only.
     """
 
-    __slots__ = ("_mask_ED", "_hash", "_owners_E", "_is_shard", "_copies_E")
+    __slots__ = ("_mask_ED", "_hash", "_owners_E", "_is_shard", "_copies_E", "_node_masks")
 
     def __init__(self, mask_ED: np.ndarray) -> None:
         mask_ED = np.asarray(mask_ED)
@@ -54,6 +54,7 @@ class Placement:
         self._owners_E: np.ndarray | None = None
         self._is_shard: bool | None = None
         self._copies_E: np.ndarray | None = None
+        self._node_masks: dict[tuple[int, ...], np.ndarray] = {}     # per topology (node sizes)
 
     @classmethod
     def _trusted(cls, mask_ED: np.ndarray, copies_E: np.ndarray | None = None) -> Placement:
@@ -68,6 +69,7 @@ class Placement:
         if copies_E is not None:
             copies_E.setflags(write=False)
         obj._copies_E = copies_E
+        obj._node_masks = {}
         return obj
 
     # ----------------------------------------------------------------------------------- constructors
@@ -186,7 +188,19 @@ class Placement:
     def node_mask(self, topology: Topology) -> np.ndarray:
         """[E, N] bool: node n holds expert e on at least one of its devices."""
         topology.validate(self.num_devices)
-        return np.logical_or.reduceat(self._mask_ED, topology.node_offsets[:-1], axis=1)
+        key = topology.devices_per_node
+        cached = self._node_masks.get(key)
+        if cached is None:
+            E, D = self.shape
+            if topology.is_uniform and E:        # equal nodes: a reshape, no reduceat
+                cached = self._mask_ED.reshape(E, topology.num_nodes, D // topology.num_nodes).any(axis=2)
+            else:
+                cached = np.logical_or.reduceat(self._mask_ED, topology.node_offsets[:-1], axis=1)
+            cached.setflags(write=False)
+            if len(self._node_masks) > 8:
+                self._node_masks.clear()
+            self._node_masks[key] = cached
+        return cached
 
     # ----------------------------------------------------------------------------------- set algebra
     def _check_same_shape(self, other: Placement) -> None:
