@@ -13,3 +13,5 @@ def test_planner_bench_quick(capsys):
         assert setup["alg1_plus_alg3"]["median_us"] > 0
         assert setup["max_over_mean_device_load"]["themis_alg1"] < setup["max_over_mean_device_load"]["ep"]
     assert result["alg2"]["num_layers"] == 24
+    assert set(result["target_met"]) == {"qwen1.5-moe", "deepseek-v3"}
+    assert all(set(v) == {"per_layer_on_a_rank", "full_plan"} for v in result["target_met"].values())
