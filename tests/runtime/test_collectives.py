@@ -239,16 +239,18 @@ def _run_sliced(rank: int, world: int) -> list[dict]:
 
 
 def _run_missing_rank(rank: int, world: int) -> str:
-    """Rank 3 owns the expert everyone needs; it stays alive but never calls the collective."""
+    """Rank 3 owns an expert everyone needs; it stays alive but never calls the collective. Rank 0 owns
+    another one, so the waiting ranks also exchange with a healthy peer in the same stage."""
     store = dist.distributed_c10d._get_default_store()
     spec = [((4,), torch.float32)]
-    shard = Placement.from_owners([3], world)
-    placement = Placement.full(1, world)
+    shard = Placement.from_owners([3, 0], world)
+    placement = Placement.full(2, world)
     if rank == 3:
         store.wait([f"timeout/{r}" for r in range(3)])
         return "absent"
+    chunks = {1: [torch.ones(4)]} if rank == 0 else {}
     try:
-        sparse_all_gather({}, shard, placement, spec=spec, layer="blocks.7.moe", timeout_s=2.0).wait()
+        sparse_all_gather(chunks, shard, placement, spec=spec, layer="blocks.7.moe", timeout_s=2.0).wait()
         msg = "no error"
     except TimeoutError as exc:
         msg = str(exc)
@@ -302,6 +304,7 @@ def test_missing_rank_times_out_naming_collective_and_layer() -> None:
     assert results[3] == "absent"
     for msg in results[:3]:
         assert "SparseAllGather" in msg and "blocks.7.moe" in msg and "timed out" in msg, msg
+        assert "with ranks [3" in msg, msg                      # the absent rank first, not the waiting ones
 
 
 def test_world_size_one_without_process_group() -> None:

@@ -166,7 +166,8 @@ class ChunkLayout:
 @dataclass(frozen=True, order=True)
 class Transfer:
     """Bytes [start, stop) of expert ``expert``'s flat chunk move from device ``src`` to ``dst``;
-    ``slice``: the pipeline slice it belongs to (see `plan_sparse_all_gather`)."""
+    ``slice``: the pipeline slice it belongs to, `DIRECT` when no relay depends on it (see
+    `plan_sparse_all_gather`)."""
 
     src: int
     dst: int
@@ -211,11 +212,12 @@ class CommPlan:
 
     @property
     def num_slices(self) -> int:
-        """Pipeline slices: stage 1 of slice i may start once stage 0 of slice i has arrived."""
+        """Pipeline slices (besides `DIRECT`): stage 1 of slice i may start once stage 0 of slice i arrived."""
         return 1 + max((t.slice for stage in self.stages for t in stage), default=0)
 
     def num_messages(self) -> int:
-        return sum(len(self.messages(s, i)) for s in range(len(self.stages)) for i in range(self.num_slices))
+        return sum(len(self.messages(s, i)) for s in range(len(self.stages))
+                   for i in (DIRECT, *range(self.num_slices)))
 
     def sent_bytes_D(self) -> tuple[int, ...]:
         """[D] bytes each device sends."""
@@ -283,6 +285,7 @@ def _pieces(layout: ChunkLayout, members: Sequence[int], sent: list[float]) -> l
     return out
 
 
+DIRECT = -1                  # the slice of transfers no relay waits for (a node's only new holder)
 _SLICE_BYTES = 1 << 20       # a relayed piece is cut into slices of about this size ...
 _MAX_SLICES = 4              # ... but into no more than this many
 
@@ -324,7 +327,9 @@ def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Top
     layout_E = [layouts] * E if isinstance(layouts, ChunkLayout) else list(layouts)
     if len(layout_E) != E:
         raise ValueError(f"need one chunk layout per expert ({E}), got {len(layout_E)}")
-    key = (SPAG, shard.digest(), placement.digest(), topology.devices_per_node, tuple(layout_E))
+    # The cutting constants are part of the wire format (every rank must cut alike): part of the key.
+    key = (SPAG, shard.digest(), placement.digest(), topology.devices_per_node, tuple(layout_E),
+           _SLICE_BYTES, _MAX_SLICES)
     cached = _PLAN_CACHE.get(key)
     if cached is not None:
         return cached
@@ -350,7 +355,7 @@ def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Top
                 if b <= a:
                     continue
                 if len(members) == 1:
-                    stage0.append(Transfer(owner, d, e, a, b))                  # the whole chunk
+                    stage0.append(Transfer(owner, d, e, a, b, DIRECT))          # the whole chunk
                     continue
                 # Pipelining: a large piece goes in slices; stage 1 forwards slice i as soon as it arrived.
                 for i, (lo, hi) in enumerate(_slices(layout_E[e], a, b)):
@@ -469,6 +474,7 @@ class SparseCollectiveHandle:
         self._result: Any = None
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._nccl = False            # set by `_launch`: waits must not block the host on NCCL
 
     @property
     def volume(self) -> CollectiveVolume:
@@ -511,24 +517,30 @@ class SparseCollectiveHandle:
                     send_segs: Callable[[int, list[Transfer]], list[_Segment]],
                     recv_segs: Callable[[list[Transfer]], list[_Segment]], direct_recv: bool,
                     on_recv: Callable[[list[_Segment], torch.Tensor], None]) -> None:
-        """Run this rank's part of the plan: stage 0 of every slice is posted at once; stage 1 of slice
-        i is posted as soon as this rank's stage-0 receives of slice i have arrived (and been unpacked),
-        so relaying overlaps the rest of stage 0. Sends are waited for at the end.
+        """Run this rank's part of the plan.
 
-        Per peer, gloo matches messages in posting order, and both sides post in the same order: stage 0
-        by (slice, src, dst, run), then stage 1 by (slice, src, dst, run).
+        Order (the same on every rank, so per peer both sides post the same sequence of messages, which
+        gloo matches in posting order and NCCL in issue order):
+
+        1. every stage's direct transfers (slice ``DIRECT``: no relay depends on them);
+        2. stage 0 of every slice;
+        3. for slice i = 0, 1, ...: once this rank's stage-0 receives of slice i have arrived (and been
+           unpacked), stage 1 of slice i — relaying overlaps the rest of stage 0;
+        then the remaining receives, and last the sends (their buffers stay alive until then).
         """
         num_stages, num_slices = len(self.plan.stages), self.plan.num_slices
         pending: list[_Pending] = []
-        first = [self._post(group, 0, i, device, send_segs, recv_segs, direct_recv, deadline, pending)
-                 for i in range(num_slices)]
+
+        def post(stage: int, slice_: int) -> tuple[list, list]:
+            return self._post(group, stage, slice_, device, send_segs, recv_segs, direct_recv, deadline, pending)
+
+        direct = [(stage, post(stage, DIRECT)) for stage in range(num_stages)]
+        first = [post(0, i) for i in range(num_slices)]
         later = []
         for i in range(num_slices):
             self._complete(first[i], 0, deadline, on_recv)
-            for stage in range(1, num_stages):
-                later.append((stage, self._post(group, stage, i, device, send_segs, recv_segs, direct_recv,
-                                                deadline, pending)))
-        for stage, posted in later:
+            later += [(stage, post(stage, i)) for stage in range(1, num_stages)]
+        for stage, posted in direct + later:
             self._complete(posted, stage, deadline, on_recv)
         for p in pending:
             self._wait(p.works, p.stage, deadline)
@@ -537,42 +549,57 @@ class SparseCollectiveHandle:
               send_segs: Callable[[int, list[Transfer]], list[_Segment]],
               recv_segs: Callable[[list[Transfer]], list[_Segment]], direct_recv: bool, deadline: float,
               pending: list[_Pending]) -> tuple[list[tuple[int, Any]], list]:
-        """Post this rank's receives and sends of one (stage, slice); sends go to ``pending``.
+        """Post this rank's receives and sends of one (stage, slice) as one batch; sends go to ``pending``.
 
         Each (src, dst) message travels as the runs of `_runs` (both sides cut the same segment sizes
         into the same runs): a large segment is sent from, and with ``direct_recv`` received into, its
-        tensor without a copy. Returns the receives and the buffers to unpack once they arrived.
+        tensor without a copy. One `dist.batch_isend_irecv` per (stage, slice): on NCCL the receives and
+        sends form one group, so two devices exchanging in both directions cannot block each other.
+        Returns the receives and the buffers to unpack once they arrived.
         """
         msgs = sorted(self.plan.messages(stage, slice_).items())
         node_ids = self.plan.node_ids
-        recvs: list[tuple[int, Any]] = []
         sends = _Pending(stage)
         pending.append(sends)
-        received = []
+        received: list = []
+        recv_ops: list[tuple[int, torch.Tensor]] = []
+        send_ops: list[tuple[int, torch.Tensor]] = []
+        for (src, dst), transfers in msgs:
+            if dst == self.rank:
+                for run in _runs(recv_segs(transfers)):
+                    if direct_recv and len(run) == 1:          # straight into the destination tensor
+                        view, lo, hi = run[0]
+                        buf = view[lo:hi]
+                    else:
+                        buf = torch.empty(sum(hi - lo for _, lo, hi in run), dtype=torch.uint8, device=device)
+                        received.append((run, buf))
+                    recv_ops.append((src, buf))
+                    self.recv_bytes += buf.numel()
+        for (src, dst), transfers in msgs:
+            if src == self.rank:
+                for run in _runs(send_segs(stage, transfers)):
+                    buf = run[0][0][run[0][1]:run[0][2]] if len(run) == 1 else \
+                        torch.cat([view[lo:hi] for view, lo, hi in run])
+                    sends.buffers.append(buf)
+                    send_ops.append((dst, buf))
+                    self.sent_bytes += buf.numel()
+                    if node_ids[src] != node_ids[dst]:
+                        self.inter_node_sent_bytes += buf.numel()
+        if not recv_ops and not send_ops:
+            return [], received
+        ops = [dist.P2POp(dist.irecv, buf, group=group, group_peer=peer, tag=_P2P_TAG) for peer, buf in recv_ops]
+        ops += [dist.P2POp(dist.isend, buf, group=group, group_peer=peer, tag=_P2P_TAG) for peer, buf in send_ops]
         try:
-            for (src, dst), transfers in msgs:
-                if dst == self.rank:
-                    for run in _runs(recv_segs(transfers)):
-                        if direct_recv and len(run) == 1:          # straight into the destination tensor
-                            view, lo, hi = run[0]
-                            buf = view[lo:hi]
-                        else:
-                            buf = torch.empty(sum(hi - lo for _, lo, hi in run), dtype=torch.uint8, device=device)
-                            received.append((run, buf))
-                        recvs.append((src, dist.irecv(buf, group=group, group_src=src, tag=_P2P_TAG)))
-                        self.recv_bytes += buf.numel()
-            for (src, dst), transfers in msgs:
-                if src == self.rank:
-                    for run in _runs(send_segs(stage, transfers)):
-                        buf = run[0][0][run[0][1]:run[0][2]] if len(run) == 1 else \
-                            torch.cat([view[lo:hi] for view, lo, hi in run])
-                        sends.buffers.append(buf)
-                        sends.works.append((dst, dist.isend(buf, group=group, group_dst=dst, tag=_P2P_TAG)))
-                        self.sent_bytes += buf.numel()
-                        if node_ids[src] != node_ids[dst]:
-                            self.inter_node_sent_bytes += buf.numel()
+            works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
-            raise self._failure(exc, stage, recvs + sends.works, deadline) from exc
+            raise self._failure(exc, stage, [p for p, _ in recv_ops + send_ops], deadline) from exc
+        if len(works) == len(ops):                     # one work per operation (gloo)
+            recvs = [(peer, w) for (peer, _), w in zip(recv_ops, works)]
+            sends.works = [(peer, w) for (peer, _), w in zip(send_ops, works[len(recv_ops):])]
+        else:                                          # one work for the whole batch (NCCL)
+            peers = sorted({p for p, _ in recv_ops + send_ops})
+            recvs = [(p, w) for w in works for p in peers[:1]]
+            sends.works = []
         return recvs, received
 
     def _complete(self, posted: tuple[list[tuple[int, Any]], list], stage: int, deadline: float,
@@ -584,27 +611,34 @@ class SparseCollectiveHandle:
             on_recv(run, buf)
 
     def _wait(self, works: list[tuple[int, Any]], stage: int, deadline: float) -> None:
-        try:
-            for _, work in works:
+        """Wait for ``works`` in order. On gloo each wait is bounded by the deadline; on NCCL ``wait()``
+        only orders the current stream after the transfer (a timeout would block the host), and the
+        process group's own timeout applies."""
+        for i, (peer, work) in enumerate(works):
+            try:
+                if self._nccl:
+                    work.wait()
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError("the deadline passed")
                 work.wait(timeout=datetime.timedelta(seconds=remaining))
-        except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
-            raise self._failure(exc, stage, works, deadline) from exc
+            except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
+                # The peer whose transfer failed first, then those not waited for yet (gloo reports a
+                # point-to-point work as incomplete until it has been waited for).
+                waiting = [peer] + [p for p, _ in works[i + 1:] if p != peer]
+                raise self._failure(exc, stage, waiting, deadline) from exc
 
-    def _failure(self, exc: BaseException, stage: int, works: list[tuple[int, Any]], deadline: float
-                 ) -> Exception:
+    def _failure(self, exc: BaseException, stage: int, peers: list[int], deadline: float) -> Exception:
         """The error to raise for ``exc``: names the collective, the layer, the stage and the peers."""
-        msgs = self.plan.messages(stage)
-        peers = sorted({p for (s_, d_) in msgs for p in (s_, d_) if self.rank in (s_, d_)} - {self.rank})
-        pending = sorted({p for p, w in works if not w.is_completed()}) or peers
+        unique = list(dict.fromkeys(peers))
         timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() \
             or time.monotonic() >= deadline
         kind = TimeoutError if timed_out else RuntimeError
         what = f"timed out after {self.timeout_s:.1f}s" if timed_out else "failed"
         return kind(f"{self._name()} {what} on rank {self.rank}: stage {stage} was still exchanging "
-                    f"with ranks {pending} ({exc})")
+                    f"with ranks {unique} ({exc}); after a timeout the process group is unusable "
+                    f"(gloo closes its connections) and must be rebuilt")
 
 
 @dataclass
@@ -769,9 +803,11 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
 
 
 def _launch(handle: SparseCollectiveHandle, group: Any, body: Callable[[], Any]) -> None:
-    logger.debug("%s: rank %d starts %d stage(s), %d message(s) globally", handle._name(), handle.rank,
-                 len(handle.plan.stages), handle.plan.num_messages())
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s: rank %d starts %d stage(s), %d message(s) globally", handle._name(), handle.rank,
+                     len(handle.plan.stages), handle.plan.num_messages())
     if _is_nccl(group):
+        handle._nccl = True
         handle._run(body)                      # enqueued on the NCCL stream; the host does not block
     else:
         pg = group if group is not None else dist.group.WORLD
