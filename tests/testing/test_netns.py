@@ -15,8 +15,8 @@ from themis_compile.runtime.collectives import sparse_all_gather
 from themis_compile.testing import run_multirank
 from themis_compile.testing.netns import EmulatedNodes
 
-pytestmark = pytest.mark.skipif(EmulatedNodes.unavailable_reason() is not None,
-                                reason=f"{EmulatedNodes.unavailable_reason()}")
+needs_namespaces = pytest.mark.skipif(EmulatedNodes.unavailable_reason() is not None,
+                                      reason=f"{EmulatedNodes.unavailable_reason()}")
 
 RATE = 40e6          # bytes/s per node boundary
 NBYTES = 4 << 20
@@ -38,6 +38,7 @@ def _inter_node_transfer(rank: int, world: int) -> dict:
             "received": int(out[0]) if rank == 2 else None}
 
 
+@needs_namespaces
 def test_node_boundary_is_shaped_and_ranks_live_in_their_node() -> None:
     with EmulatedNodes(2, RATE) as net:
         results = run_multirank(_inter_node_transfer, 4, devices_per_node=2, network=net, timeout_s=60)
@@ -65,19 +66,42 @@ def _spag_over_nodes(rank: int, world: int) -> bool:
     return sorted(got) == [e for e in range(world) if e != rank]
 
 
+@needs_namespaces
 def test_sparse_all_gather_is_exact_across_emulated_nodes() -> None:
     with EmulatedNodes(2, 100e6) as net:
         assert all(run_multirank(_spag_over_nodes, 4, devices_per_node=2, network=net, timeout_s=60))
 
 
-def test_node_count_must_match_the_run() -> None:
-    net = EmulatedNodes(3, 1e6)            # not entered: the check happens before anything starts
+def test_bad_networks_are_refused_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="3 nodes"):
-        run_multirank(_spag_over_nodes, 4, devices_per_node=2, network=net)
-    with pytest.raises(ValueError):
-        EmulatedNodes(0, 1e6)
+        run_multirank(_spag_over_nodes, 4, devices_per_node=2, network=EmulatedNodes(3, 1e6))
+    with pytest.raises(ValueError, match="not built yet"):
+        run_multirank(_spag_over_nodes, 4, devices_per_node=2, network=EmulatedNodes(2, 1e6))
+    for bad in ((0, 1e6), (251, 1e6), (2, 0.0)):
+        with pytest.raises(ValueError):
+            EmulatedNodes(*bad)
 
 
+def test_root_of_an_unprivileged_user_namespace_is_not_enough() -> None:
+    """Inside ``unshare --user --map-root-user`` a process is "root" with every capability, but only in
+    its own namespace: emulation must report itself unavailable there (tests then skip, not fail)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare command")
+    code = ("from themis_compile.testing.netns import EmulatedNodes; "
+            "print(EmulatedNodes.unavailable_reason())")
+    run = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c", code],
+                         capture_output=True, text=True, timeout=60)
+    if run.returncode != 0 and "unshare" in run.stderr:
+        pytest.skip(f"user namespaces unavailable: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() != "None", run.stdout
+
+
+@needs_namespaces
 def test_collectives_benchmark_measures_on_emulated_nodes(capsys) -> None:
     from themis_compile.bench import collectives as bench
 

@@ -17,8 +17,8 @@ Launches its own gloo ranks on loopback through the multi-rank harness and print
   ``all_gather`` of the same bytes — the best the library does for that pattern;
 - ``emulated``: the ``vs_naive`` comparison again, measured on real node boundaries: every node is a
   network namespace whose link to the others is shaped to ``--inter-node-bw`` bytes/s each way
-  (`themis_compile.testing.netns.EmulatedNodes`; needs root — otherwise the section says why it is
-  missing). ``speedup`` there is measured, not modeled, and ``bound_ratio`` uses the §3.3 bound with
+  (`themis_compile.testing.netns.EmulatedNodes`; with ``--network emulated`` or ``auto``; needs root —
+  otherwise the section says why it is missing). ``speedup`` there is measured, not modeled, and ``bound_ratio`` uses the §3.3 bound with
   both the measured intra-node bandwidth and the shaped node boundary.
 
 Without ``emulated``, the "nodes" on one machine are declared, not physical: loopback links all share the
@@ -63,9 +63,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--inter-ratio", type=float, default=4.0,
                    help="device link / node boundary bandwidth ratio for the modeled comparison")
-    p.add_argument("--network", choices=("auto", "emulated", "declared"), default="auto",
-                   help="emulated: also measure on namespaces with shaped node boundaries (root); auto: when "
-                        "possible; declared: loopback only")
+    p.add_argument("--network", choices=("declared", "emulated", "auto"), default="declared",
+                   help="declared: loopback only; emulated: also measure on network namespaces with shaped "
+                        "node boundaries (needs root; changes this host's network while it runs); auto: "
+                        "emulated when possible")
     p.add_argument("--inter-node-bw", type=float, default=200e6,
                    help="bytes/s of every emulated node boundary, each way (default 200 MB/s)")
     return p.parse_args(argv)
@@ -343,9 +344,14 @@ def _emulated(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
         if args.network == "emulated":
             raise SystemExit(f"--network emulated: {reason}")
         return {"skipped": reason}
-    with EmulatedNodes(args.world_size // args.devices_per_node, args.inter_node_bw) as net:
-        return run_multirank(_bench_emulated_rank, args.world_size, args=(cfg,),
-                             devices_per_node=args.devices_per_node, timeout_s=120.0, network=net)[0]
+    try:
+        with EmulatedNodes(args.world_size // args.devices_per_node, args.inter_node_bw) as net:
+            return run_multirank(_bench_emulated_rank, args.world_size, args=(cfg,),
+                                 devices_per_node=args.devices_per_node, timeout_s=120.0, network=net)[0]
+    except RuntimeError as exc:
+        if args.network == "emulated":
+            raise
+        return {"skipped": str(exc)}
 
 
 def _naive_plan(shard: Placement, placement: Placement, psi: int, topology: Topology) -> CommPlan:
@@ -404,8 +410,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = run_multirank(_bench_rank, args.world_size, args=(cfg,), devices_per_node=args.devices_per_node,
                             timeout_s=120.0)
     out = results[0]
-    if args.network != "declared" and args.world_size > args.devices_per_node:
-        out["emulated"] = _emulated(args, cfg)
+    if args.network != "declared":
+        out["emulated"] = _emulated(args, cfg) if args.world_size > args.devices_per_node else \
+            {"skipped": "one node: no node boundary to emulate"}
     big = [r for r in out["spag"] + out["sprs"] if r["chunk_bytes"] >= MiB and r["delta_pairs"] > 0]
     out["summary"] = {
         "min_bound_ratio_chunks_ge_1MiB": min((r["bound_ratio"] for r in big), default=None),

@@ -54,10 +54,6 @@ def _worker(
     results: "mp.Queue[tuple[str, int, Any]]",
     netns: str | None = None,
 ) -> None:
-    if netns is not None:        # an emulated node: this process lives in the node's network namespace
-        from themis_compile.testing.netns import enter_namespace
-
-        enter_namespace(netns)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -70,6 +66,10 @@ def _worker(
     )
     os.environ.update(env)
     try:
+        if netns is not None:    # an emulated node: this process lives in the node's network namespace
+            from themis_compile.testing.netns import enter_namespace
+
+            enter_namespace(netns)
         import torch
         import torch.distributed as dist
 
@@ -128,7 +128,8 @@ def run_multirank(
         devices_per_node: ranks per simulated node; ``None`` puts all ranks on one node.
         timeout_s: the process group's collective timeout. The whole run is given
             ``timeout_s + 60`` seconds (process start-up included) before ranks are killed.
-        env: extra environment variables for the ranks.
+        env: extra environment variables for the ranks (applied after the harness's own, so they may
+            override them).
         network: run each node's ranks in its namespace of an entered `EmulatedNodes` (real, shaped
             node boundaries); it must have ``world_size // devices_per_node`` nodes.
 
@@ -144,6 +145,8 @@ def run_multirank(
     num_nodes = world_size // devices_per_node
     if network is not None and network.num_nodes != num_nodes:
         raise ValueError(f"the emulated network has {network.num_nodes} nodes, the run {num_nodes}")
+    if network is not None and not network.store_addr:
+        raise ValueError("the emulated network is not built yet: run inside `with EmulatedNodes(...) as net:`")
     import torch.distributed as dist
 
     # The parent hosts the rendezvous store on a port the OS picked: no free-port race.

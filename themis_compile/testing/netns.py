@@ -14,18 +14,24 @@ sends fewer bytes over slow node boundaries. `EmulatedNodes` makes the boundary 
 - gloo binds to the node's veth address (``GLOO_SOCKET_IFNAME``), and the rendezvous store is reached
   at the bridge's address.
 
-Requires root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the kernel's bridge, veth and tbf support;
-`EmulatedNodes.unavailable_reason()` says why not when it cannot be built. Everything created is
-removed on exit (and names carry the process id, so concurrent users do not collide).
+Requires CAP_NET_ADMIN and CAP_SYS_ADMIN (root on the host, not in an unprivileged container) and the
+kernel's bridge, veth and tbf support; `EmulatedNodes.unavailable_reason()` says why not when it cannot
+be built. Everything created is removed on exit, also when building fails half-way. Names carry the
+process id and the subnet is chosen free under a host-wide lock, so concurrent users do not collide. On a
+host whose firewall drops bridged traffic (an iptables FORWARD policy of DROP with
+``bridge-nf-call-iptables`` on), the nodes cannot reach each other and the run fails on its timeout.
 
 Legend: N nodes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import logging
 import os
+import re
 import shutil
 import subprocess
 
@@ -35,6 +41,9 @@ __all__ = ["EmulatedNodes", "enter_namespace"]
 
 _CLONE_NEWNET = 0x40000000
 _IFNAME = "thx0"          # the veth end inside every node namespace (same name in each)
+_CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
+_LOCK_PATH = "/run/themis-netns.lock"
+_MAX_NODES = 250          # node addresses .1 .. .250 of the /24; .254 is the parent
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -58,6 +67,25 @@ def enter_namespace(netns: str) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _host_lock():
+    with open(_LOCK_PATH, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _free_prefix() -> str:
+    """A 10.213.X /24 that no interface of this host uses yet."""
+    used = set(re.findall(r"inet 10\.213\.(\d+)\.", _ip("-4", "-o", "addr").stdout))
+    for x in range(16, 250):
+        if str(x) not in used:
+            return f"10.213.{x}"
+    raise RuntimeError("cannot emulate nodes: no free 10.213.X.0/24 subnet left on this host")
+
+
 class EmulatedNodes:
     """``num_nodes`` network namespaces behind a bridge whose links carry ``inter_node_bw`` bytes/s.
 
@@ -68,20 +96,19 @@ class EmulatedNodes:
     """
 
     def __init__(self, num_nodes: int, inter_node_bw: float, *, latency_ms: float = 200.0) -> None:
-        if num_nodes < 1:
-            raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+        if not 1 <= num_nodes <= _MAX_NODES:
+            raise ValueError(f"num_nodes must be in [1, {_MAX_NODES}], got {num_nodes}")
         if not inter_node_bw > 0:
             raise ValueError(f"inter_node_bw must be > 0 bytes/s, got {inter_node_bw}")
         self.num_nodes = int(num_nodes)
         self.inter_node_bw = float(inter_node_bw)
         self.latency_ms = float(latency_ms)
-        tag = os.getpid() % 100000
+        tag = os.getpid()                                  # <= 7 digits: names stay within 15 characters
         self._bridge = f"thb{tag}"
         self._host_if = [f"th{tag}h{n}" for n in range(num_nodes)]
         self._netns = [f"themis{tag}n{n}" for n in range(num_nodes)]
-        subnet = 16 + tag % 200                            # 10.213.<subnet>.0/24, one per parent process
-        self._prefix = f"10.213.{subnet}"
-        self.store_addr = f"{self._prefix}.254"
+        self._prefix = ""                                  # 10.213.<free>, chosen when entered
+        self.store_addr = ""
         self._created: list[tuple[str, ...]] = []
 
     # ---------------------------------------------------------------------------------- queries
@@ -90,11 +117,22 @@ class EmulatedNodes:
         """None when namespaces can be built here, else why not."""
         if os.name != "posix" or not os.path.exists("/proc/self/ns/net"):
             return "network namespaces need Linux"
-        if os.geteuid() != 0:
-            return "building network namespaces needs root"
         for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
                 return f"the `{tool}` command (iproute2) is not installed"
+        try:
+            with open("/proc/self/status") as f:
+                cap_eff = int(re.search(r"^CapEff:\s*([0-9a-f]+)", f.read(), re.M).group(1), 16)
+        except (OSError, AttributeError, ValueError):
+            return "cannot read this process's capabilities"
+        if not (cap_eff >> _CAP_NET_ADMIN & 1 and cap_eff >> _CAP_SYS_ADMIN & 1):
+            return "building network namespaces needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root on the host)"
+        # Capabilities inside a user namespace do not reach the host's network: try it.
+        probe = f"thp{os.getpid()}"
+        made = _ip("link", "add", probe, "type", "bridge", check=False)
+        if made.returncode != 0:
+            return f"cannot create network devices here ({made.stderr.strip() or 'ip link add failed'})"
+        _ip("link", "del", probe, check=False)
         return None
 
     def netns_of(self, node: int) -> str:
@@ -124,9 +162,13 @@ class EmulatedNodes:
         if reason is not None:
             raise RuntimeError(f"cannot emulate nodes: {reason}")
         try:
-            _ip("link", "add", self._bridge, "type", "bridge")
-            self._created.append(("link", self._bridge))
-            _ip("addr", "add", f"{self.store_addr}/24", "dev", self._bridge)
+            # One builder at a time on this host: the free subnet is chosen and claimed atomically.
+            with _host_lock():
+                self._prefix = _free_prefix()
+                self.store_addr = f"{self._prefix}.254"
+                _ip("link", "add", self._bridge, "type", "bridge")
+                self._created.append(("link", self._bridge))
+                _ip("addr", "add", f"{self.store_addr}/24", "dev", self._bridge)
             _ip("link", "set", self._bridge, "up")
             for n, (ns, host_if) in enumerate(zip(self._netns, self._host_if)):
                 _ip("netns", "add", ns)
@@ -139,9 +181,12 @@ class EmulatedNodes:
                 _ip("-n", ns, "link", "set", "lo", "up")
                 self._shape(None, host_if)                 # bridge -> node: the node's ingress
                 self._shape(ns, _IFNAME)                   # node -> bridge: the node's egress
-        except subprocess.CalledProcessError as exc:
+        except BaseException as exc:
             self.__exit__(None, None, None)
-            raise RuntimeError(f"cannot emulate nodes: `{' '.join(exc.cmd)}` failed: {exc.stderr.strip()}") from exc
+            if isinstance(exc, subprocess.CalledProcessError):
+                raise RuntimeError(f"cannot emulate nodes: `{' '.join(exc.cmd)}` failed: "
+                                   f"{exc.stderr.strip()}") from exc
+            raise
         logger.info("emulated %d nodes at %.3g B/s per node boundary", self.num_nodes, self.inter_node_bw)
         return self
 
