@@ -85,8 +85,10 @@ static int cmp_top(const void *a, const void *b)
 }
 
 /* Alg. 1 l.3: the top-t experts by load, descending, ties by lower id, zero-load experts dropped.
- * Loads are finite and >= 0 (validated), so the positive ones lead the stable order. -1: no memory. */
-static Py_ssize_t top_experts(const double *load_E, Py_ssize_t E, Py_ssize_t t, int64_t *top_J)
+ * Loads are finite and >= 0 (validated), so the positive ones lead the stable order. skip_E (may be
+ * NULL): experts left out (calibration's fresh experts skip the replicated ones). -1: no memory. */
+static Py_ssize_t top_experts(const double *load_E, Py_ssize_t E, Py_ssize_t t, const uint8_t *skip_E,
+                              int64_t *top_J)
 {
     keyed_t *keyed;
     Py_ssize_t J = 0;
@@ -94,7 +96,7 @@ static Py_ssize_t top_experts(const double *load_E, Py_ssize_t E, Py_ssize_t t, 
     if (t <= 64) {   /* insertion into a sorted prefix: O(E) compares when t is small */
         for (Py_ssize_t e = 0; e < E; e++) {
             double x = load_E[e];
-            if (!(x > 0)) continue;
+            if (!(x > 0) || (skip_E != NULL && skip_E[e])) continue;
             if (J == t && !(x > load_E[top_J[J - 1]])) continue;
             Py_ssize_t pos = J < t ? J : t - 1;
             while (pos > 0 && load_E[top_J[pos - 1]] < x) {   /* equal loads keep the lower id first */
@@ -109,7 +111,7 @@ static Py_ssize_t top_experts(const double *load_E, Py_ssize_t E, Py_ssize_t t, 
     keyed = (keyed_t *)malloc((size_t)(E > 0 ? E : 1) * sizeof(keyed_t));
     if (keyed == NULL) return -1;
     for (Py_ssize_t e = 0; e < E; e++)
-        if (load_E[e] > 0) {
+        if (load_E[e] > 0 && (skip_E == NULL || !skip_E[e])) {
             keyed[J].load = load_E[e];
             keyed[J++].id = e;
         }
@@ -347,34 +349,46 @@ static void shard_device_load(const int64_t *owners_E, const double *load_E, Py_
     for (Py_ssize_t e = 0; e < E; e++) out_D[owners_E[e]] += (load_E[e] / (double)D) * (double)D;
 }
 
+/* The devices holding a row's expert, ascending, into holders (D words); returns their count. Rows
+ * are mostly zero (one owner, a few replicas): eight devices per zero word are skipped at once. */
+static Py_ssize_t row_holders(const uint8_t *row_D, Py_ssize_t D, int64_t *holders)
+{
+    Py_ssize_t c = 0, d = 0;
+    for (; d + 8 <= D; d += 8) {
+        uint64_t word;
+        memcpy(&word, row_D + d, sizeof word);
+        if (word == 0) continue;
+        for (Py_ssize_t i = 0; i < 8; i++)
+            if (row_D[d + i]) holders[c++] = d + i;
+    }
+    for (; d < D; d++)
+        if (row_D[d]) holders[c++] = d;
+    return c;
+}
+
 /* cost.fluid_device_load of any placement, where it sums over (expert, holder) pairs in ascending
  * expert order (several nodes, `column_sums_are_sequential`): a holder d of e on node n adds
  * load_e / D · (k_n / h_en + U_e / c_e), U_e = devices on nodes without e (a sum of small integers,
- * exact in any order), in the order of numpy's weighted bincount. holders_N: [N] scratch. */
+ * exact in any order), in the order of numpy's weighted bincount. holders_N: [N] scratch, holders:
+ * [D] scratch. */
 static void fluid_device_load_pairs(const topo_t *tp, const uint8_t *mask_ED, const double *load_E,
-                                    Py_ssize_t E, double *out_D, int64_t *holders_N)
+                                    Py_ssize_t E, double *out_D, int64_t *holders_N, int64_t *holders)
 {
     const Py_ssize_t D = (Py_ssize_t)tp->D, N = (Py_ssize_t)tp->N;
     for (Py_ssize_t d = 0; d < D; d++) out_D[d] = 0.0;
     for (Py_ssize_t e = 0; e < E; e++) {
-        const uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
-        int64_t copies = 0;
-        for (Py_ssize_t nn = 0; nn < N; nn++) holders_N[nn] = 0;
-        for (Py_ssize_t d = 0; d < D; d++)
-            if (row_D[d]) {
-                holders_N[tp->node_D[d]]++;
-                copies++;
-            }
+        const Py_ssize_t copies = row_holders(mask_ED + (size_t)e * (size_t)D, D, holders);
         if (copies == 0) continue;
+        for (Py_ssize_t nn = 0; nn < N; nn++) holders_N[nn] = 0;
+        for (Py_ssize_t h = 0; h < copies; h++) holders_N[tp->node_D[holders[h]]]++;
         double uncovered = 0.0;
         for (Py_ssize_t nn = 0; nn < N; nn++)
             if (holders_N[nn] == 0) uncovered += (double)tp->k_N[nn];
         const double spread = uncovered / (double)copies, per_device = load_E[e] / (double)D;
-        for (Py_ssize_t d = 0; d < D; d++)
-            if (row_D[d]) {
-                const int64_t nd = tp->node_D[d];
-                out_D[d] += per_device * ((double)tp->k_N[nd] / (double)holders_N[nd] + spread);
-            }
+        for (Py_ssize_t h = 0; h < copies; h++) {
+            const int64_t d = holders[h], nd = tp->node_D[d];
+            out_D[d] += per_device * ((double)tp->k_N[nd] / (double)holders_N[nd] + spread);
+        }
     }
 }
 
@@ -391,13 +405,13 @@ static PyObject *py_fluid_device_load(PyObject *self, PyObject *args)
     const Py_ssize_t E = bload.len / (Py_ssize_t)sizeof(double);
     if (check_len(&bmask, E * (Py_ssize_t)tp.D, 1, "mask_ED") < 0 || check_len(&bout, (Py_ssize_t)tp.D, 8, "out_D") < 0)
         goto done;
-    holders_N = (int64_t *)malloc((size_t)tp.N * sizeof(int64_t));
+    holders_N = (int64_t *)malloc(((size_t)tp.N + (size_t)tp.D) * sizeof(int64_t));
     if (holders_N == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     fluid_device_load_pairs(&tp, (const uint8_t *)bmask.buf, (const double *)bload.buf, E, (double *)bout.buf,
-                            holders_N);
+                            holders_N, holders_N + tp.N);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -442,7 +456,7 @@ static PyObject *py_place_replicas(PyObject *self, PyObject *args)
     double *dev_load_D = have_dev ? (double *)bdev.buf : (double *)s.extra;
     if (!have_dev)
         fluid_device_load_pairs(&tp, (const uint8_t *)bmask.buf, (const double *)bload.buf, E, dev_load_D,
-                                s.holders_N);
+                                s.holders_N, s.holders);
     place_replicas(&tp, (uint8_t *)bmask.buf, (const double *)bload.buf, (const int64_t *)bexp.buf, J,
                    (int64_t *)bslots.buf, (int64_t *)bcopies.buf, dev_load_D,
                    have_owners ? (const int64_t *)bown.buf : NULL, &s);
@@ -504,7 +518,7 @@ static PyObject *py_materialize(PyObject *self, PyObject *args)
     }
     int64_t *top_J = s.extra, *slots_D = top_J + t;
     double *dev_load_D = have_dev ? (double *)bdev.buf : (double *)(slots_D + D);
-    Py_ssize_t J = top_experts(load_E, E, t, top_J);                                /* l.3 */
+    Py_ssize_t J = top_experts(load_E, E, t, NULL, top_J);                          /* l.3 */
     if (J < 0) {
         PyErr_NoMemory();
         goto done;
@@ -580,18 +594,7 @@ typedef struct {
 
 static Py_ssize_t find_holders(const topo_t *tp, const uint8_t *row_D, holders_t *h)
 {
-    const Py_ssize_t D = (Py_ssize_t)tp->D;
-    Py_ssize_t c = 0, d = 0;
-    /* Rows are mostly zero (one owner, a few replicas): skip eight devices per zero word. */
-    for (; d + 8 <= D; d += 8) {
-        uint64_t word;
-        memcpy(&word, row_D + d, sizeof word);
-        if (word == 0) continue;
-        for (Py_ssize_t i = 0; i < 8; i++)
-            if (row_D[d + i]) h->holders[c++] = d + i;
-    }
-    for (; d < D; d++)
-        if (row_D[d]) h->holders[c++] = d;
+    const Py_ssize_t c = row_holders(row_D, (Py_ssize_t)tp->D, h->holders);
     /* Devices are numbered node by node, so every node's holders are a contiguous run. */
     Py_ssize_t i = 0;
     for (int64_t nn = 0; nn < tp->N; nn++) {
@@ -626,6 +629,36 @@ static inline void split_row(const topo_t *tp, int64_t e, int64_t d, int64_t tok
         int64_t u = j - offset;
         if (u < 0) u += k;
         out_D[targets[j]] = q + (u < r);
+    }
+}
+
+/* Alg. 3 for one expert e with copies >= 1 holders (h), summed per destination into out_D: the tokens
+ * every device computes for e. tok_e[d * sd] = T[e, d]. */
+static void add_expert_load(const topo_t *tp, int64_t e, const uint8_t *row_D, const int64_t *tok_e,
+                            Py_ssize_t sd, const holders_t *h, Py_ssize_t copies, int64_t *out_D)
+{
+    const Py_ssize_t D = (Py_ssize_t)tp->D;
+    if (copies == 1) {
+        int64_t sum = 0;
+        for (Py_ssize_t d = 0; d < D; d++) sum += tok_e[d * sd];
+        out_D[h->holders[0]] += sum;
+        return;
+    }
+    for (Py_ssize_t d = 0; d < D; d++) {
+        const int64_t tokens = tok_e[d * sd];
+        if (row_D[d]) {
+            out_D[d] += tokens;
+            continue;
+        }
+        const int64_t nd = tp->node_D[d];
+        const int64_t *targets = h->count_N[nd] > 0 ? h->holders + h->start_N[nd] : h->holders;
+        const int64_t k = h->count_N[nd] > 0 ? h->count_N[nd] : (int64_t)copies;
+        const int64_t q = tokens / k, r = tokens % k, offset = (e + d) % k;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t u = j - offset;
+            if (u < 0) u += k;
+            out_D[targets[j]] += q + (u < r);
+        }
     }
 }
 
@@ -684,28 +717,7 @@ static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens
                     split_row(tp, e, d, tok_e[d * sd], row_D, &h, copies, R_SD + (size_t)i * D);
             }
         } else {
-            if (copies == 1) {
-                int64_t sum = 0;
-                for (Py_ssize_t d = 0; d < D; d++) sum += tok_e[d * sd];
-                out[h.holders[0]] += sum;
-            } else {
-                for (Py_ssize_t d = 0; d < D; d++) {
-                    const int64_t tokens = tok_e[d * sd];
-                    if (row_D[d]) {
-                        out[d] += tokens;
-                        continue;
-                    }
-                    const int64_t nd = tp->node_D[d];
-                    const int64_t *targets = h.count_N[nd] > 0 ? h.holders + h.start_N[nd] : h.holders;
-                    const int64_t k = h.count_N[nd] > 0 ? h.count_N[nd] : (int64_t)copies;
-                    const int64_t q = tokens / k, r = tokens % k, offset = (e + d) % k;
-                    for (int64_t j = 0; j < k; j++) {
-                        int64_t u = j - offset;
-                        if (u < 0) u += k;
-                        out[targets[j]] += q + (u < r);
-                    }
-                }
-            }
+            add_expert_load(tp, e, row_D, tok_e, sd, &h, copies, out);
         }
     }
     free(mem);
@@ -791,12 +803,281 @@ static PyObject *py_dispatch_device_load(PyObject *self, PyObject *args)
     return run_plan(args, PLAN_LOAD);
 }
 
+/* ------------------------------------------------------------------------------------ calibration */
+/* Calibration's l.8 order: ids by load descending, ties by lower id (cmp_top's order). */
+static int sort_by_load(int64_t *ids, Py_ssize_t n, const double *load_E)
+{
+    if (n <= 32) {
+        for (Py_ssize_t i = 1; i < n; i++) {
+            const int64_t x = ids[i];
+            Py_ssize_t pos = i;
+            while (pos > 0 && (load_E[ids[pos - 1]] < load_E[x] ||
+                               (load_E[ids[pos - 1]] == load_E[x] && ids[pos - 1] > x))) {
+                ids[pos] = ids[pos - 1];
+                pos--;
+            }
+            ids[pos] = x;
+        }
+        return 0;
+    }
+    keyed_t *keyed = (keyed_t *)malloc((size_t)n * sizeof(keyed_t));
+    if (keyed == NULL) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        keyed[i].load = load_E[ids[i]];
+        keyed[i].id = ids[i];
+    }
+    qsort(keyed, (size_t)n, sizeof(keyed_t), cmp_top);
+    for (Py_ssize_t i = 0; i < n; i++) ids[i] = keyed[i].id;
+    free(keyed);
+    return 0;
+}
+
+/* Sum of eight 0/1 bytes. */
+static inline int64_t byte_sum(uint64_t word)
+{
+    return (int64_t)((word * 0x0101010101010101ULL) >> 56);
+}
+
+/* Whether row_D has a holder among devices lo .. hi - 1. */
+static inline int any_in(const uint8_t *row_D, int64_t lo, int64_t hi)
+{
+    for (int64_t d = lo; d < hi; d++)
+        if (row_D[d]) return 1;
+    return 0;
+}
+
+/* cost.transfer_time(base, target) for target ⊇ base, on the cost's topology ctp: the most chunks a
+ * device receives times Ψ / bw_intra against the most chunks newly entering a node times Ψ / bw_inter,
+ * the larger of the two (Python's max: the second only when strictly larger); 0.0 without receives.
+ * recv_D, entries_N: scratch. */
+static double transfer_time(const topo_t *ctp, const uint8_t *base_ED, const uint8_t *target_ED, Py_ssize_t E,
+                            double expert_bytes, double intra_bw, double inter_bw, int64_t *recv_D,
+                            int64_t *entries_N)
+{
+    const Py_ssize_t D = (Py_ssize_t)ctp->D, N = (Py_ssize_t)ctp->N;
+    memset(recv_D, 0, (size_t)D * sizeof(int64_t));
+    memset(entries_N, 0, (size_t)N * sizeof(int64_t));
+    for (Py_ssize_t e = 0; e < E; e++) {
+        const uint8_t *b_D = base_ED + (size_t)e * (size_t)D, *p_D = target_ED + (size_t)e * (size_t)D;
+        if (memcmp(b_D, p_D, (size_t)D) == 0) continue;        /* nothing new for e */
+        for (Py_ssize_t d = 0; d < D; d++) recv_D[d] += p_D[d] & !b_D[d];
+        for (Py_ssize_t nn = 0; nn < N; nn++) {
+            const int64_t lo = ctp->off_N[nn], hi = ctp->off_N[nn + 1];
+            if (any_in(p_D, lo, hi) && !any_in(b_D, lo, hi)) entries_N[nn]++;
+        }
+    }
+    int64_t max_recv = 0, max_entries = 0;
+    for (Py_ssize_t d = 0; d < D; d++)
+        if (recv_D[d] > max_recv) max_recv = recv_D[d];
+    if (max_recv == 0) return 0.0;
+    for (Py_ssize_t nn = 0; nn < N; nn++)
+        if (entries_N[nn] > max_entries) max_entries = entries_N[nn];
+    const double device_s = (double)max_recv * expert_bytes / intra_bw;
+    const double node_s = (double)max_entries * expert_bytes / inter_bw;
+    return node_s > device_s ? node_s : device_s;
+}
+
+static int64_t max_of(const int64_t *x_D, Py_ssize_t D)
+{
+    int64_t best = x_D[0];
+    for (Py_ssize_t d = 1; d < D; d++)
+        if (x_D[d] > best) best = x_D[d];
+    return best;
+}
+
+/* calibrate(topology, cost_topology, shard_ED, materialized_ED, load_E, t, m, tokens_ED,
+ *           dev_load_D or None, expert_bytes, intra_bw, inter_bw, budget_s, time_per_token_s,
+ *           mask_ED (w), copies_E (w)) -> (code, before_s, after_s, extra_s)
+ *
+ * materialize.calibrate with the Alg. 3 compute model, after its shard and count checks (t and m
+ * capped as there). Step 1 re-runs l.8-11 from the materialized mask with the remaining slots and
+ * overlap degree into mask_ED / copies_E; step 2 weighs the merged placement as calibrate does, with
+ * the same float operations: cost.transfer_time on the cost's topology (intra_bw, inter_bw its
+ * bandwidths), the budget, straggler_time of both placements' Alg. 3 device loads.
+ * dev_load_D: the materialized placement's modeled loads when they are not `fluid_device_load_pairs`
+ * (None: computed here).
+ * code: 0 keep the materialized placement; 1 adopt mask_ED / copies_E; negative when the inputs are for
+ * the numpy code to judge (and to reject with the precise ValueError): -1 a load is negative, NaN or
+ * infinite; -2 the shard is not contained in the materialized placement; -3 a token count is negative;
+ * -4 buffers or topologies do not match. The times are those compared (0.0 where not reached). */
+static PyObject *py_calibrate(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bctopo, bshard, bmat, bload, bmask, bcopies, btok = {0}, bdev = {0};
+    Py_ssize_t t, m;
+    PyObject *tok_obj, *dev_obj;
+    double expert_bytes, intra_bw, inter_bw, budget_s, time_per_token_s;
+    double before_s = 0.0, after_s = 0.0, extra_s = 0.0;
+    topo_t tp, ctp;
+    scratch_t s;
+    void *mem = NULL;
+    long code = -4;
+    int failed = 1;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*nnOOdddddw*w*", &btopo, &bctopo, &bshard, &bmat, &bload, &t, &m,
+                          &tok_obj, &dev_obj, &expert_bytes, &intra_bw, &inter_bw, &budget_s, &time_per_token_s,
+                          &bmask, &bcopies))
+        return NULL;
+    const int have_dev = dev_obj != Py_None;
+    if (have_dev && PyObject_GetBuffer(dev_obj, &bdev, PyBUF_WRITABLE) < 0) goto done;
+    if (parse_topo(&btopo, &tp) < 0 || parse_topo(&bctopo, &ctp) < 0) goto done;
+    if (PyObject_GetBuffer(tok_obj, &btok, PyBUF_STRIDES) < 0) goto done;
+    const Py_ssize_t D = (Py_ssize_t)tp.D, N = (Py_ssize_t)tp.N, E = bload.len / (Py_ssize_t)sizeof(double);
+    failed = 0;
+    if (bshard.len != E * D || bmat.len != E * D || bmask.len != E * D || bcopies.len != E * 8 ||
+        (have_dev && bdev.len != D * 8) || btok.ndim != 2 || btok.itemsize != 8 || btok.strides[0] % 8 ||
+        btok.strides[1] % 8 || btok.shape[0] != E || btok.shape[1] != D || t < 0 || m < 0)
+        goto done;                                                   /* code -4 */
+    const double *load_E = (const double *)bload.buf;
+    for (Py_ssize_t e = 0; e < E; e++)   /* check_loads' fast accept: finite and >= 0 */
+        if (!(load_E[e] >= 0 && load_E[e] < INFINITY)) {
+            code = -1;
+            goto done;
+        }
+    /* J <= t experts; extra words: the replicated and fresh lists and J (3t), the free slots, the
+     * modeled loads and three device-load vectors (5D), the cost topology's node entries, E flags. */
+    mem = alloc_scratch(&s, t, D, N, 3 * t + 5 * D + ctp.N + (E + 7) / 8);
+    if (mem == NULL) {
+        failed = 1;
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *rep_J = s.extra, *fresh_J = rep_J + t, *experts_J = fresh_J + t, *slots_D = experts_J + t;
+    double *dev_load_D = have_dev ? (double *)bdev.buf : (double *)(slots_D + D);
+    int64_t *before_D = slots_D + 2 * D, *after_D = before_D + D, *delta_D = after_D + D;
+    int64_t *entries_N = delta_D + D;
+    uint8_t *replicated_E = (uint8_t *)(entries_N + ctp.N);
+    const uint8_t *shard_ED = (const uint8_t *)bshard.buf, *mat_ED = (const uint8_t *)bmat.buf;
+    uint8_t *mask_ED = (uint8_t *)bmask.buf;
+    int64_t *copies_E = (int64_t *)bcopies.buf;
+
+    /* Step 1: P ⊆ P', replicas each device added (slots_D counts them first) and experts with one. */
+    memset(slots_D, 0, (size_t)D * sizeof(int64_t));
+    Py_ssize_t replicated = 0;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        const uint8_t *s_D = shard_ED + (size_t)e * (size_t)D, *p_D = mat_ED + (size_t)e * (size_t)D;
+        int64_t copies = 0;
+        uint8_t rep = 0;
+        Py_ssize_t d = 0;
+        for (; d + 8 <= D; d += 8) {     /* eight devices per word; only words with replicas per byte */
+            uint64_t sw, pw;
+            memcpy(&sw, s_D + d, sizeof sw);
+            memcpy(&pw, p_D + d, sizeof pw);
+            if (sw & ~pw) {
+                code = -2;
+                goto done;
+            }
+            copies += byte_sum(pw);
+            if (pw & ~sw) {
+                rep = 1;
+                for (Py_ssize_t i = 0; i < 8; i++) slots_D[d + i] += p_D[d + i] & !s_D[d + i];
+            }
+        }
+        for (; d < D; d++) {
+            if (s_D[d] && !p_D[d]) {
+                code = -2;
+                goto done;
+            }
+            copies += p_D[d];
+            if (p_D[d] && !s_D[d]) {
+                rep = 1;
+                slots_D[d]++;
+            }
+        }
+        copies_E[e] = copies;
+        replicated_E[e] = rep;
+        replicated += rep;
+    }
+    code = 0;
+    int any_slot = 0;
+    for (Py_ssize_t d = 0; d < D; d++) {     /* remaining budget: max(m - added, 0) */
+        slots_D[d] = slots_D[d] < m ? m - slots_D[d] : 0;
+        any_slot |= slots_D[d] != 0;
+    }
+    const Py_ssize_t new_allowed = t - replicated;                  /* remaining overlap degree */
+    if (!any_slot || new_allowed < 0) goto done;
+    /* Eligible: every replicated expert and the new_allowed highest-load others; those with load, by
+     * load descending (ties: lower id). */
+    Py_ssize_t num_rep = 0;
+    for (Py_ssize_t e = 0; e < E; e++)
+        if (replicated_E[e] && load_E[e] > 0) rep_J[num_rep++] = e;
+    const Py_ssize_t num_fresh = top_experts(load_E, E, new_allowed, replicated_E, fresh_J);
+    if (num_fresh < 0 || sort_by_load(rep_J, num_rep, load_E) < 0) {
+        failed = 1;
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t J = 0, i = 0, j = 0;
+    while (i < num_rep || j < num_fresh) {
+        int take_rep = j >= num_fresh;
+        if (i < num_rep && j < num_fresh) {
+            const double a = load_E[rep_J[i]], b = load_E[fresh_J[j]];
+            take_rep = a > b || (a == b && rep_J[i] < fresh_J[j]);
+        }
+        experts_J[J++] = take_rep ? rep_J[i++] : fresh_J[j++];
+    }
+    memcpy(mask_ED, mat_ED, (size_t)E * (size_t)D);
+    if (!have_dev) fluid_device_load_pairs(&tp, mat_ED, load_E, E, dev_load_D, s.holders_N, s.holders);
+    place_replicas(&tp, mask_ED, load_E, experts_J, J, slots_D, copies_E, dev_load_D, NULL, &s);   /* l.8-11 */
+    if (memcmp(mask_ED, mat_ED, (size_t)E * (size_t)D) == 0) goto done;       /* merged == materialized */
+
+    /* Step 2: adopt only when the gain pays for the extra critical-path transfer. */
+    if (ctp.D != tp.D) {
+        code = -4;
+        goto done;
+    }
+    extra_s = transfer_time(&ctp, mat_ED, mask_ED, E, expert_bytes, intra_bw, inter_bw, before_D, entries_N);
+    if (extra_s > budget_s) goto done;
+    /* The Alg. 3 device loads of both placements in one pass over T (cost.compute_time of their plans,
+     * exact integer sums): experts calibration left alone add the same tokens to both. */
+    const int64_t *tok = (const int64_t *)btok.buf;
+    const Py_ssize_t se = btok.strides[0] / 8, sd = btok.strides[1] / 8;
+    holders_t h = {s.holders, s.cnt_N, s.taken_N};
+    memset(before_D, 0, (size_t)D * sizeof(int64_t));
+    memset(after_D, 0, (size_t)D * sizeof(int64_t));
+    memset(delta_D, 0, (size_t)D * sizeof(int64_t));
+    for (Py_ssize_t e = 0; e < E; e++) {
+        const int64_t *tok_e = tok + e * se;
+        int64_t bits = 0;   /* OR of the row: negative iff a count is negative */
+        for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d * sd];
+        if (bits < 0) {
+            code = -3;
+            goto done;
+        }
+        if (bits == 0) continue;
+        const uint8_t *p_D = mat_ED + (size_t)e * (size_t)D, *q_D = mask_ED + (size_t)e * (size_t)D;
+        const int changed = memcmp(p_D, q_D, (size_t)D) != 0;
+        add_expert_load(&tp, e, p_D, tok_e, sd, &h, find_holders(&tp, p_D, &h), changed ? delta_D : before_D);
+        if (changed) add_expert_load(&tp, e, q_D, tok_e, sd, &h, find_holders(&tp, q_D, &h), after_D);
+    }
+    for (Py_ssize_t d = 0; d < D; d++) {    /* common + each placement's own part */
+        after_D[d] += before_D[d];
+        before_D[d] += delta_D[d];
+    }
+    before_s = (double)max_of(before_D, D) * time_per_token_s;
+    after_s = (double)max_of(after_D, D) * time_per_token_s;
+    code = before_s - after_s > extra_s && isfinite(extra_s) ? 1 : 0;
+done:
+    free(mem);
+    if (bdev.obj != NULL) PyBuffer_Release(&bdev);
+    if (btok.obj != NULL) PyBuffer_Release(&btok);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bctopo);
+    PyBuffer_Release(&bshard);
+    PyBuffer_Release(&bmat);
+    PyBuffer_Release(&bload);
+    PyBuffer_Release(&bmask);
+    PyBuffer_Release(&bcopies);
+    if (failed || PyErr_Occurred()) return NULL;
+    return Py_BuildValue("(lddd)", code, before_s, after_s, extra_s);
+}
+
 /* ------------------------------------------------------------------------------------ module */
 static PyMethodDef cplan_methods[] = {
     {"materialize", py_materialize, METH_VARARGS, "Alg. 1 core (sparse_materialization after validation)."},
     {"place_replicas", py_place_replicas, METH_VARARGS, "Alg. 1 l.7-11 in place (_place_replicas)."},
     {"assign_slots", py_assign_slots, METH_VARARGS, "Alg. 1 l.9 (_assign_slots_by_load), for tests."},
     {"fluid_device_load", py_fluid_device_load, METH_VARARGS, "cost.fluid_device_load's pair sum, for tests."},
+    {"calibrate", py_calibrate, METH_VARARGS, "Calibration (§4.2) with the Alg. 3 compute model."},
     {"dispatch", py_dispatch, METH_VARARGS, "Alg. 3: the full plan R[e, d, d2]."},
     {"dispatch_rows", py_dispatch_rows, METH_VARARGS, "Alg. 3: rows R[:, sources, :]."},
     {"dispatch_device_load", py_dispatch_device_load, METH_VARARGS, "Alg. 3: tokens per device."},
@@ -809,7 +1090,7 @@ static struct PyModuleDef cplan_module = {
 };
 
 /* Bumped whenever an entry point's arguments change: the Python side ignores a stale build. */
-#define CPLAN_ABI 1
+#define CPLAN_ABI 2
 
 PyMODINIT_FUNC PyInit__cplan(void)
 {

@@ -55,7 +55,7 @@ __all__ = ["topology_aware_dispatch", "dispatch_rows", "dispatch_device_load", "
            "planner_backend"]
 
 
-_CORE_ABI = 1    # the argument conventions this module calls the core with (`ABI` in _cplan.c)
+_CORE_ABI = 2    # the argument conventions this module calls the core with (`ABI` in _cplan.c)
 
 
 def _load_compiled_core():

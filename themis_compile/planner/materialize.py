@@ -386,6 +386,12 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
     E, D = shard.shape
     if not isinstance(materialized, Placement) or materialized.shape != shard.shape:
         raise ValueError("materialized must be a Placement with the shard's shape")
+    core = _dispatch._C
+    if core is not None and tokens_ED is not None:       # the core also checks P ⊆ P'
+        calibrated = _calibrate_compiled(core, shard, materialized, actual_load_E, overlap_degree,
+                                         materialization_budget, topology, cost, tokens_ED)
+        if calibrated is not None:
+            return calibrated
     if not shard.issubset(materialized):
         raise ValueError("materialized placement does not contain the shard placement (P ⊄ P')")
     actual_load_E = check_loads(actual_load_E, E, "actual_load_E")
@@ -424,3 +430,52 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
         return merged
     return materialized
+
+
+def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_load_E: np.ndarray,
+                        overlap_degree: int, materialization_budget: int, topology: Topology, cost: PlanCost,
+                        tokens_ED: np.ndarray) -> Placement | None:
+    """`calibrate` with the Alg. 3 compute model through the compiled core: both steps in one call,
+    the merged mask and holder counts written into arrays allocated here. The shard and the
+    materialized placement's type and shape are already checked.
+
+    Returns None where the numpy code must decide instead: inputs of other types (a `PlanCost`
+    subclass, a budget that is not a float, token counts that are not an int64 [E, D] array, loads that
+    are not a numeric [E] array), or inputs the core declines (bad loads or counts, P ⊄ P', negative
+    token counts, a cost topology of another size); the numpy code then gives the result or raises the
+    precise ValueError, at the point where it would.
+    """
+    E, D = shard.shape
+    if (type(cost) is not PlanCost or type(cost.calibration_budget_s) is not float
+            or type(tokens_ED) is not np.ndarray or tokens_ED.dtype != np.int64 or tokens_ED.shape != (E, D)
+            or type(actual_load_E) is not np.ndarray or actual_load_E.shape != (E,)
+            or actual_load_E.dtype.kind not in "fiu"):
+        return None
+    try:
+        t = min(check_count("overlap_degree", overlap_degree), E)
+        m = min(check_count("materialization_budget", materialization_budget), t)
+    except ValueError:
+        return None
+    if actual_load_E.dtype == np.float64 and actual_load_E.flags.c_contiguous:
+        load_C = actual_load_E
+    else:    # check_loads' conversion (the runtime's loads are int64 sums)
+        load_C = np.ascontiguousarray(actual_load_E, dtype=np.float64)
+    dev_load_D = None    # l.10's starting loads: the core's own pair sum where that is the model's sum
+    if not _bincount_is_the_model(E, topology):
+        from themis_compile.planner.cost import fluid_device_load
+
+        try:
+            dev_load_D = np.ascontiguousarray(fluid_device_load(materialized, load_C, topology))
+        except ValueError:
+            return None
+    mask_ED = np.empty((E, D), dtype=np.bool_)
+    copies_E = np.empty(E, dtype=np.int64)
+    cost_topology = cost.topology
+    code, before_s, after_s, extra_s = core.calibrate(
+        topology._c_layout, cost_topology._c_layout, shard._mask_ED, materialized._mask_ED, load_C, t, m,
+        tokens_ED, dev_load_D, cost.expert_bytes, cost_topology.intra_node_bw, cost_topology.inter_node_bw,
+        cost.calibration_budget_s, cost.time_per_token_s, mask_ED, copies_E)
+    if code == 1:
+        logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
+        return Placement._trusted(mask_ED, copies_E)
+    return materialized if code == 0 else None
