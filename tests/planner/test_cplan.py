@@ -4,8 +4,9 @@ Every public planner entry point is run twice on the same inputs, once through t
 once with the numpy code (the module-level switch `dispatch._C` set to None), and the outputs must be
 bit-identical: masks, holder counts, plans, device loads, the Placement objects themselves, and the
 ValueErrors of bad input. Cases cover uneven topologies, both branches of Alg. 1 (t <= m and t > m),
-float ties and zero loads, E < D and E > D, calibration (replicas placed from a non-shard mask), the
-row and device-load variants of Alg. 3 and zero token counts.
+float ties and zero loads, E < D and E > D, calibration (replicas placed from a non-shard mask; the
+core's one-call calibration with its adopt / reject decision, binding budgets and the inputs it hands
+back to numpy), the row and device-load variants of Alg. 3 and zero token counts.
 
 Legend: E experts, D devices (d source, d2 destination), N nodes, J materializable experts, S sources.
 """
@@ -301,6 +302,171 @@ def test_wide_counts_and_no_experts(core):
     for fn in (topology_aware_dispatch, dispatch_device_load):
         assert_same(*run_both(core, fn, empty, np.zeros((0, 4), dtype=np.int64), topo))
     assert_same(*run_both(core, sparse_materialization, Placement.from_owners([], 4), np.zeros(0), 3, 2, topo))
+
+
+# --------------------------------------------------------------------------------------- calibration
+def random_materialized(rng: np.random.Generator, shard: Placement, topo: Topology, t: int, m: int) -> Placement:
+    """What calibration starts from: Alg. 1's output, or the shard with random replicas (which may
+    already exceed the remaining budget or overlap degree)."""
+    if rng.integers(3):
+        placed = sparse_materialization(shard, make_loads(rng, shard.num_experts, int(rng.integers(5))), t, m, topo)
+        return placed
+    return Placement(shard.mask | (rng.random(shard.shape) < rng.choice([0.02, 0.1, 0.3])))
+
+
+def calibration_case(rng: np.random.Generator, dpn: tuple[int, ...] | None = None):
+    topo = Topology(dpn if dpn is not None else TOPOLOGIES[rng.integers(len(TOPOLOGIES))],
+                    intra_node_bw=float(rng.choice([5e9, 1e11])), inter_node_bw=float(rng.choice([1e9, 2e10])))
+    D = topo.num_devices
+    E = int(rng.integers(1, 3 * D + 8))
+    shard = Placement.from_owners(rng.integers(0, D, E) if rng.integers(2) else np.arange(E) % D, D)
+    t, m = int(rng.integers(0, E + 3)), int(rng.integers(0, min(E, 6) + 2))
+    tokens_ED = make_tokens(rng, E, D) if rng.integers(4) else rng.integers(0, 2, (E, D))   # also 0/1 counts
+    layout = int(rng.integers(3))
+    if layout == 1:
+        tokens_ED = np.ascontiguousarray(tokens_ED)
+    elif layout == 2:                                  # a strided view
+        tokens_ED = np.repeat(tokens_ED, 2, axis=1)[:, ::2]
+    kind = int(rng.integers(4))
+    if kind == 0:
+        actual_E = tokens_ED.sum(axis=1)               # the runtime's int64 sums
+    elif kind == 1:
+        actual_E = tokens_ED.sum(axis=1).astype(np.float64)
+    else:                                              # loads unrelated to the counts: ties, zeros
+        actual_E = make_loads(rng, E, int(rng.integers(5)))
+    # Budgets: none, one that binds for some transfers, zero (binds for every transfer).
+    budget = float(rng.choice([math.inf, 2e-4, 2e-3, 0.0]))
+    cost = PlanCost(float(rng.choice([1e-6, 1e-4])), float(rng.choice([1e3, 1e5, 1e6, 16e6])), topo,
+                    calibration_budget_s=budget)
+    return topo, shard, random_materialized(rng, shard, topo, t, m), actual_E, t, m, tokens_ED, cost
+
+
+def core_outcome(core, topo, shard, placed, actual_E, t, m, tokens_ED, cost) -> str:
+    """Which way the core's calibration went (its return code and the compared times)."""
+    E, D = shard.shape
+    t = min(t, E)
+    code, before_s, after_s, extra_s = core.calibrate(
+        topo._c_layout, topo._c_layout, shard.mask, placed.mask, np.ascontiguousarray(actual_E, dtype=np.float64),
+        t, min(m, t), tokens_ED, None if materialize._bincount_is_the_model(E, topo)
+        else fluid_device_load(placed, np.asarray(actual_E, dtype=np.float64), topo),
+        cost.expert_bytes, topo.intra_node_bw, topo.inter_node_bw, cost.calibration_budget_s, cost.time_per_token_s,
+        np.empty((E, D), dtype=np.bool_), np.empty(E, dtype=np.int64))
+    if code == 1:
+        return "adopted"
+    if extra_s == 0.0:
+        return "nothing_to_add"
+    if extra_s > cost.calibration_budget_s:
+        return "over_budget"
+    return "gain_too_small"
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_compiled_calibration_matches_numpy(core, seed):
+    """Both steps in the core against the numpy code: the same Placement (mask and holder counts) and the
+    same decision, over topologies, budgets that bind, tied and zero loads, E < D, token layouts."""
+    rng = np.random.default_rng(300 + seed)
+    seen = {key: 0 for key in ("adopted", "nothing_to_add", "over_budget", "gain_too_small", "few")}
+    for _ in range(400):
+        topo, shard, placed, actual_E, t, m, tokens_ED, cost = calibration_case(rng)
+        fast, ref = run_both(core, calibrate, shard, placed, actual_E, t, m, topo, cost, tokens_ED)
+        assert_same(fast, ref)
+        outcome = core_outcome(core, topo, shard, placed, actual_E, t, m, tokens_ED, cost)
+        assert (outcome == "adopted") == (ref is not placed), outcome
+        if outcome == "adopted":
+            assert placed.issubset(ref) and ref != placed
+        else:
+            assert fast is placed                            # the very same object, as numpy returns
+        seen[outcome] += 1
+        seen["few"] += shard.num_experts < shard.num_devices
+    assert all(count > 0 for count in seen.values()), seen
+
+
+def test_compiled_calibration_at_benchmark_scale(core):
+    """4 nodes x 8 devices, E = 64 and 128, loads drifted away from the prediction: adoption and
+    rejection both occur (a cheap transfer is adopted, the benchmark's 16 MB experts are not)."""
+    rng = np.random.default_rng(41)
+    topo = Topology.uniform(4, 8)
+    outcomes = set()
+    for E, t, m in [(64, 8, 2), (128, 16, 4)]:
+        shard = Placement.contiguous(E, 32)
+        popularity_E = rng.dirichlet(np.full(E, 0.3))
+        for i in range(12):
+            predicted_E = rng.multinomial(4096 * 8, popularity_E).astype(np.float64)
+            placed = sparse_materialization(shard, predicted_E, t, m, topo)
+            actual_E = popularity_E * np.exp(rng.normal(0.0, 0.3, E))
+            tokens_ED = rng.multinomial(4096 * 8, actual_E / actual_E.sum(), size=32).T.astype(np.int64)
+            cost = PlanCost(1e-6, [16e6, 1e3][i % 2], topo)
+            fast, ref = run_both(core, calibrate, shard, placed, tokens_ED.sum(axis=1), t, m + 1, topo, cost,
+                                 tokens_ED)
+            assert_same(fast, ref)
+            outcomes.add(ref is placed)
+    assert outcomes == {True, False}
+
+
+def test_compiled_calibration_where_the_core_takes_the_models_loads(core):
+    """One node (the model is a matrix product) and a shape whose column sums are not sequential: the
+    starting loads come from the numpy model, the rest from the core."""
+    rng = np.random.default_rng(43)
+    adopted = 0
+    for _ in range(40):
+        topo, shard, placed, actual_E, t, m, tokens_ED, cost = calibration_case(rng, dpn=(int(rng.integers(1, 9)),))
+        fast, ref = run_both(core, calibrate, shard, placed, actual_E, t, m, topo, cost, tokens_ED)
+        assert_same(fast, ref)
+        adopted += ref is not placed
+    assert adopted > 0
+    big = Topology((4, 4))
+    assert not column_sums_are_sequential(5000, big)
+    shard = Placement.from_owners(rng.integers(0, 8, 5000), 8)
+    tokens_ED = rng.multinomial(200000, rng.dirichlet(np.full(5000, 0.3)), size=8).T.astype(np.int64)
+    placed = sparse_materialization(shard, rng.dirichlet(np.full(5000, 0.3)) * 1e6, 12, 3, big)
+    fast, ref = run_both(core, calibrate, shard, placed, tokens_ED.sum(axis=1), 12, 4, big,
+                         PlanCost(1e-6, 1e3, big), tokens_ED)
+    assert_same(fast, ref)
+    assert ref is not placed
+
+
+class _DoubledTransfers(PlanCost):
+    def transfer_time(self, shard: Placement, placement: Placement) -> float:
+        return 2.0 * super().transfer_time(shard, placement)
+
+
+def test_compiled_calibration_hands_other_inputs_to_numpy(core):
+    """Inputs outside the core's conventions give numpy's result or numpy's ValueError: a PlanCost
+    subclass, an integer budget, token counts of another dtype, loads as a list, a cost topology that
+    differs from the dispatch topology, P ⊄ P', bad loads and counts, negative token counts."""
+    rng = np.random.default_rng(47)
+    topo = Topology((2, 2))
+    shard = Placement.from_owners([0, 1, 2, 3, 0, 1], 4)
+    placed = Placement(shard.mask | np.eye(6, 4, k=1, dtype=bool))
+    tokens_ED = rng.integers(0, 50, (6, 4)).astype(np.int64)
+    tokens_ED[0] += 400                                     # expert 0 is hot: calibration adds replicas
+    load_E = tokens_ED.sum(axis=1)
+    costs = [PlanCost(1e-6, 1e3, topo), _DoubledTransfers(1e-6, 1e3, topo), PlanCost(1e-6, 1e3, topo, 1),
+             PlanCost(1e-6, 1e3, Topology((1, 3))), PlanCost(1e-6, 1e3, Topology((3, 1), 1e6, 1e6))]
+    for cost in costs:
+        for tokens in (tokens_ED, tokens_ED.astype(np.int32), tokens_ED.astype(np.float64)):
+            for load in (load_E, load_E.tolist()):
+                assert_same(*run_both(core, calibrate, shard, placed, load, 4, 2, topo, cost, tokens))
+    assert run_both(core, calibrate, shard, placed, load_E, 4, 2, topo, costs[0], tokens_ED)[1] is not placed
+    bad_calls = [
+        (Placement.from_owners([2, 1, 2, 3, 0, 1], 4), placed, load_E, 4, 2, tokens_ED, "P ⊄ P'"),
+        (shard, placed, -load_E, 4, 2, tokens_ED, "negative entries"),
+        (shard, placed, load_E * np.nan, 4, 2, tokens_ED, "NaN"),
+        (shard, placed, load_E[:5], 4, 2, tokens_ED, "shape"),
+        (shard, placed, load_E, -1, 2, tokens_ED, "overlap_degree"),
+        (shard, placed, load_E, 4, 2.0, tokens_ED, "materialization_budget"),
+        (shard, placed, load_E, 4, 2, -tokens_ED, "negative counts"),
+        (shard, placed, load_E, 4, 2, tokens_ED[:, :3], "shape"),
+        (shard, placed, -load_E, -1, 2, -tokens_ED, "negative entries"),         # the first check speaks
+    ]
+    for args in bad_calls:
+        fast, ref = run_both(core, calibrate, *args[:5], topo, costs[0], args[5])
+        assert fast == ref and args[6] in ref, (fast, ref)
+    fast, ref = run_both(core, calibrate, shard, placed, load_E, 4, 2, topo, PlanCost(1e-6, 1e3, Topology((3, 2))),
+                         tokens_ED)
+    assert fast == ref and "topology" in ref
+    # Negative counts only matter once the gain is weighed: an early return never reads them.
+    assert_same(*run_both(core, calibrate, shard, placed, load_E, 4, 0, topo, costs[0], -tokens_ED))
 
 
 # --------------------------------------------------------------------------------------- errors
