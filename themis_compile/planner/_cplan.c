@@ -369,14 +369,21 @@ static Py_ssize_t row_holders(const uint8_t *row_D, Py_ssize_t D, int64_t *holde
 /* cost.fluid_device_load of any placement, where it sums over (expert, holder) pairs in ascending
  * expert order (several nodes, `column_sums_are_sequential`): a holder d of e on node n adds
  * load_e / D · (k_n / h_en + U_e / c_e), U_e = devices on nodes without e (a sum of small integers,
- * exact in any order), in the order of numpy's weighted bincount. holders_N: [N] scratch, holders:
- * [D] scratch. */
+ * exact in any order), in the order of numpy's weighted bincount. With one holder the factor is
+ * k_n / 1 + (D - k_n) / 1 = D exactly, as in shard_device_load. copies_E and owners_E (both NULL, or
+ * the holder counts and, where one, the holder): what the caller already knows of the mask.
+ * holders_N: [N] scratch, holders: [D] scratch. */
 static void fluid_device_load_pairs(const topo_t *tp, const uint8_t *mask_ED, const double *load_E,
-                                    Py_ssize_t E, double *out_D, int64_t *holders_N, int64_t *holders)
+                                    Py_ssize_t E, const int64_t *copies_E, const int64_t *owners_E,
+                                    double *out_D, int64_t *holders_N, int64_t *holders)
 {
     const Py_ssize_t D = (Py_ssize_t)tp->D, N = (Py_ssize_t)tp->N;
     for (Py_ssize_t d = 0; d < D; d++) out_D[d] = 0.0;
     for (Py_ssize_t e = 0; e < E; e++) {
+        if (copies_E != NULL && copies_E[e] == 1) {
+            out_D[owners_E[e]] += (load_E[e] / (double)D) * (double)D;
+            continue;
+        }
         const Py_ssize_t copies = row_holders(mask_ED + (size_t)e * (size_t)D, D, holders);
         if (copies == 0) continue;
         for (Py_ssize_t nn = 0; nn < N; nn++) holders_N[nn] = 0;
@@ -410,8 +417,8 @@ static PyObject *py_fluid_device_load(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    fluid_device_load_pairs(&tp, (const uint8_t *)bmask.buf, (const double *)bload.buf, E, (double *)bout.buf,
-                            holders_N, holders_N + tp.N);
+    fluid_device_load_pairs(&tp, (const uint8_t *)bmask.buf, (const double *)bload.buf, E, NULL, NULL,
+                            (double *)bout.buf, holders_N, holders_N + tp.N);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -455,8 +462,8 @@ static PyObject *py_place_replicas(PyObject *self, PyObject *args)
     }
     double *dev_load_D = have_dev ? (double *)bdev.buf : (double *)s.extra;
     if (!have_dev)
-        fluid_device_load_pairs(&tp, (const uint8_t *)bmask.buf, (const double *)bload.buf, E, dev_load_D,
-                                s.holders_N, s.holders);
+        fluid_device_load_pairs(&tp, (const uint8_t *)bmask.buf, (const double *)bload.buf, E, NULL, NULL,
+                                dev_load_D, s.holders_N, s.holders);
     place_replicas(&tp, (uint8_t *)bmask.buf, (const double *)bload.buf, (const int64_t *)bexp.buf, J,
                    (int64_t *)bslots.buf, (int64_t *)bcopies.buf, dev_load_D,
                    have_owners ? (const int64_t *)bown.buf : NULL, &s);
@@ -632,32 +639,71 @@ static inline void split_row(const topo_t *tp, int64_t e, int64_t d, int64_t tok
     }
 }
 
-/* Alg. 3 for one expert e with copies >= 1 holders (h), summed per destination into out_D: the tokens
- * every device computes for e. tok_e[d * sd] = T[e, d]. */
-static void add_expert_load(const topo_t *tp, int64_t e, const uint8_t *row_D, const int64_t *tok_e,
-                            Py_ssize_t sd, const holders_t *h, Py_ssize_t copies, int64_t *out_D)
+/* q, r = divmod(tokens, k) for tokens >= 0, 1 <= k; a 32-bit division where the count fits. */
+static inline void divmod_count(int64_t tokens, int64_t k, int64_t *q, int64_t *r)
 {
-    const Py_ssize_t D = (Py_ssize_t)tp->D;
+    if ((uint64_t)tokens <= 0xFFFFFFFFu && (uint64_t)k <= 0xFFFFFFFFu) {
+        const uint32_t t32 = (uint32_t)tokens, k32 = (uint32_t)k, q32 = t32 / k32;
+        *q = q32;
+        *r = t32 - q32 * k32;
+    } else {
+        *q = tokens / k;
+        *r = tokens % k;
+    }
+}
+
+/* Alg. 3 for one expert e with copies >= 1 holders (h), summed per destination into out_D: the tokens
+ * every device computes for e. tok_e[d * sd] = T[e, d] >= 0. Node by node: a node's sources share
+ * their k targets (l.9-12) and the remainder offset (e + d) mod k advances by one per source, so the
+ * node's quotients are summed and its remainder windows [offset, offset + r) (mod k) counted in a
+ * difference array, then added to the targets at once (exact integer sums: the same totals as the
+ * source-by-source plan). diff: [D + 1] scratch. */
+static void add_expert_load(const topo_t *tp, int64_t e, const uint8_t *row_D, const int64_t *tok_e,
+                            Py_ssize_t sd, const holders_t *h, Py_ssize_t copies, int64_t *out_D, int64_t *diff)
+{
     if (copies == 1) {
+        const Py_ssize_t D = (Py_ssize_t)tp->D;
         int64_t sum = 0;
         for (Py_ssize_t d = 0; d < D; d++) sum += tok_e[d * sd];
         out_D[h->holders[0]] += sum;
         return;
     }
-    for (Py_ssize_t d = 0; d < D; d++) {
-        const int64_t tokens = tok_e[d * sd];
-        if (row_D[d]) {
-            out_D[d] += tokens;
-            continue;
+    for (int64_t nn = 0; nn < tp->N; nn++) {
+        const int64_t lo = tp->off_N[nn], hi = tp->off_N[nn + 1];
+        const int local = h->count_N[nn] > 0;
+        const int64_t *targets = local ? h->holders + h->start_N[nn] : h->holders;
+        const int64_t k = local ? h->count_N[nn] : (int64_t)copies;
+        int64_t offset = (e + lo) % k, quotients = 0;
+        int split = 0;
+        for (int64_t d = lo; d < hi; d++, offset = offset + 1 == k ? 0 : offset + 1) {
+            const int64_t tokens = tok_e[d * sd];
+            if (row_D[d]) {                               /* l.4-5: a holder keeps its tokens */
+                out_D[d] += tokens;
+                continue;
+            }
+            if (tokens == 0) continue;
+            if (!split) {
+                memset(diff, 0, (size_t)(k + 1) * sizeof(int64_t));
+                split = 1;
+            }
+            int64_t q, r;
+            divmod_count(tokens, k, &q, &r);
+            quotients += q;
+            if (r == 0) continue;
+            const int64_t end = offset + r;               /* targets offset .. end - 1, wrapping at k */
+            diff[offset]++;
+            if (end <= k) {
+                diff[end]--;
+            } else {
+                diff[0]++;
+                diff[end - k]--;
+            }
         }
-        const int64_t nd = tp->node_D[d];
-        const int64_t *targets = h->count_N[nd] > 0 ? h->holders + h->start_N[nd] : h->holders;
-        const int64_t k = h->count_N[nd] > 0 ? h->count_N[nd] : (int64_t)copies;
-        const int64_t q = tokens / k, r = tokens % k, offset = (e + d) % k;
+        if (!split) continue;
+        int64_t extra = 0;
         for (int64_t j = 0; j < k; j++) {
-            int64_t u = j - offset;
-            if (u < 0) u += k;
-            out_D[targets[j]] += q + (u < r);
+            extra += diff[j];
+            out_D[targets[j]] += quotients + extra;
         }
     }
 }
@@ -673,9 +719,10 @@ static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens
 {
     const Py_ssize_t D = (Py_ssize_t)tp->D, N = (Py_ssize_t)tp->N;
     long rc = 0;
-    int64_t *mem = (int64_t *)malloc(((size_t)D + (size_t)N * 2 + 1) * sizeof(int64_t));
+    int64_t *mem = (int64_t *)malloc(((size_t)D * 2 + (size_t)N * 2 + 1) * sizeof(int64_t));
     if (mem == NULL) return -1;
     holders_t h = {mem, mem + D, mem + D + N};
+    int64_t *diff = mem + D + 2 * N;   /* D + 1 words */
     if (kind == PLAN_LOAD) memset(out, 0, (size_t)D * sizeof(int64_t));
     for (Py_ssize_t e = 0; e < E && rc == 0; e++) {
         const uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
@@ -717,7 +764,7 @@ static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens
                     split_row(tp, e, d, tok_e[d * sd], row_D, &h, copies, R_SD + (size_t)i * D);
             }
         } else {
-            add_expert_load(tp, e, row_D, tok_e, sd, &h, copies, out);
+            add_expert_load(tp, e, row_D, tok_e, sd, &h, copies, out, diff);
         }
     }
     free(mem);
@@ -849,17 +896,17 @@ static inline int any_in(const uint8_t *row_D, int64_t lo, int64_t hi)
 /* cost.transfer_time(base, target) for target ⊇ base, on the cost's topology ctp: the most chunks a
  * device receives times Ψ / bw_intra against the most chunks newly entering a node times Ψ / bw_inter,
  * the larger of the two (Python's max: the second only when strictly larger); 0.0 without receives.
- * recv_D, entries_N: scratch. */
+ * changed_E: the experts whose rows differ; recv_D, entries_N: scratch. */
 static double transfer_time(const topo_t *ctp, const uint8_t *base_ED, const uint8_t *target_ED, Py_ssize_t E,
-                            double expert_bytes, double intra_bw, double inter_bw, int64_t *recv_D,
-                            int64_t *entries_N)
+                            const uint8_t *changed_E, double expert_bytes, double intra_bw, double inter_bw,
+                            int64_t *recv_D, int64_t *entries_N)
 {
     const Py_ssize_t D = (Py_ssize_t)ctp->D, N = (Py_ssize_t)ctp->N;
     memset(recv_D, 0, (size_t)D * sizeof(int64_t));
     memset(entries_N, 0, (size_t)N * sizeof(int64_t));
     for (Py_ssize_t e = 0; e < E; e++) {
+        if (!changed_E[e]) continue;                         /* nothing new for e */
         const uint8_t *b_D = base_ED + (size_t)e * (size_t)D, *p_D = target_ED + (size_t)e * (size_t)D;
-        if (memcmp(b_D, p_D, (size_t)D) == 0) continue;        /* nothing new for e */
         for (Py_ssize_t d = 0; d < D; d++) recv_D[d] += p_D[d] & !b_D[d];
         for (Py_ssize_t nn = 0; nn < N; nn++) {
             const int64_t lo = ctp->off_N[nn], hi = ctp->off_N[nn + 1];
@@ -875,6 +922,15 @@ static double transfer_time(const topo_t *ctp, const uint8_t *base_ED, const uin
     const double device_s = (double)max_recv * expert_bytes / intra_bw;
     const double node_s = (double)max_entries * expert_bytes / inter_bw;
     return node_s > device_s ? node_s : device_s;
+}
+
+/* sum_E += col_E and or_E |= col_E, elementwise (the pointers do not alias: vectorized). */
+static void add_column(const int64_t *restrict col_E, Py_ssize_t E, int64_t *restrict sum_E, int64_t *restrict or_E)
+{
+    for (Py_ssize_t e = 0; e < E; e++) {
+        sum_E[e] += col_E[e];
+        or_E[e] |= col_E[e];
+    }
 }
 
 static int64_t max_of(const int64_t *x_D, Py_ssize_t D)
@@ -933,9 +989,11 @@ static PyObject *py_calibrate(PyObject *self, PyObject *args)
             code = -1;
             goto done;
         }
-    /* J <= t experts; extra words: the replicated and fresh lists and J (3t), the free slots, the
-     * modeled loads and three device-load vectors (5D), the cost topology's node entries, E flags. */
-    mem = alloc_scratch(&s, t, D, N, 3 * t + 5 * D + ctp.N + (E + 7) / 8);
+    /* J <= t experts. Extra words: the replicated and fresh lists and J (3t); the free slots, the
+     * modeled loads, three device-load vectors and Alg. 3's difference array (6D + 1); the cost
+     * topology's node entries; per expert
+     * its owner, its holders in P', T's row sum and row OR (4E); two flags per expert (bytes). */
+    mem = alloc_scratch(&s, t, D, N, 3 * t + 6 * D + 1 + ctp.N + 4 * E + (2 * E + 7) / 8);
     if (mem == NULL) {
         failed = 1;
         PyErr_NoMemory();
@@ -944,21 +1002,24 @@ static PyObject *py_calibrate(PyObject *self, PyObject *args)
     int64_t *rep_J = s.extra, *fresh_J = rep_J + t, *experts_J = fresh_J + t, *slots_D = experts_J + t;
     double *dev_load_D = have_dev ? (double *)bdev.buf : (double *)(slots_D + D);
     int64_t *before_D = slots_D + 2 * D, *after_D = before_D + D, *delta_D = after_D + D;
-    int64_t *entries_N = delta_D + D;
-    uint8_t *replicated_E = (uint8_t *)(entries_N + ctp.N);
+    int64_t *diff = delta_D + D, *entries_N = diff + D + 1, *owner_E = entries_N + ctp.N, *held_E = owner_E + E;
+    int64_t *sum_E = held_E + E, *or_E = sum_E + E;
+    uint8_t *replicated_E = (uint8_t *)(or_E + E), *changed_E = replicated_E + E;
     const uint8_t *shard_ED = (const uint8_t *)bshard.buf, *mat_ED = (const uint8_t *)bmat.buf;
     uint8_t *mask_ED = (uint8_t *)bmask.buf;
     int64_t *copies_E = (int64_t *)bcopies.buf;
 
-    /* Step 1: P ⊆ P', replicas each device added (slots_D counts them first) and experts with one. */
+    /* Step 1: P ⊆ P', every expert's owner and holders, the replicas each device added (slots_D
+     * counts them first) and the experts that have one. Eight devices per word; bytes only where a
+     * word holds the owner or replicas. The shard is a shard placement (checked by the caller). */
     memset(slots_D, 0, (size_t)D * sizeof(int64_t));
     Py_ssize_t replicated = 0;
     for (Py_ssize_t e = 0; e < E; e++) {
         const uint8_t *s_D = shard_ED + (size_t)e * (size_t)D, *p_D = mat_ED + (size_t)e * (size_t)D;
-        int64_t copies = 0;
+        int64_t copies = 0, owner = 0;
         uint8_t rep = 0;
         Py_ssize_t d = 0;
-        for (; d + 8 <= D; d += 8) {     /* eight devices per word; only words with replicas per byte */
+        for (; d + 8 <= D; d += 8) {
             uint64_t sw, pw;
             memcpy(&sw, s_D + d, sizeof sw);
             memcpy(&pw, p_D + d, sizeof pw);
@@ -966,7 +1027,11 @@ static PyObject *py_calibrate(PyObject *self, PyObject *args)
                 code = -2;
                 goto done;
             }
+            if (pw == 0) continue;
             copies += byte_sum(pw);
+            if (sw)
+                for (Py_ssize_t i = 0; i < 8; i++)
+                    if (s_D[d + i]) owner = d + i;
             if (pw & ~sw) {
                 rep = 1;
                 for (Py_ssize_t i = 0; i < 8; i++) slots_D[d + i] += p_D[d + i] & !s_D[d + i];
@@ -978,12 +1043,14 @@ static PyObject *py_calibrate(PyObject *self, PyObject *args)
                 goto done;
             }
             copies += p_D[d];
+            if (s_D[d]) owner = d;
             if (p_D[d] && !s_D[d]) {
                 rep = 1;
                 slots_D[d]++;
             }
         }
-        copies_E[e] = copies;
+        copies_E[e] = held_E[e] = copies;
+        owner_E[e] = owner;
         replicated_E[e] = rep;
         replicated += rep;
     }
@@ -1015,39 +1082,82 @@ static PyObject *py_calibrate(PyObject *self, PyObject *args)
         }
         experts_J[J++] = take_rep ? rep_J[i++] : fresh_J[j++];
     }
+    if (J == 0) goto done;                                          /* nothing to place */
     memcpy(mask_ED, mat_ED, (size_t)E * (size_t)D);
-    if (!have_dev) fluid_device_load_pairs(&tp, mat_ED, load_E, E, dev_load_D, s.holders_N, s.holders);
+    if (!have_dev)
+        fluid_device_load_pairs(&tp, mat_ED, load_E, E, held_E, owner_E, dev_load_D, s.holders_N, s.holders);
     place_replicas(&tp, mask_ED, load_E, experts_J, J, slots_D, copies_E, dev_load_D, NULL, &s);   /* l.8-11 */
-    if (memcmp(mask_ED, mat_ED, (size_t)E * (size_t)D) == 0) goto done;       /* merged == materialized */
+    /* The rows that changed are among J's (placing a replica sets a byte of the expert's row). */
+    int any_changed = 0;
+    memset(changed_E, 0, (size_t)E);
+    for (Py_ssize_t jj = 0; jj < J; jj++) {
+        const int64_t e = experts_J[jj];
+        changed_E[e] = copies_E[e] != held_E[e];
+        any_changed |= changed_E[e];
+    }
+    if (!any_changed) goto done;                                    /* merged == materialized */
 
     /* Step 2: adopt only when the gain pays for the extra critical-path transfer. */
     if (ctp.D != tp.D) {
         code = -4;
         goto done;
     }
-    extra_s = transfer_time(&ctp, mat_ED, mask_ED, E, expert_bytes, intra_bw, inter_bw, before_D, entries_N);
+    extra_s = transfer_time(&ctp, mat_ED, mask_ED, E, changed_E, expert_bytes, intra_bw, inter_bw, before_D,
+                            entries_N);
     if (extra_s > budget_s) goto done;
-    /* The Alg. 3 device loads of both placements in one pass over T (cost.compute_time of their plans,
-     * exact integer sums): experts calibration left alone add the same tokens to both. */
+    /* The Alg. 3 device loads of both placements (cost.compute_time of their plans, exact integer
+     * sums): experts calibration left alone add the same tokens to both; an expert with one holder
+     * adds its row sum there. Row sums and signs first, in T's memory order. */
     const int64_t *tok = (const int64_t *)btok.buf;
     const Py_ssize_t se = btok.strides[0] / 8, sd = btok.strides[1] / 8;
+    memset(sum_E, 0, (size_t)E * sizeof(int64_t));
+    memset(or_E, 0, (size_t)E * sizeof(int64_t));
+    if ((sd < 0 ? -sd : sd) < (se < 0 ? -se : se)) {
+        for (Py_ssize_t e = 0; e < E; e++) {
+            const int64_t *tok_e = tok + e * se;
+            int64_t sum = 0, bits = 0;
+            for (Py_ssize_t d = 0; d < D; d++) {
+                sum += tok_e[d * sd];
+                bits |= tok_e[d * sd];
+            }
+            sum_E[e] = sum;
+            or_E[e] = bits;
+        }
+    } else {                                            /* column-major counts (the gate's T^T) */
+        for (Py_ssize_t d = 0; d < D; d++) {
+            const int64_t *tok_d = tok + d * sd;
+            if (se == 1) {
+                add_column(tok_d, E, sum_E, or_E);
+            } else {
+                for (Py_ssize_t e = 0; e < E; e++) {
+                    sum_E[e] += tok_d[e * se];
+                    or_E[e] |= tok_d[e * se];
+                }
+            }
+        }
+    }
+    for (Py_ssize_t e = 0; e < E; e++)
+        if (or_E[e] < 0) {                                   /* a negative count */
+            code = -3;
+            goto done;
+        }
     holders_t h = {s.holders, s.cnt_N, s.taken_N};
     memset(before_D, 0, (size_t)D * sizeof(int64_t));
     memset(after_D, 0, (size_t)D * sizeof(int64_t));
     memset(delta_D, 0, (size_t)D * sizeof(int64_t));
     for (Py_ssize_t e = 0; e < E; e++) {
+        if (or_E[e] == 0) continue;                          /* no tokens */
+        int64_t *common_D = changed_E[e] ? delta_D : before_D;
+        const uint8_t *p_D = mat_ED + (size_t)e * (size_t)D;
         const int64_t *tok_e = tok + e * se;
-        int64_t bits = 0;   /* OR of the row: negative iff a count is negative */
-        for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d * sd];
-        if (bits < 0) {
-            code = -3;
-            goto done;
+        if (held_E[e] == 1)
+            common_D[owner_E[e]] += sum_E[e];
+        else
+            add_expert_load(&tp, e, p_D, tok_e, sd, &h, find_holders(&tp, p_D, &h), common_D, diff);
+        if (changed_E[e]) {
+            const uint8_t *q_D = mask_ED + (size_t)e * (size_t)D;
+            add_expert_load(&tp, e, q_D, tok_e, sd, &h, find_holders(&tp, q_D, &h), after_D, diff);
         }
-        if (bits == 0) continue;
-        const uint8_t *p_D = mat_ED + (size_t)e * (size_t)D, *q_D = mask_ED + (size_t)e * (size_t)D;
-        const int changed = memcmp(p_D, q_D, (size_t)D) != 0;
-        add_expert_load(&tp, e, p_D, tok_e, sd, &h, find_holders(&tp, p_D, &h), changed ? delta_D : before_D);
-        if (changed) add_expert_load(&tp, e, q_D, tok_e, sd, &h, find_holders(&tp, q_D, &h), after_D);
     }
     for (Py_ssize_t d = 0; d < D; d++) {    /* common + each placement's own part */
         after_D[d] += before_D[d];
