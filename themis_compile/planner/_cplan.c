@@ -127,36 +127,55 @@ static Py_ssize_t top_experts(const double *load_E, Py_ssize_t E, Py_ssize_t t, 
  * per expert; only positive quotients take a slot. A row's quotients do not increase, so this greedy
  * merge is the stable sort of numpy's quotient table.
  *
- * Bulk start: with lambda = sum(load) / total_slots, a row has at most load / lambda quotients above
- * lambda, so (up to rounding, checked) at most total_slots quotients exceed it. Those lead the sorted
- * order, so the greedy takes all of them first: they are counted per row (with the same division as
- * the greedy, monotone in n) and only the few remaining slots go one by one. */
+ * Bulk start: for a threshold lambda > 0, the quotients above lambda lead the sorted order, so when
+ * there are at most total_slots of them the greedy takes all of them first: they are counted per row
+ * (with the same division as the greedy, monotone in n) and only the remaining slots go one by one.
+ * Thresholds tried, tightest first: sum(load) / (total_slots + sum(copies)) (a row then has about
+ * load / lambda - copies quotients above it, which sum to about total_slots), halfway, and
+ * sum(load) / total_slots (at most load / lambda quotients per row: up to rounding, at most
+ * total_slots in all); the first whose count does not exceed total_slots is taken, else none. */
+static int64_t count_above(double lambda, const double *load_J, const int64_t *copies_J, const int64_t *room_J,
+                           Py_ssize_t J, int64_t limit, int64_t *n_J)
+{
+    int64_t counted = 0;
+    for (Py_ssize_t j = 0; j < J; j++) {
+        const double load = load_J[j];
+        const int64_t c = copies_J[j], room = room_J[j];
+        n_J[j] = 0;
+        if (room <= 0 || !(load > 0)) continue;
+        double guess = floor(load / lambda) - (double)c;     /* about the count; corrected below */
+        int64_t n = guess <= 0 ? 0 : guess >= (double)room ? room : (int64_t)guess;
+        while (n < room && load / (double)(c + n + 1) > lambda) n++;
+        while (n > 0 && !(load / (double)(c + n) > lambda)) n--;
+        n_J[j] = n;
+        counted += n;
+        if (counted > limit) return counted;
+    }
+    return counted;
+}
+
 static void assign_slots(const double *load_J, const int64_t *copies_J, const int64_t *room_J,
                          Py_ssize_t J, int64_t total_slots, int64_t *n_J, double *head_J)
 {
-    double sum = 0.0;
+    double sum = 0.0, held = 0.0;
     for (Py_ssize_t j = 0; j < J; j++) {
         n_J[j] = 0;
         sum += load_J[j];
+        if (room_J[j] > 0 && load_J[j] > 0) held += (double)copies_J[j];
     }
-    const double lambda = total_slots > 0 ? sum / (double)total_slots : 0.0;
-    if (lambda > 0 && lambda < INFINITY) {
-        int64_t counted = 0;
-        for (Py_ssize_t j = 0; j < J && counted <= total_slots; j++) {
-            const double load = load_J[j];
-            const int64_t c = copies_J[j], room = room_J[j];
-            if (room <= 0 || !(load > 0)) continue;
-            double guess = floor(load / lambda) - (double)c;     /* about the count; corrected below */
-            int64_t n = guess <= 0 ? 0 : guess >= (double)room ? room : (int64_t)guess;
-            while (n < room && load / (double)(c + n + 1) > lambda) n++;
-            while (n > 0 && !(load / (double)(c + n) > lambda)) n--;
-            n_J[j] = n;
-            counted += n;
+    if (total_slots > 0) {
+        const double T = (double)total_slots;
+        const double lambdas[3] = {sum / (T + held), sum / (T + 0.5 * held), sum / T};
+        for (int i = held > 0 ? 0 : 2; i < 3; i++) {
+            const double lambda = lambdas[i];
+            if (!(lambda > 0 && lambda < INFINITY)) continue;
+            const int64_t counted = count_above(lambda, load_J, copies_J, room_J, J, total_slots, n_J);
+            if (counted <= total_slots) {
+                total_slots -= counted;
+                break;
+            }
+            for (Py_ssize_t j = 0; j < J; j++) n_J[j] = 0;   /* too many above lambda: a looser one */
         }
-        if (counted > total_slots)   /* rounding put more than total_slots above lambda: start at zero */
-            for (Py_ssize_t j = 0; j < J; j++) n_J[j] = 0;
-        else
-            total_slots -= counted;
     }
     for (Py_ssize_t j = 0; j < J; j++)   /* head_J: the quotient of a row's next slot, 0 when none */
         head_J[j] = n_J[j] < room_J[j] ? load_J[j] / (double)(copies_J[j] + n_J[j] + 1) : 0.0;
@@ -639,13 +658,17 @@ static inline void split_row(const topo_t *tp, int64_t e, int64_t d, int64_t tok
     }
 }
 
-/* q, r = divmod(tokens, k) for tokens >= 0, 1 <= k; a 32-bit division where the count fits. */
-static inline void divmod_count(int64_t tokens, int64_t k, int64_t *q, int64_t *r)
+/* q, r = divmod(tokens, k) for tokens >= 0 and 1 <= k <= D, inv_k = 1.0 / k. Below 2^32 tokens the
+ * product tokens · inv_k is within 2^-20 of tokens / k, so its integer part is q or one off, which the
+ * remainder's range corrects (without branches: the off-by-one is data-dependent); larger counts
+ * divide. */
+static inline void divmod_count(int64_t tokens, int64_t k, double inv_k, int64_t *q, int64_t *r)
 {
-    if ((uint64_t)tokens <= 0xFFFFFFFFu && (uint64_t)k <= 0xFFFFFFFFu) {
-        const uint32_t t32 = (uint32_t)tokens, k32 = (uint32_t)k, q32 = t32 / k32;
-        *q = q32;
-        *r = t32 - q32 * k32;
+    if ((uint64_t)tokens <= 0xFFFFFFFFu) {
+        int64_t qq = (int64_t)((double)tokens * inv_k), rr = tokens - qq * k;
+        const int64_t under = rr < 0, over = rr >= k;
+        *q = qq - under + over;
+        *r = rr + (k & -under) - (k & -over);
     } else {
         *q = tokens / k;
         *r = tokens % k;
@@ -657,7 +680,8 @@ static inline void divmod_count(int64_t tokens, int64_t k, int64_t *q, int64_t *
  * their k targets (l.9-12) and the remainder offset (e + d) mod k advances by one per source, so the
  * node's quotients are summed and its remainder windows [offset, offset + r) (mod k) counted in a
  * difference array, then added to the targets at once (exact integer sums: the same totals as the
- * source-by-source plan). diff: [D + 1] scratch. */
+ * source-by-source plan). The per-source steps avoid branches (holders, zero counts and wrapping
+ * windows come in no predictable pattern). diff: [D + 1] scratch. */
 static void add_expert_load(const topo_t *tp, int64_t e, const uint8_t *row_D, const int64_t *tok_e,
                             Py_ssize_t sd, const holders_t *h, Py_ssize_t copies, int64_t *out_D, int64_t *diff)
 {
@@ -673,33 +697,25 @@ static void add_expert_load(const topo_t *tp, int64_t e, const uint8_t *row_D, c
         const int local = h->count_N[nn] > 0;
         const int64_t *targets = local ? h->holders + h->start_N[nn] : h->holders;
         const int64_t k = local ? h->count_N[nn] : (int64_t)copies;
-        int64_t offset = (e + lo) % k, quotients = 0;
-        int split = 0;
-        for (int64_t d = lo; d < hi; d++, offset = offset + 1 == k ? 0 : offset + 1) {
-            const int64_t tokens = tok_e[d * sd];
-            if (row_D[d]) {                               /* l.4-5: a holder keeps its tokens */
-                out_D[d] += tokens;
-                continue;
-            }
-            if (tokens == 0) continue;
-            if (!split) {
-                memset(diff, 0, (size_t)(k + 1) * sizeof(int64_t));
-                split = 1;
-            }
-            int64_t q, r;
-            divmod_count(tokens, k, &q, &r);
-            quotients += q;
-            if (r == 0) continue;
-            const int64_t end = offset + r;               /* targets offset .. end - 1, wrapping at k */
-            diff[offset]++;
-            if (end <= k) {
-                diff[end]--;
-            } else {
-                diff[0]++;
-                diff[end - k]--;
-            }
+        if (local && k == hi - lo) {                      /* every source holds e: l.4-5 only */
+            for (int64_t d = lo; d < hi; d++) out_D[d] += tok_e[d * sd];
+            continue;
         }
-        if (!split) continue;
+        const double inv_k = 1.0 / (double)k;
+        int64_t offset = (e + lo) % k, quotients = 0;
+        memset(diff, 0, (size_t)(k + 1) * sizeof(int64_t));
+        for (int64_t d = lo; d < hi; d++, offset = offset + 1 == k ? 0 : offset + 1) {
+            const int64_t tokens = tok_e[d * sd], held = -(int64_t)(row_D[d] != 0);
+            out_D[d] += tokens & held;                    /* l.4-5: a holder keeps its tokens */
+            int64_t q, r;
+            divmod_count(tokens & ~held, k, inv_k, &q, &r);
+            quotients += q;
+            /* targets offset .. offset + r - 1, wrapping at k (r = 0: +1 and -1 at offset) */
+            const int64_t end = offset + r, wrap = end > k;
+            diff[offset]++;
+            diff[0] += wrap;
+            diff[end - (k & -wrap)]--;
+        }
         int64_t extra = 0;
         for (int64_t j = 0; j < k; j++) {
             extra += diff[j];
