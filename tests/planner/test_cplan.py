@@ -347,7 +347,7 @@ def core_outcome(core, topo, shard, placed, actual_E, t, m, tokens_ED, cost) -> 
     t = min(t, E)
     code, before_s, after_s, extra_s = core.calibrate(
         topo._c_layout, topo._c_layout, shard.mask, placed.mask, np.ascontiguousarray(actual_E, dtype=np.float64),
-        t, min(m, t), tokens_ED, None if materialize._bincount_is_the_model(E, topo)
+        False, t, min(m, t), tokens_ED, None if materialize._bincount_is_the_model(E, topo)
         else fluid_device_load(placed, np.asarray(actual_E, dtype=np.float64), topo),
         cost.expert_bytes, topo.intra_node_bw, topo.inter_node_bw, cost.calibration_budget_s, cost.time_per_token_s,
         np.empty((E, D), dtype=np.bool_), np.empty(E, dtype=np.int64))

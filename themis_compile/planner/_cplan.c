@@ -957,12 +957,12 @@ static int64_t max_of(const int64_t *x_D, Py_ssize_t D)
     return best;
 }
 
-/* calibrate(topology, cost_topology, shard_ED, materialized_ED, load_E, t, m, tokens_ED,
+/* calibrate(topology, cost_topology, shard_ED, materialized_ED, load_E, int_loads, t, m, tokens_ED,
  *           dev_load_D or None, expert_bytes, intra_bw, inter_bw, budget_s, time_per_token_s,
  *           mask_ED (w), copies_E (w)) -> (code, before_s, after_s, extra_s)
  *
  * materialize.calibrate with the Alg. 3 compute model, after its shard and count checks (t and m
- * capped as there). Step 1 re-runs l.8-11 from the materialized mask with the remaining slots and
+ * capped as there). load_E: float64, or int64 when int_loads is true (converted here as numpy casts). Step 1 re-runs l.8-11 from the materialized mask with the remaining slots and
  * overlap degree into mask_ED / copies_E; step 2 weighs the merged placement as calibrate does, with
  * the same float operations: cost.transfer_time on the cost's topology (intra_bw, inter_bw its
  * bandwidths), the budget, straggler_time of both placements' Alg. 3 device loads.
@@ -985,21 +985,33 @@ static PyObject *py_calibrate(PyObject *self, PyObject *args)
     long code = -4;
     int failed = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*nnOOdddddw*w*", &btopo, &bctopo, &bshard, &bmat, &bload, &t, &m,
-                          &tok_obj, &dev_obj, &expert_bytes, &intra_bw, &inter_bw, &budget_s, &time_per_token_s,
-                          &bmask, &bcopies))
+    int int_loads;
+    double *converted_E = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*pnnOOdddddw*w*", &btopo, &bctopo, &bshard, &bmat, &bload, &int_loads,
+                          &t, &m, &tok_obj, &dev_obj, &expert_bytes, &intra_bw, &inter_bw, &budget_s,
+                          &time_per_token_s, &bmask, &bcopies))
         return NULL;
     const int have_dev = dev_obj != Py_None;
     if (have_dev && PyObject_GetBuffer(dev_obj, &bdev, PyBUF_WRITABLE) < 0) goto done;
     if (parse_topo(&btopo, &tp) < 0 || parse_topo(&bctopo, &ctp) < 0) goto done;
     if (PyObject_GetBuffer(tok_obj, &btok, PyBUF_STRIDES) < 0) goto done;
-    const Py_ssize_t D = (Py_ssize_t)tp.D, N = (Py_ssize_t)tp.N, E = bload.len / (Py_ssize_t)sizeof(double);
+    const Py_ssize_t D = (Py_ssize_t)tp.D, N = (Py_ssize_t)tp.N, E = bload.len / 8;
     failed = 0;
     if (bshard.len != E * D || bmat.len != E * D || bmask.len != E * D || bcopies.len != E * 8 ||
         (have_dev && bdev.len != D * 8) || btok.ndim != 2 || btok.itemsize != 8 || btok.strides[0] % 8 ||
         btok.strides[1] % 8 || btok.shape[0] != E || btok.shape[1] != D || t < 0 || m < 0)
         goto done;                                                   /* code -4 */
     const double *load_E = (const double *)bload.buf;
+    if (int_loads) {                     /* int64 loads, converted as numpy's cast does */
+        converted_E = (double *)malloc((size_t)(E > 0 ? E : 1) * sizeof(double));
+        if (converted_E == NULL) {
+            failed = 1;
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t e = 0; e < E; e++) converted_E[e] = (double)((const int64_t *)bload.buf)[e];
+        load_E = converted_E;
+    }
     for (Py_ssize_t e = 0; e < E; e++)   /* check_loads' fast accept: finite and >= 0 */
         if (!(load_E[e] >= 0 && load_E[e] < INFINITY)) {
             code = -1;
@@ -1184,6 +1196,7 @@ static PyObject *py_calibrate(PyObject *self, PyObject *args)
     code = before_s - after_s > extra_s && isfinite(extra_s) ? 1 : 0;
 done:
     free(mem);
+    free(converted_E);
     if (bdev.obj != NULL) PyBuffer_Release(&bdev);
     if (btok.obj != NULL) PyBuffer_Release(&btok);
     PyBuffer_Release(&btopo);

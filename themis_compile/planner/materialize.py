@@ -451,19 +451,24 @@ def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_
             or type(actual_load_E) is not np.ndarray or actual_load_E.shape != (E,)
             or actual_load_E.dtype.kind not in "fiu"):
         return None
-    try:
-        t = min(check_count("overlap_degree", overlap_degree), E)
-        m = min(check_count("materialization_budget", materialization_budget), t)
-    except ValueError:
-        return None
-    if actual_load_E.dtype == np.float64 and actual_load_E.flags.c_contiguous:
-        load_C = actual_load_E
-    else:    # check_loads' conversion (the runtime's loads are int64 sums)
-        load_C = np.ascontiguousarray(actual_load_E, dtype=np.float64)
+    t, m = overlap_degree, materialization_budget
+    if not (type(t) is int and type(m) is int and t >= 0 and m >= 0):
+        try:
+            t, m = check_count("overlap_degree", t), check_count("materialization_budget", m)
+        except ValueError:
+            return None
+    t = min(t, E)
+    m = min(m, t)
+    # The core reads float64 loads, or int64 loads that it converts as check_loads does (the runtime's
+    # loads are int64 sums of the counts).
+    load_C = actual_load_E
+    if load_C.dtype != np.float64 and load_C.dtype != np.int64 or not load_C.flags.c_contiguous:
+        load_C = np.ascontiguousarray(load_C, dtype=np.float64)
     dev_load_D = None    # l.10's starting loads: the core's own pair sum where that is the model's sum
     if not _bincount_is_the_model(E, topology):
         from themis_compile.planner.cost import fluid_device_load
 
+        load_C = np.ascontiguousarray(load_C, dtype=np.float64)
         try:
             dev_load_D = np.ascontiguousarray(fluid_device_load(materialized, load_C, topology))
         except ValueError:
@@ -472,8 +477,8 @@ def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_
     copies_E = np.empty(E, dtype=np.int64)
     cost_topology = cost.topology
     code, before_s, after_s, extra_s = core.calibrate(
-        topology._c_layout, cost_topology._c_layout, shard._mask_ED, materialized._mask_ED, load_C, t, m,
-        tokens_ED, dev_load_D, cost.expert_bytes, cost_topology.intra_node_bw, cost_topology.inter_node_bw,
+        topology._c_layout, cost_topology._c_layout, shard._mask_ED, materialized._mask_ED, load_C,
+        load_C.dtype == np.int64, t, m, tokens_ED, dev_load_D, cost.expert_bytes, cost_topology.intra_node_bw, cost_topology.inter_node_bw,
         cost.calibration_budget_s, cost.time_per_token_s, mask_ED, copies_E)
     if code == 1:
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
