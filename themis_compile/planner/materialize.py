@@ -34,9 +34,10 @@ Pseudo-code (Alg. 1, with this module's concrete choices in brackets)::
 A device never receives two copies of an expert (P' is a set). Everything is ordered by integer keys or
 by floats computed in one fixed order, so every rank and every process builds the same plan.
 
-Backends: the compiled core (``_cplan``, see `dispatch.planner_backend`) runs l.3-11 when it is built;
-the numpy code below is its reference and the fallback (``THEMIS_PLANNER_NUMPY=1`` forces it). Both
-make the same floating-point operations in the same order, so they build the same plans bit for bit.
+Backends: the compiled core (``_cplan``, see `dispatch.planner_backend`) runs l.3-11 when it is built,
+and calibration with token counts in one call (both steps); the numpy code below is its reference and
+the fallback (``THEMIS_PLANNER_NUMPY=1`` forces it). Both make the same floating-point operations in
+the same order, so they build the same plans and take the same decisions bit for bit.
 
 Legend: E experts, D devices, N nodes, J materializable experts (the top t).
 """
@@ -380,7 +381,8 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
     SpAG time and that time fits ``cost.calibration_budget_s``; otherwise keep ``materialized``.
 
     The compute time is modeled from ``tokens_ED`` through Alg. 3 when given (exact dispatch), else from
-    the loads split evenly over holders.
+    the loads split evenly over holders. With token counts and the compiled core both steps run in one
+    core call (`_calibrate_compiled`); the numpy code below is its reference.
     """
     _check_shard(shard, topology)
     E, D = shard.shape
