@@ -425,6 +425,24 @@ def test_compiled_calibration_where_the_core_takes_the_models_loads(core):
     assert ref is not placed
 
 
+def test_device_loads_with_counts_around_the_32_bit_boundary(core):
+    """The core's Alg. 3 quotients come from a reciprocal below 2^32 tokens and from a division above:
+    counts at exact multiples of the holder counts and on both sides of 2^32."""
+    rng = np.random.default_rng(53)
+    topo = Topology((3, 2, 3))
+    shard = Placement.from_owners(rng.integers(0, 8, 12), 8)
+    for _ in range(60):
+        placement = Placement(shard.mask | (rng.random((12, 8)) < rng.random()))
+        k_ED = rng.integers(1, 9, (12, 8))
+        near_ED = rng.choice([2 ** 32 - 1, 2 ** 32, 2 ** 32 + 1, 2 ** 31, 0], (12, 8)) + rng.integers(-40, 40, (12, 8))
+        for tokens_ED in (k_ED * rng.integers(0, 2 ** 29, (12, 8)), np.maximum(near_ED, 0),
+                          rng.integers(0, 2 ** 33, (12, 8))):
+            tokens_ED = tokens_ED.astype(np.int64)
+            assert_same(*run_both(core, dispatch_device_load, placement, tokens_ED, topo))
+            assert_same(*run_both(core, calibrate, shard, placement, tokens_ED.sum(axis=1) // 8, 6, 3, topo,
+                                  PlanCost(1e-12, 1.0, topo), tokens_ED))
+
+
 class _DoubledTransfers(PlanCost):
     def transfer_time(self, shard: Placement, placement: Placement) -> float:
         return 2.0 * super().transfer_time(shard, placement)
