@@ -91,18 +91,54 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _link_bandwidth(rank: int, world: int, nbytes: int, repeats: int) -> dict[str, float]:
+def _pair(rank: int, peer: int, nbytes: int) -> Callable[[], None]:
+    """Rank 0 sends ``nbytes`` to ``peer``; everyone else idles."""
     buf_send = torch.ones(nbytes, dtype=torch.uint8)
     buf_recv = torch.empty(nbytes, dtype=torch.uint8)
 
-    def pair() -> None:
+    def run() -> None:
         if rank == 0:
-            dist.isend(buf_send, dst=1).wait()
-        elif rank == 1:
+            dist.isend(buf_send, dst=peer).wait()
+        elif rank == peer:
             dist.irecv(buf_recv, src=0).wait()
+    return run
 
-    return {"bytes": nbytes, "pair_bw": nbytes / _timed(pair, repeats),
+
+def _link_bandwidth(rank: int, world: int, nbytes: int, repeats: int) -> dict[str, float]:
+    return {"bytes": nbytes, "pair_bw": nbytes / _timed(_pair(rank, 1, nbytes), repeats),
             "ring_bw": nbytes / _timed(_ring(rank, world, nbytes), repeats)}
+
+
+def _chunks(rank: int, chunk_mib: float) -> tuple[list, int, dict[int, list[torch.Tensor]], list[torch.Tensor]]:
+    """(spec, Ψ, this rank's owned chunk, a gradient-like chunk) for SwiGLU chunks of ``chunk_mib``."""
+    spec = _swiglu_spec(int(chunk_mib * MiB))
+    psi = sum(int(np.prod(s)) * dt.itemsize for s, dt in spec)
+    return spec, psi, {rank: [torch.randn(s).to(dt) for s, dt in spec]}, [torch.randn(s).to(dt) for s, dt in spec]
+
+
+def _gather_and_reduce(rank: int, chunks: dict[int, list[torch.Tensor]], grads_like: list[torch.Tensor],
+                       shard: Placement, placement: Placement, topology: Topology, spec: list
+                       ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """SpAG(shard, placement) and SpRS(placement, shard) of these chunks, as two timed functions."""
+    grads = {int(e): grads_like for e in placement.experts_on(rank)}
+
+    def spag() -> None:
+        sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()
+
+    def sprs() -> None:
+        sparse_reduce_scatter(grads, placement, shard, topology, spec=spec, layer="bench").wait()
+    return spag, sprs
+
+
+def _ours_and_naive(rank: int, chunks: dict[int, list[torch.Tensor]], shard: Placement, placement: Placement,
+                    topology: Topology, spec: list) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Our SpAG and the prototype's transfers for one placement, as two timed functions."""
+    def ours() -> None:
+        sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()
+
+    def naive() -> None:
+        _naive_all_gather(chunks, spec, shard, placement, rank)
+    return ours, naive
 
 
 def _ring(rank: int, world: int, nbytes: int) -> Callable[[], None]:
@@ -183,32 +219,16 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
     result: dict[str, Any] = {"world_size": world, "topology": list(topology.devices_per_node), "link": link,
                               "spag": [], "sprs": [], "vs_naive": [], "dense_reference": []}
     for chunk_mib in cfg["chunk_mib"]:
-        spec = _swiglu_spec(int(chunk_mib * MiB))
-        psi = sum(int(np.prod(s)) * dt.itemsize for s, dt in spec)
-        chunks = {rank: [torch.randn(s).to(dt) for s, dt in spec]}
-        grads_like = [torch.randn(s).to(dt) for s, dt in spec]
+        spec, psi, chunks, grads_like = _chunks(rank, chunk_mib)
         for name, shard, placement in _placements(world, cfg["seed"], cfg["quick"]):
-            def spag() -> None:
-                sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()
-
-            grads = {int(e): grads_like for e in placement.experts_on(rank)}
-
-            def sprs() -> None:
-                sparse_reduce_scatter(grads, placement, shard, topology, spec=spec, layer="bench").wait()
-
+            spag, sprs = _gather_and_reduce(rank, chunks, grads_like, shard, placement, topology, spec)
             vol = sparse_all_gather_volume(shard, placement, psi, topology)
             per_device = max(max(r, s) for r, s in zip(vol.recv_bytes_D, vol.send_bytes_D))
             ring = _ring(rank, world, per_device)
             bound_link = lower_bound_time(shard, placement, psi, topology, device_bw=bw, inter_node_bw=bw)
-            tiny_spec = [((16,), torch.float32)]
-            tiny_chunks = {rank: [torch.zeros(16)]}
-            tiny_grads = {int(e): tiny_chunks[rank] for e in placement.experts_on(rank)}
-
-            def spag_tiny() -> None:
-                sparse_all_gather(tiny_chunks, shard, placement, topology, spec=tiny_spec, layer="bench").wait()
-
-            def sprs_tiny() -> None:
-                sparse_reduce_scatter(tiny_grads, placement, shard, topology, spec=tiny_spec, layer="bench").wait()
+            tiny = [torch.zeros(16)]
+            spag_tiny, sprs_tiny = _gather_and_reduce(rank, {rank: tiny}, tiny, shard, placement, topology,
+                                                      [((16,), torch.float32)])
 
             for key, fn, tiny in (("spag", spag, spag_tiny), ("sprs", sprs, sprs_tiny)):
                 t, t_ring, t_tiny = _interleaved(fn, ring, tiny, repeats=repeats)
@@ -234,13 +254,8 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
                                           "spag_full_placement_time_s": t_full,
                                           "spag_over_all_gather": t_full / t_dense})
         for name, shard, placement in _cross_node_placements(topology):
-            def ours() -> None:
-                sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()
-
-            def naive() -> None:
-                _naive_all_gather(chunks, spec, shard, placement, rank)
-
-            t_ours, t_naive = _interleaved(ours, naive, repeats=repeats)
+            t_ours, t_naive = _interleaved(*_ours_and_naive(rank, chunks, shard, placement, topology, spec),
+                                           repeats=repeats)
             vol = sparse_all_gather_volume(shard, placement, psi, topology)
             # Link model with a node boundary `inter_ratio` times slower than a device link (what loopback
             # cannot show): the measured pair bandwidth inside nodes.
@@ -263,39 +278,18 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
 def _bench_emulated_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Ours against the prototype across real (shaped) node boundaries; see the module docstring."""
     topology = Topology.from_env(world)
-    repeats, k = cfg["repeats"], topology.devices_per_node[0]
-    buf_send = torch.ones(cfg["link_bytes"], dtype=torch.uint8)
-    buf_recv = torch.empty_like(buf_send)
-
-    def pair(peer: int) -> Callable[[], None]:
-        def run() -> None:
-            if rank == 0:
-                dist.isend(buf_send, dst=peer).wait()
-            elif rank == peer:
-                dist.irecv(buf_recv, src=0).wait()
-        return run
-
-    intra_bw = cfg["link_bytes"] / _timed(pair(1), repeats)
-    inter_bw = cfg["link_bytes"] / _timed(pair(k), repeats)
+    repeats, k, nbytes = cfg["repeats"], topology.devices_per_node[0], cfg["link_bytes"]
+    intra_bw = nbytes / _timed(_pair(rank, 1, nbytes), repeats)
+    inter_bw = nbytes / _timed(_pair(rank, k, nbytes), repeats)
     result: dict[str, Any] = {"inter_node_bw": cfg["inter_node_bw"], "topology": list(topology.devices_per_node),
                               "link": {"intra_pair_bw": intra_bw, "inter_pair_bw": inter_bw},
                               "spag": [], "sprs": [], "vs_naive": []}
     for chunk_mib in cfg["chunk_mib"]:
-        spec = _swiglu_spec(int(chunk_mib * MiB))
-        psi = sum(int(np.prod(s)) * dt.itemsize for s, dt in spec)
-        chunks = {rank: [torch.randn(s).to(dt) for s, dt in spec]}
-        grads_like = [torch.randn(s).to(dt) for s, dt in spec]
+        spec, psi, chunks, grads_like = _chunks(rank, chunk_mib)
         # The random placements of the loopback sweep, now with a real node boundary: the §3.3 bound
         # with the measured intra-node and node-boundary bandwidths.
         for name, shard, placement in _placements(world, cfg["seed"], cfg["quick"]):
-            grads = {int(e): grads_like for e in placement.experts_on(rank)}
-
-            def spag() -> None:
-                sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()
-
-            def sprs() -> None:
-                sparse_reduce_scatter(grads, placement, shard, topology, spec=spec, layer="bench").wait()
-
+            spag, sprs = _gather_and_reduce(rank, chunks, grads_like, shard, placement, topology, spec)
             bound = lower_bound_time(shard, placement, psi, topology, device_bw=intra_bw, inter_node_bw=inter_bw)
             vol = sparse_all_gather_volume(shard, placement, psi, topology)
             for key, t in zip(("spag", "sprs"), _interleaved(spag, sprs, repeats=repeats)):
@@ -303,13 +297,8 @@ def _bench_emulated_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str
                                     "inter_node_bytes": vol.inter_node_bytes, "time_s": t, "bound_s": bound,
                                     "bound_ratio": bound / t if t else None})
         for name, shard, placement in _cross_node_placements(topology):
-            def ours() -> None:
-                sparse_all_gather(chunks, shard, placement, topology, spec=spec, layer="bench").wait()
-
-            def naive() -> None:
-                _naive_all_gather(chunks, spec, shard, placement, rank)
-
-            t_ours, t_naive = _interleaved(ours, naive, repeats=repeats)
+            t_ours, t_naive = _interleaved(*_ours_and_naive(rank, chunks, shard, placement, topology, spec),
+                                           repeats=repeats)
             bound = lower_bound_time(shard, placement, psi, topology, device_bw=intra_bw,
                                      inter_node_bw=cfg["inter_node_bw"])
             result["vs_naive"].append({
