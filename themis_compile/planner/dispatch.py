@@ -92,6 +92,17 @@ def _c_tokens(tokens_ED: object, placement: Placement, topology: Topology) -> np
     return _checked(placement, tokens_ED, topology)[0]
 
 
+def _run_core(core_fn, placement: Placement, tokens_ED: object, topology: Topology, *args: object,
+              out: np.ndarray) -> np.ndarray:
+    """Run an Alg. 3 entry point of the compiled core, which writes ``out`` entirely; inputs it rejects
+    get the numpy path's precise ValueError."""
+    tokens_C = _c_tokens(tokens_ED, placement, topology)
+    if core_fn(topology._c_layout, placement._mask_ED, tokens_C, *args, out) == 0:
+        return out
+    _checked(placement, tokens_ED, topology)            # raises the precise ValueError
+    raise AssertionError("compiled Alg. 3 rejected inputs that pass validation")
+
+
 def check_tokens(tokens_ED: np.ndarray, num_experts: int, num_devices: int) -> np.ndarray:
     """Return the token counts as int64 [E, D]; ValueError for a wrong shape, fractions or negatives."""
     arr = np.asarray(tokens_ED)
@@ -211,12 +222,7 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     """
     if _C is not None:
         E, D = placement.shape
-        tokens_C = _c_tokens(tokens_ED, placement, topology)
-        R_EDD = np.empty((E, D, D), dtype=np.int64)     # written entirely by the core
-        if _C.dispatch(topology._c_layout, placement._mask_ED, tokens_C, E, R_EDD) == 0:
-            return R_EDD
-        _checked(placement, tokens_ED, topology)            # raises the precise ValueError
-        raise AssertionError("compiled Alg. 3 rejected inputs that pass validation")
+        return _run_core(_C.dispatch, placement, tokens_ED, topology, E, out=np.empty((E, D, D), dtype=np.int64))
     tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape
     mask_ED = placement.mask
@@ -256,7 +262,6 @@ def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topolog
     """
     if _C is not None:
         E, D = placement.shape
-        tokens_C = _c_tokens(tokens_ED, placement, topology)
         if type(sources) is int and 0 <= sources < D:      # one rank's own row: the runtime's call
             src, R_out = sources, np.empty((E, D), dtype=np.int64)   # written entirely
         else:
@@ -266,10 +271,8 @@ def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topolog
                 _checked(placement, tokens_ED, topology)    # bad tokens are reported first, as below
                 raise
             R_out = np.empty((E, src.size, D), dtype=np.int64)
-        if _C.dispatch_rows(topology._c_layout, placement._mask_ED, tokens_C, E, src, R_out) == 0:
-            return R_out[:, 0, :] if R_out.ndim == 3 and np.ndim(sources) == 0 else R_out
-        _checked(placement, tokens_ED, topology)            # raises the precise ValueError
-        raise AssertionError("compiled Alg. 3 rejected inputs that pass validation")
+        R_out = _run_core(_C.dispatch_rows, placement, tokens_ED, topology, E, src, out=R_out)
+        return R_out[:, 0, :] if R_out.ndim == 3 and np.ndim(sources) == 0 else R_out
     tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape
     sources_S = _check_sources(sources, D)
@@ -293,13 +296,8 @@ def dispatch_device_load(placement: Placement, tokens_ED: np.ndarray, topology: 
     """[D] int64 tokens each device computes under the Alg. 3 plan, i.e.
     ``cost.device_compute_load(topology_aware_dispatch(...))``, without building the [E, D, D] plan."""
     if _C is not None:
-        tokens_C = _c_tokens(tokens_ED, placement, topology)
-        load_D = np.empty(placement.num_devices, dtype=np.int64)
-        if _C.dispatch_device_load(topology._c_layout, placement._mask_ED, tokens_C,
-                                   placement.num_experts, load_D) == 0:
-            return load_D
-        _checked(placement, tokens_ED, topology)            # raises the precise ValueError
-        raise AssertionError("compiled Alg. 3 rejected inputs that pass validation")
+        return _run_core(_C.dispatch_device_load, placement, tokens_ED, topology, placement.num_experts,
+                         out=np.empty(placement.num_devices, dtype=np.int64))
     tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape
     mask_ED = placement.mask
