@@ -163,13 +163,11 @@ class PlanCost:
         collective finishes no sooner than its bottleneck device or node.
         """
         self.topology.validate(placement.num_devices)
-        shard._check_same_shape(placement)
-        base_ED, mask_ED = shard.mask, placement.mask
-        if (base_ED & ~mask_ED).any():
+        if not shard.issubset(placement):
             raise ValueError("transfer_time: the base placement is not a subset of the target placement")
-        # What receive_counts and new_node_entries give, counted directly (this runs per layer and
-        # iteration in calibration).
-        recv_D = np.count_nonzero(mask_ED & ~base_ED, axis=0)
+        # What receive_counts and new_node_entries give, counted directly (one subset check, no
+        # intermediate placements).
+        recv_D = np.count_nonzero(placement.mask & ~shard.mask, axis=0)
         if not recv_D.any():
             return 0.0
         device_s = float(recv_D.max()) * self.expert_bytes / self.topology.intra_node_bw

@@ -597,8 +597,8 @@ class SparseCollectiveHandle:
             recvs = [(peer, w) for (peer, _), w in zip(recv_ops, works)]
             sends.works = [(peer, w) for (peer, _), w in zip(send_ops, works[len(recv_ops):])]
         else:                                          # one work for the whole batch (NCCL)
-            peers = sorted({p for p, _ in recv_ops + send_ops})
-            recvs = [(p, w) for w in works for p in peers[:1]]
+            first_peer = min(p for p, _ in recv_ops + send_ops)
+            recvs = [(first_peer, w) for w in works]
             sends.works = []
         return recvs, received
 
