@@ -480,8 +480,8 @@ def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_
     cost_topology = cost.topology
     code, before_s, after_s, extra_s = core.calibrate(
         topology._c_layout, cost_topology._c_layout, shard._mask_ED, materialized._mask_ED, load_C,
-        load_C.dtype == np.int64, t, m, tokens_ED, dev_load_D, cost.expert_bytes, cost_topology.intra_node_bw, cost_topology.inter_node_bw,
-        cost.calibration_budget_s, cost.time_per_token_s, mask_ED, copies_E)
+        load_C.dtype == np.int64, t, m, tokens_ED, dev_load_D, cost.expert_bytes, cost_topology.intra_node_bw,
+        cost_topology.inter_node_bw, cost.calibration_budget_s, cost.time_per_token_s, mask_ED, copies_E)
     if code == 1:
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
         return Placement._trusted(mask_ED, copies_E)
