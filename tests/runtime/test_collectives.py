@@ -436,3 +436,21 @@ def test_large_segments_travel_alone_small_ones_bucketed() -> None:
     # The "large" spec of the exactness cases really has segments above the threshold.
     layout = ChunkLayout.from_spec(SPECS["large"])
     assert sum(hi - lo >= big for _, lo, hi in layout.segments(0, layout.nbytes)) == 2
+
+
+def test_only_relayed_pieces_are_sliced_and_a_lone_new_holder_is_direct() -> None:
+    from themis_compile.runtime import collectives
+
+    topology = Topology([2, 2])
+    shard = Placement.from_owners([0, 1], 4)
+    mask = shard.mask.copy()
+    mask[0, [2, 3]] = True          # expert 0 reaches both devices of node 1: scatter, then relay
+    mask[1, 0] = True               # expert 1 reaches one device of its own node: a whole chunk
+    big = ChunkLayout.from_spec([((3 * collectives._SLICE_BYTES // 4,), torch.float32)])   # Ψ = 3 slices' worth
+    plan = plan_sparse_all_gather(shard, Placement(mask), topology, big)
+    stage0, stage1 = plan.stages
+    direct = [t for t in stage0 if t.slice == collectives.DIRECT]
+    assert [(t.src, t.dst, t.expert, t.stop - t.start) for t in direct] == [(1, 0, 1, big.nbytes)]
+    relayed = [t for t in stage0 if t.expert == 0]
+    assert {t.slice for t in relayed} == {0} and all(t.slice >= 0 for t in stage1)   # 1.5 MiB pieces: 1 slice
+    assert plan.num_slices == 1 and sum(t.nbytes for t in relayed) == big.nbytes
