@@ -173,6 +173,10 @@ def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
     # The sparse collectives get a group of their own so that their point-to-point traffic never
     # interleaves with the all-to-all of the token exchange.
     comm_group = dist.new_group(ranks=dist.get_process_group_ranks(group))
+    # Its first operation involves every rank: on NCCL, batched point-to-point operations may involve a
+    # subset of the group's ranks only once the communicator exists (torch's batch_isend_irecv contract).
+    nccl = dist.get_backend(comm_group) == "nccl"
+    dist.all_reduce(torch.zeros(1, device="cuda" if nccl else "cpu"), group=comm_group)
     return FSSDPState(rank=rank, world_size=world_size, group=group, comm_group=comm_group, topology=topology,
                       rematerialize=config.rematerialize, calibrate=config.calibrate,
                       timeout_s=config.collective_timeout_s, check_plans=config.check_plans)

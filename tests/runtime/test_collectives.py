@@ -75,12 +75,19 @@ def _assert_bit_exact(got: list[torch.Tensor], want: list[torch.Tensor], what: s
 
 
 def _check_case(rank: int, world: int, topology: Topology, seed: int, num_experts: int, spec_name: str,
-                density: float, store_key: str) -> dict:
-    """One SpAG + re-materialization SpAG + SpRS round trip; returns this rank's byte counts."""
+                density: float, store_key: str, flat_owned: bool = False) -> dict:
+    """One SpAG + re-materialization SpAG + SpRS round trip; returns this rank's byte counts.
+    ``flat_owned``: odd ranks hold their chunks as views into one buffer (`ChunkLayout.empty`), even ranks
+    as separate tensors, so senders and receivers differ in which runs they can use without a copy."""
     spec = SPECS[spec_name] if spec_name in SPECS else GATHER_ONLY_SPEC
     shard, placement = _placements(seed, num_experts, world, density)
     layer = f"{store_key}/{spec_name}"
     owned = {int(e): _chunk(seed, int(e), spec) for e in shard.experts_on(rank)}
+    if flat_owned and rank % 2:
+        for e, ts in owned.items():
+            owned[e] = ChunkLayout.from_spec(spec).empty()
+            for a, t in zip(owned[e], ts):
+                a.copy_(t)
     delta = placement.delta(shard)
     want_E = {int(e) for e in delta.experts_on(rank)}
     psi = ChunkLayout.from_spec(spec).nbytes
@@ -228,10 +235,12 @@ def _run_sliced(rank: int, world: int) -> list[dict]:
 
     collectives._SLICE_BYTES = 16
     collectives._ZERO_COPY_BYTES = 24
+    collectives._BUCKET_BYTES = 100                     # pieces of 720-byte chunks: bucketed and alone
     topology = Topology.from_env(world)
     cases = []
     for seed, E, spec_name, density in [(21, 6, "swiglu", 0.6), (22, 5, "mixed", 0.7), (23, 3, "swiglu", 1.0)]:
-        cases.append(_check_case(rank, world, topology, seed, E, spec_name, density, f"sl{seed}"))
+        cases.append(_check_case(rank, world, topology, seed, E, spec_name, density, f"sl{seed}",
+                                 flat_owned=True))
     shard, placement = _placements(21, 6, world, 0.6)
     plan = collectives.plan_sparse_all_gather(shard, placement, topology, ChunkLayout.from_spec(SPECS["swiglu"]))
     cases.append({"num_slices": plan.num_slices})
@@ -420,22 +429,62 @@ def test_benchmark_quick_smoke(capsys) -> None:
     moving = [r for r in out["spag"] + out["sprs"] if r["delta_pairs"] > 0]
     assert moving and all(r["time_s"] > 0 and r["bound_s"] > 0 and r["ring_time_s"] > 0 and r["latency_floor_s"] > 0
                           for r in moving)
+    # Raw gloo running the same messages: its own time, its bound ratio, and ours over it, all consistent.
+    for r in moving:
+        assert r["raw_pattern_time_s"] > 0
+        assert abs(r["over_raw_pattern"] - r["time_s"] / r["raw_pattern_time_s"]) < 1e-9
+        assert abs(r["raw_pattern_bound_ratio"] - r["bound_s"] / r["raw_pattern_time_s"]) < 1e-9
+    assert out["summary"]["median_over_raw_pattern_chunks_ge_1MiB"] is None      # --quick: no chunk >= 1 MiB
+    assert out["allocator"].startswith(("glibc keeps", "unchanged"))
     assert all(r["chunk_bytes"] >= 0.0625 * (1 << 20) for r in moving)      # Ψ never below the requested size
     for r in out["vs_naive"]:
         assert r["inter_node_bytes"] * 2 == r["naive_inter_node_bytes"]   # Ψ once per node, not per replica
         assert r["modeled_speedup"] > 1.5
 
 
-def test_large_segments_travel_alone_small_ones_bucketed() -> None:
-    from themis_compile.runtime.collectives import _ZERO_COPY_BYTES, _runs
+def test_runs_cut_at_large_transfers_and_segments_and_bucket_small_transfers() -> None:
+    from themis_compile.runtime.collectives import _BUCKET_BYTES, _ZERO_COPY_BYTES, _runs
 
-    big = _ZERO_COPY_BYTES
-    segs = [("a", 0, 10), ("b", 0, big), ("c", 5, 9), ("d", 0, 3), ("e", 0, big + 8), ("f", 1, 2)]
-    assert [[s[0] for s in run] for run in _runs(segs)] == [["a"], ["b"], ["c", "d"], ["e"], ["f"]]
+    big, mid = _ZERO_COPY_BYTES, _BUCKET_BYTES
+    message = [[("a", 0, 10)], [("b", 0, 20), ("c", 0, 5)],          # small transfers share one run
+               [("d", 0, mid), ("e", 0, 8)],                          # a transfer of its own
+               [("f", 0, 3)],
+               [("g", 0, 10), ("h", 0, big), ("i", 0, 7)],           # its large segment travels alone
+               [("j", 1, 2)]]
+    assert [[s[0] for s in run] for run in _runs(message)] == \
+        [["a", "b", "c"], ["d", "e"], ["f"], ["g"], ["h"], ["i"], ["j"]]
     assert _runs([]) == []
     # The "large" spec of the exactness cases really has segments above the threshold.
     layout = ChunkLayout.from_spec(SPECS["large"])
     assert sum(hi - lo >= big for _, lo, hi in layout.segments(0, layout.nbytes)) == 2
+
+
+def test_flat_chunks_make_a_run_one_span_without_copy() -> None:
+    from themis_compile.runtime.collectives import _span
+
+    layout = ChunkLayout.from_spec(SPECS["swiglu"])
+    flat = layout.empty()                                    # offsets suit the dtypes: one buffer
+    base = flat[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in flat)
+    assert [tuple(t.shape) for t in flat] == list(layout.shapes) and all(t.is_contiguous() for t in flat)
+    views = [t.reshape(-1).view(torch.uint8) for t in flat]
+    for v in views:
+        v.zero_()
+    run = [(views[i], lo, hi) for i, lo, hi in layout.segments(100, 500)]     # [100, 240) + 240 + [0, 20)
+    assert len(run) == 3
+    span = _span(run)
+    assert span is not None and span.numel() == 400 and span.data_ptr() == flat[0].data_ptr() + 100
+    span.fill_(7)                                            # the span is the chunk's own memory
+    assert (views[0][:100] == 0).all() and (views[0][100:] == 7).all() and (views[1] == 7).all()
+    assert (views[2][:20] == 7).all() and (views[2][20:] == 0).all()
+    assert _span(run[:1]).data_ptr() == views[0].data_ptr() + 100
+    # Separate tensors, or a layout whose offsets do not suit its dtypes, need a copy.
+    apart = [torch.empty(s, dtype=dt).reshape(-1).view(torch.uint8) for s, dt in SPECS["swiglu"]]
+    assert _span([(apart[i], lo, hi) for i, lo, hi in layout.segments(100, 500)]) is None
+    mixed = ChunkLayout.from_spec(SPECS["mixed"])
+    tensors = mixed.empty()
+    assert len({t.untyped_storage().data_ptr() for t in tensors if t.numel()}) > 1
+    assert [(tuple(t.shape), t.dtype) for t in tensors] == list(zip(mixed.shapes, mixed.dtypes))
 
 
 def test_only_relayed_pieces_are_sliced_and_a_lone_new_holder_is_direct() -> None:

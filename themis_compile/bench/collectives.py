@@ -45,6 +45,7 @@ from themis_compile.runtime.collectives import (
     CommPlan,
     Transfer,
     plan_sparse_all_gather,
+    plan_sparse_reduce_scatter,
     sparse_all_gather,
     sparse_reduce_scatter,
 )
@@ -73,6 +74,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ============================================================================ per-rank measurements
+def _keep_freed_memory() -> str:
+    """Make this process's C allocator keep freed memory for reuse instead of returning it to the OS.
+
+    On GPUs the caching allocator hands a collective's receive buffers out again without cost. On the
+    CPU, glibc returns large freed blocks to the OS, and every fresh receive buffer then pays a page fault
+    per 4 KiB on first touch: several milliseconds per collective here, which would measure the C
+    library rather than the transfer. Returns what was done, for the JSON.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "unchanged (no glibc mallopt)"
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = mallopt(m_trim_threshold, 1 << 30) == 1 and mallopt(m_mmap_threshold, 1 << 30) == 1
+    return "glibc keeps freed memory (mallopt: trim and mmap thresholds 1 GiB)" if ok else "unchanged (mallopt refused)"
+
+
 def _max_over_ranks(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -153,6 +174,30 @@ def _ring(rank: int, world: int, nbytes: int) -> Callable[[], None]:
     return run
 
 
+def _raw_pattern(plan: CommPlan, rank: int) -> Callable[[], None]:
+    """Raw gloo running ``plan``'s message pattern with no library around it: per stage, one preallocated
+    message per (src, dst) pair, all posted at once, all waited for before the next stage. What the plan's
+    messages cost on this machine; ``our time / this`` is the library's own overhead."""
+    stages = []
+    for stage in range(len(plan.stages)):
+        recvs, sends = [], []
+        for (src, dst), transfers in sorted(plan.messages(stage).items()):
+            nbytes = sum(t.nbytes for t in transfers)
+            if dst == rank:
+                recvs.append((src, torch.empty(nbytes, dtype=torch.uint8)))
+            elif src == rank:
+                sends.append((dst, torch.zeros(nbytes, dtype=torch.uint8)))
+        stages.append((recvs, sends))
+
+    def run() -> None:
+        for recvs, sends in stages:
+            works = [dist.irecv(buf, src=peer) for peer, buf in recvs] + \
+                [dist.isend(buf, dst=peer) for peer, buf in sends]
+            for w in works:
+                w.wait()
+    return run
+
+
 def _naive_all_gather(chunks: dict[int, list[torch.Tensor]], spec: list[tuple[tuple[int, ...], torch.dtype]],
                       shard: Placement, placement: Placement, rank: int) -> dict[int, list[torch.Tensor]]:
     """The paper's prototype: the owner sends the whole chunk to every added replica (one per ΔP pair)."""
@@ -211,12 +256,14 @@ def _cross_node_placements(topology: Topology) -> list[tuple[str, Placement, Pla
 
 
 def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    allocator = _keep_freed_memory()
     torch.manual_seed(cfg["seed"] + rank)
     topology = Topology.from_env(world)
     repeats = cfg["repeats"]
     link = _link_bandwidth(rank, world, cfg["link_bytes"], repeats)
     bw = link["ring_bw"]
     result: dict[str, Any] = {"world_size": world, "topology": list(topology.devices_per_node), "link": link,
+                              "allocator": allocator,
                               "spag": [], "sprs": [], "vs_naive": [], "dense_reference": []}
     for chunk_mib in cfg["chunk_mib"]:
         spec, psi, chunks, grads_like = _chunks(rank, chunk_mib)
@@ -230,8 +277,11 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
             spag_tiny, sprs_tiny = _gather_and_reduce(rank, {rank: tiny}, tiny, shard, placement, topology,
                                                       [((16,), torch.float32)])
 
+            layout = ChunkLayout.from_spec(spec)
+            raw = {"spag": _raw_pattern(plan_sparse_all_gather(shard, placement, topology, layout), rank),
+                   "sprs": _raw_pattern(plan_sparse_reduce_scatter(placement, shard, topology, layout), rank)}
             for key, fn, tiny in (("spag", spag, spag_tiny), ("sprs", sprs, sprs_tiny)):
-                t, t_ring, t_tiny = _interleaved(fn, ring, tiny, repeats=repeats)
+                t, t_ring, t_tiny, t_raw = _interleaved(fn, ring, tiny, raw[key], repeats=repeats)
                 # The link bandwidth of this moment: a ring moving the same per-device volume, timed in
                 # the same repeats (this machine's loopback speed drifts with its other load).
                 bw_now = per_device / t_ring if t_ring else bw
@@ -241,7 +291,11 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
                                     "bound_s": bound, "bound_ratio": bound / t if t else None,
                                     "bound_ratio_link_bw": bound_link / t if t else None,
                                     # The same message plan with 64-byte chunks: its per-message latency.
-                                    "latency_floor_s": t_tiny})
+                                    "latency_floor_s": t_tiny,
+                                    # Raw gloo sending the plan's messages: the pattern's own cost here.
+                                    "raw_pattern_time_s": t_raw,
+                                    "raw_pattern_bound_ratio": bound / t_raw if t_raw else None,
+                                    "over_raw_pattern": t / t_raw if t_raw else None})
         # Reference: SpAG toward the full placement is a dense all-gather; time gloo's own.
         flat = torch.randn(psi // 4)
         gathered = [torch.empty_like(flat) for _ in range(world)]
@@ -277,6 +331,7 @@ def _bench_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | 
 
 def _bench_emulated_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     """Ours against the prototype across real (shaped) node boundaries; see the module docstring."""
+    _keep_freed_memory()
     topology = Topology.from_env(world)
     repeats, k, nbytes = cfg["repeats"], topology.devices_per_node[0], cfg["link_bytes"]
     intra_bw = nbytes / _timed(_pair(rank, 1, nbytes), repeats)
@@ -406,6 +461,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out["summary"] = {
         "min_bound_ratio_chunks_ge_1MiB": min((r["bound_ratio"] for r in big), default=None),
         "median_bound_ratio_chunks_ge_1MiB": statistics.median([r["bound_ratio"] for r in big]) if big else None,
+        # The same figures for raw gloo sending the plans' messages (no library), and our time over it.
+        "min_raw_pattern_bound_ratio_chunks_ge_1MiB": min((r["raw_pattern_bound_ratio"] for r in big), default=None),
+        "median_raw_pattern_bound_ratio_chunks_ge_1MiB":
+            statistics.median([r["raw_pattern_bound_ratio"] for r in big]) if big else None,
+        "median_over_raw_pattern_chunks_ge_1MiB":
+            statistics.median([r["over_raw_pattern"] for r in big]) if big else None,
         "min_speedup_vs_naive": min((r["speedup"] for r in out["vs_naive"]), default=None),
         "min_modeled_speedup_vs_naive": min((r["modeled_speedup"] for r in out["vs_naive"]), default=None),
         "min_emulated_bound_ratio_chunks_ge_1MiB": min(

@@ -49,6 +49,7 @@ from __future__ import annotations
 import bisect
 import datetime
 import logging
+import math
 import queue
 import threading
 import time
@@ -116,7 +117,7 @@ class ChunkLayout:
                 raise ValueError(f"chunk spec shape must be non-negative, got {shape}")
             shapes.append(shape)
             dtypes.append(dtype)
-            offsets.append(offsets[-1] + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+            offsets.append(offsets[-1] + math.prod(shape) * dtype.itemsize)
         return cls(tuple(shapes), tuple(dtypes), tuple(offsets))
 
     @classmethod
@@ -158,7 +159,16 @@ class ChunkLayout:
             raise ValueError(f"{what} does not match the chunk spec: got {list(got)}, expected {list(want)}")
 
     def empty(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-        """Freshly allocated (contiguous, uninitialized) tensors of this layout."""
+        """Freshly allocated (contiguous, uninitialized) tensors of this layout.
+
+        They are views into one flat buffer, back to back as in the layout, whenever every tensor's offset
+        is a multiple of its dtype's size: a piece of the chunk that spans several tensors is then one
+        contiguous byte range, which travels without a copy. Otherwise they are separate allocations.
+        """
+        if all(off % dt.itemsize == 0 for off, dt in zip(self.offsets, self.dtypes)):
+            flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            return [flat[a:b].view(dt).view(s)
+                    for s, dt, a, b in zip(self.shapes, self.dtypes, self.offsets, self.offsets[1:])]
         return [torch.empty(s, dtype=dt, device=device) for s, dt in zip(self.shapes, self.dtypes)]
 
 
@@ -197,6 +207,8 @@ class CommPlan:
     stages: tuple[tuple[Transfer, ...], ...]
     node_ids: tuple[int, ...]
     num_nodes: int
+    # Per rank, its part of the plan cut into messages and runs (`_schedule`); not part of the plan's value.
+    _schedules: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_devices(self) -> int:
@@ -312,6 +324,7 @@ def _check_placements(shard: Placement, placement: Placement, topology: Topology
 
 
 _PLAN_CACHE: dict[tuple, CommPlan] = {}
+_SPRS_PLANS: dict[int, tuple[CommPlan, CommPlan]] = {}     # id(SpAG plan) -> (SpAG plan, its mirror)
 _PLAN_CACHE_SIZE = 256
 
 
@@ -322,7 +335,8 @@ def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Top
     ``layouts`` is one `ChunkLayout` for all experts or one per expert. Pure and deterministic: every rank
     computes the same plan.
     """
-    _check_placements(shard, placement, topology)
+    if not isinstance(shard, Placement) or not isinstance(placement, Placement):
+        raise ValueError("shard and placement must be themis_compile.planner.Placement objects")
     E, D = shard.shape
     layout_E = [layouts] * E if isinstance(layouts, ChunkLayout) else list(layouts)
     if len(layout_E) != E:
@@ -331,8 +345,9 @@ def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Top
     key = (SPAG, shard.digest(), placement.digest(), topology.devices_per_node, tuple(layout_E),
            _SLICE_BYTES, _MAX_SLICES)
     cached = _PLAN_CACHE.get(key)
-    if cached is not None:
+    if cached is not None:                         # validated when it was planned
         return cached
+    _check_placements(shard, placement, topology)
     owners_E = shard.owners()
     node_ids = topology.node_ids
     delta_ED = placement.mask & ~shard.mask
@@ -373,9 +388,16 @@ def plan_sparse_reduce_scatter(placement: Placement, shard: Placement, topology:
                                layouts: ChunkLayout | Sequence[ChunkLayout]) -> CommPlan:
     """The plan of SpRS(P'=placement, P=shard): the SpAG plan run backwards with src and dst swapped."""
     spag = plan_sparse_all_gather(shard, placement, topology, layouts)
+    cached = _SPRS_PLANS.get(id(spag))
+    if cached is not None and cached[0] is spag:
+        return cached[1]
     stages = tuple(tuple(sorted(Transfer(t.dst, t.src, t.expert, t.start, t.stop, t.slice) for t in stage))
                    for stage in reversed(spag.stages))
-    return CommPlan(SPRS, stages, spag.node_ids, spag.num_nodes)
+    plan = CommPlan(SPRS, stages, spag.node_ids, spag.num_nodes)
+    if len(_SPRS_PLANS) >= _PLAN_CACHE_SIZE:
+        _SPRS_PLANS.clear()
+    _SPRS_PLANS[id(spag)] = (spag, plan)      # the SpAG plan is kept alive with it: its id stays unique
+    return plan
 
 
 # ============================================================================================ execution
@@ -396,25 +418,107 @@ def _typed(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 _Segment = tuple[Any, int, int]     # (where, lo, hi): bytes [lo, hi) of one tensor of a chunk
 _ZERO_COPY_BYTES = 1 << 20           # segments at least this large travel as their own message
+_BUCKET_BYTES = 64 << 10             # transfers smaller than this share a message with their neighbours
 
 
-def _runs(segments: list[_Segment]) -> list[list[_Segment]]:
-    """Cut one message's segments into runs sent as one buffer each: a segment of at least
-    ``_ZERO_COPY_BYTES`` alone (no copy on either side), consecutive smaller ones bucketed together
-    (one message instead of many). Depends only on the segment sizes, which sender and receiver share."""
+def _runs(per_transfer: list[list[_Segment]]) -> list[list[_Segment]]:
+    """Cut one message (the segments of each of its transfers, in order) into runs, one buffer each.
+
+    - A transfer of at least ``_BUCKET_BYTES`` forms its own runs, so that where its bytes lie back to back
+      in memory (chunks allocated by `ChunkLayout.empty`) the run is that memory itself, with no copy;
+      within it, a segment of at least ``_ZERO_COPY_BYTES`` travels alone (no copy even when the chunk's
+      tensors are separate allocations).
+    - Smaller transfers are bucketed with their neighbours: one message instead of many.
+
+    Depends only on the transfer and segment sizes, which sender and receiver share, so both cut alike;
+    each side then decides on its own whether a run needs a copy (`_span`).
+    """
     runs: list[list[_Segment]] = []
     bucket: list[_Segment] = []
-    for seg in segments:
-        if seg[2] - seg[1] >= _ZERO_COPY_BYTES:
-            if bucket:
-                runs.append(bucket)
-                bucket = []
-            runs.append([seg])
-        else:
-            bucket.append(seg)
+    for segs in per_transfer:
+        if sum(hi - lo for _, lo, hi in segs) < _BUCKET_BYTES:
+            bucket += segs
+            continue
+        if bucket:
+            runs.append(bucket)
+            bucket = []
+        part: list[_Segment] = []
+        for seg in segs:
+            if seg[2] - seg[1] >= _ZERO_COPY_BYTES:
+                if part:
+                    runs.append(part)
+                    part = []
+                runs.append([seg])
+            else:
+                part.append(seg)
+        if part:
+            runs.append(part)
     if bucket:
         runs.append(bucket)
     return runs
+
+
+def _span(run: list[_Segment]) -> torch.Tensor | None:
+    """The run's bytes as one uint8 tensor when they lie back to back in one storage (sent from, or
+    received into, without a copy); None when they do not."""
+    view, lo, hi = run[0]
+    if len(run) == 1:
+        return view[lo:hi]
+    storage = view.untyped_storage().data_ptr()
+    end = view.storage_offset() + hi
+    for v, a, b in run[1:]:
+        if v.untyped_storage().data_ptr() != storage or v.storage_offset() + a != end:
+            return None
+        end = v.storage_offset() + b
+    start = view.storage_offset() + lo
+    return view.as_strided((end - start,), (1,), start)
+
+
+_Run = tuple[_Segment, ...]           # segments ((expert, tensor), lo, hi) that travel as one buffer
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """One rank's part of a plan, cut into runs once and cached with the plan (`_schedule`).
+
+    Attributes:
+        posts: per (stage, slice) this rank takes part in: its receives as ``(src, runs)`` and its sends
+            as ``(dst, runs, crosses_nodes)``, in the order both sides post them.
+    """
+
+    posts: dict[tuple[int, int], tuple[tuple[tuple[int, tuple[_Run, ...]], ...],
+                                       tuple[tuple[int, tuple[_Run, ...], bool], ...]]]
+
+    @property
+    def first_stage_received_E(self) -> frozenset[int]:
+        """Experts of which this rank receives bytes in stage 0."""
+        return frozenset(key[0] for (stage, _), (receives, _) in self.posts.items() if stage == 0
+                         for _, runs in receives for run in runs for key, _, _ in run)
+
+
+def _schedule(plan: CommPlan, layouts: ChunkLayout | list[ChunkLayout], rank: int) -> _Schedule:
+    """``rank``'s `_Schedule` of ``plan`` (whose chunk layouts are ``layouts``); cached on the plan."""
+    key = (rank, _ZERO_COPY_BYTES, _BUCKET_BYTES)      # the cutting constants, as in the plan cache
+    cached = plan._schedules.get(key)
+    if cached is not None:
+        return cached
+
+    def runs(transfers: list[Transfer]) -> tuple[_Run, ...]:
+        return tuple(tuple(run) for run in _runs([
+            [((t.expert, i), lo, hi) for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop)]
+            for t in transfers]))
+
+    posts = {}
+    for stage in range(len(plan.stages)):
+        for slice_ in (DIRECT, *range(plan.num_slices)):
+            msgs = sorted(plan.messages(stage, slice_).items())
+            receives = tuple((src, runs(ts)) for (src, dst), ts in msgs if dst == rank)
+            sends = tuple((dst, runs(ts), plan.node_ids[src] != plan.node_ids[dst])
+                          for (src, dst), ts in msgs if src == rank)
+            if receives or sends:
+                posts[(stage, slice_)] = (receives, sends)
+    schedule = plan._schedules[key] = _Schedule(posts)
+    return schedule
 
 
 class _GroupWorker:
@@ -513,10 +617,9 @@ class SparseCollectiveHandle:
         finally:
             self._done.set()
 
-    def _run_stages(self, group: Any, deadline: float, device: torch.device,
-                    send_segs: Callable[[int, list[Transfer]], list[_Segment]],
-                    recv_segs: Callable[[list[Transfer]], list[_Segment]], direct_recv: bool,
-                    on_recv: Callable[[list[_Segment], torch.Tensor], None]) -> None:
+    def _run_stages(self, group: Any, deadline: float, device: torch.device, schedule: _Schedule,
+                    send_view: Callable[[int, Any], torch.Tensor], recv_view: Callable[[Any], torch.Tensor] | None,
+                    on_recv: Callable[[_Run, torch.Tensor], None]) -> None:
         """Run this rank's part of the plan.
 
         Order (the same on every rank, so per peer both sides post the same sequence of messages, which
@@ -532,7 +635,7 @@ class SparseCollectiveHandle:
         pending: list[_Pending] = []
 
         def post(stage: int, slice_: int) -> tuple[list, list]:
-            return self._post(group, stage, slice_, device, send_segs, recv_segs, direct_recv, deadline, pending)
+            return self._post(group, stage, slice_, device, schedule, send_view, recv_view, deadline, pending)
 
         direct = [(stage, post(stage, DIRECT)) for stage in range(num_stages)]
         first = [post(0, i) for i in range(num_slices)]
@@ -545,55 +648,63 @@ class SparseCollectiveHandle:
         for p in pending:
             self._wait(p.works, p.stage, deadline)
 
-    def _post(self, group: Any, stage: int, slice_: int, device: torch.device,
-              send_segs: Callable[[int, list[Transfer]], list[_Segment]],
-              recv_segs: Callable[[list[Transfer]], list[_Segment]], direct_recv: bool, deadline: float,
-              pending: list[_Pending]) -> tuple[list[tuple[int, Any]], list]:
+    def _post(self, group: Any, stage: int, slice_: int, device: torch.device, schedule: _Schedule,
+              send_view: Callable[[int, Any], torch.Tensor], recv_view: Callable[[Any], torch.Tensor] | None,
+              deadline: float, pending: list[_Pending]) -> tuple[list[tuple[int, Any]], list]:
         """Post this rank's receives and sends of one (stage, slice) as one batch; sends go to ``pending``.
 
-        Each (src, dst) message travels as the runs of `_runs` (both sides cut the same segment sizes
-        into the same runs): a large segment is sent from, and with ``direct_recv`` received into, its
-        tensor without a copy. One `dist.batch_isend_irecv` per (stage, slice): on NCCL the receives and
-        sends form one group, so two devices exchanging in both directions cannot block each other.
+        Each (src, dst) message travels as the runs of `_runs` (both sides cut the same sizes into the
+        same runs). ``send_view(stage, (expert, tensor))`` and ``recv_view((expert, tensor))`` give the
+        1-D uint8 view of a tensor the bytes come from or go to (``recv_view=None``: received bytes are
+        combined by ``on_recv``, never written in place). A run whose bytes lie back to back there
+        travels without a copy (`_span`); others are concatenated, or received into a buffer and unpacked.
+        On NCCL one `dist.batch_isend_irecv` per (stage, slice) makes the receives and sends one group, so
+        two devices exchanging in both directions cannot block each other.
         Returns the receives and the buffers to unpack once they arrived.
         """
-        msgs = sorted(self.plan.messages(stage, slice_).items())
-        node_ids = self.plan.node_ids
+        receives, sends_ = schedule.posts.get((stage, slice_), ((), ()))
+        if not receives and not sends_:
+            return [], []
         sends = _Pending(stage)
         pending.append(sends)
         received: list = []
         recv_ops: list[tuple[int, torch.Tensor]] = []
         send_ops: list[tuple[int, torch.Tensor]] = []
-        for (src, dst), transfers in msgs:
-            if dst == self.rank:
-                for run in _runs(recv_segs(transfers)):
-                    if direct_recv and len(run) == 1:          # straight into the destination tensor
-                        view, lo, hi = run[0]
-                        buf = view[lo:hi]
-                    else:
-                        buf = torch.empty(sum(hi - lo for _, lo, hi in run), dtype=torch.uint8, device=device)
-                        received.append((run, buf))
-                    recv_ops.append((src, buf))
-                    self.recv_bytes += buf.numel()
-        for (src, dst), transfers in msgs:
-            if src == self.rank:
-                for run in _runs(send_segs(stage, transfers)):
-                    buf = run[0][0][run[0][1]:run[0][2]] if len(run) == 1 else \
-                        torch.cat([view[lo:hi] for view, lo, hi in run])
-                    sends.buffers.append(buf)
-                    send_ops.append((dst, buf))
-                    self.sent_bytes += buf.numel()
-                    if node_ids[src] != node_ids[dst]:
-                        self.inter_node_sent_bytes += buf.numel()
-        if not recv_ops and not send_ops:
-            return [], received
-        ops = [dist.P2POp(dist.irecv, buf, group=group, group_peer=peer, tag=_P2P_TAG) for peer, buf in recv_ops]
-        ops += [dist.P2POp(dist.isend, buf, group=group, group_peer=peer, tag=_P2P_TAG) for peer, buf in send_ops]
+        for src, runs in receives:
+            for run in runs:
+                buf = None if recv_view is None else _span([(recv_view(key), lo, hi) for key, lo, hi in run])
+                if buf is None:
+                    buf = torch.empty(sum(hi - lo for _, lo, hi in run), dtype=torch.uint8, device=device)
+                    received.append((run, buf))
+                recv_ops.append((src, buf))
+                self.recv_bytes += buf.numel()
+        for dst, runs, crosses_nodes in sends_:
+            for run in runs:
+                segs = [(send_view(stage, key), lo, hi) for key, lo, hi in run]
+                buf = _span(segs)
+                if buf is None:
+                    buf = torch.cat([view[lo:hi] for view, lo, hi in segs])
+                sends.buffers.append(buf)
+                send_ops.append((dst, buf))
+                self.sent_bytes += buf.numel()
+                if crosses_nodes:
+                    self.inter_node_sent_bytes += buf.numel()
         try:
-            works = dist.batch_isend_irecv(ops)
+            if self._nccl:
+                ops = [dist.P2POp(dist.irecv, buf, group=group, group_peer=peer, tag=_P2P_TAG)
+                       for peer, buf in recv_ops]
+                ops += [dist.P2POp(dist.isend, buf, group=group, group_peer=peer, tag=_P2P_TAG)
+                        for peer, buf in send_ops]
+                works = dist.batch_isend_irecv(ops)
+            else:
+                # gloo has no grouping to do: post on the process group itself, which spares the
+                # per-operation argument checks of the functional API (most of a small message's cost).
+                pg = group if group is not None else dist.group.WORLD
+                works = [pg.recv([buf], peer, _P2P_TAG) for peer, buf in recv_ops]
+                works += [pg.send([buf], peer, _P2P_TAG) for peer, buf in send_ops]
         except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
             raise self._failure(exc, stage, [p for p, _ in recv_ops + send_ops], deadline) from exc
-        if len(works) == len(ops):                     # one work per operation (gloo)
+        if len(works) == len(recv_ops) + len(send_ops):   # one work per operation (gloo)
             recvs = [(peer, w) for (peer, _), w in zip(recv_ops, works)]
             sends.works = [(peer, w) for (peer, _), w in zip(send_ops, works[len(recv_ops):])]
         else:                                          # one work for the whole batch (NCCL)
@@ -694,15 +805,62 @@ def _layout_of(layouts: ChunkLayout | list[ChunkLayout], e: int) -> ChunkLayout:
     return layouts if isinstance(layouts, ChunkLayout) else layouts[e]
 
 
+@dataclass(frozen=True)
+class _Local:
+    """What a placement pair means for one rank, computed once per (P, P', topology, rank) and cached.
+
+    Attributes:
+        owners_E: [E] the owner of every expert in P.
+        added_E: experts P' adds on this rank (SpAG receives them; in SpRS they are its replicas).
+        replicated_E: experts this rank owns that P' replicates (SpAG sends them; SpRS sums into them).
+        holds_E: experts this rank holds in P'.
+    """
+
+    owners_E: tuple[int, ...]
+    added_E: tuple[int, ...]
+    replicated_E: tuple[int, ...]
+    holds_E: frozenset[int]
+
+
+_LOCAL_CACHE: dict[tuple, _Local] = {}
+
+
 def _common(shard: Placement, placement: Placement, topology: Topology | None, group: Any, what: str
-            ) -> tuple[Topology, int, int]:
+            ) -> tuple[Topology, int, _Local]:
+    """(topology, rank, this rank's `_Local`) after checking the placements against each other and the
+    group; the checks run once per placement pair (a cached pair passed them)."""
     rank, world = _group_rank_and_size(group)
+    if not isinstance(shard, Placement) or not isinstance(placement, Placement):
+        raise ValueError("shard and placement must be themis_compile.planner.Placement objects")
     if topology is None:
-        topology = Topology.single_node(shard.num_devices)
+        topology = _single_node(shard.num_devices)
+    key = (shard, placement, topology.devices_per_node, rank, world)
+    local = _LOCAL_CACHE.get(key)
+    if local is not None:
+        return topology, rank, local
     _check_placements(shard, placement, topology)
     if shard.num_devices != world:
         raise ValueError(f"{what}: placements span {shard.num_devices} devices but the group has {world} ranks")
-    return topology, rank, world
+    delta_ED = placement.mask & ~shard.mask
+    owners_E = tuple(int(o) for o in shard.owners())
+    local = _Local(owners_E, tuple(int(e) for e in np.flatnonzero(delta_ED[:, rank])),
+                   tuple(int(e) for e in np.flatnonzero(delta_ED.any(axis=1)) if owners_E[e] == rank),
+                   frozenset(int(e) for e in np.flatnonzero(placement.mask[:, rank])))
+    if len(_LOCAL_CACHE) >= _PLAN_CACHE_SIZE:
+        _LOCAL_CACHE.clear()
+    _LOCAL_CACHE[key] = local
+    return topology, rank, local
+
+
+_SINGLE_NODE: dict[int, Topology] = {}
+
+
+def _single_node(num_devices: int) -> Topology:
+    """The default topology (one node), made once per size."""
+    topology = _SINGLE_NODE.get(num_devices)
+    if topology is None:
+        topology = _SINGLE_NODE[num_devices] = Topology.single_node(num_devices)
+    return topology
 
 
 # ============================================================================================ SpAG
@@ -735,11 +893,8 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
         A handle whose ``wait()`` returns ``{expert: [tensor, ...]}`` with bit-exact copies of every expert
         P' adds to this rank (and nothing else).
     """
-    topology, rank, world = _common(shard, placement, topology, group, SPAG)
-    delta_ED = placement.mask & ~shard.mask
-    owners_E = shard.owners()
-    receives_E = np.flatnonzero(delta_ED[:, rank]) if world > 1 else np.zeros(0, dtype=np.int64)
-    sends_E = [int(e) for e in np.flatnonzero(delta_ED.any(axis=1)) if owners_E[e] == rank]
+    topology, rank, local = _common(shard, placement, topology, group, SPAG)
+    owners_E, receives_E, sends_E = local.owners_E, local.added_E, local.replicated_E
     missing = [e for e in sends_E if e not in chunks]
     if missing:
         raise ValueError(f"{SPAG} of layer {layer!r}: rank {rank} owns experts {missing} that P' replicates "
@@ -748,7 +903,7 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
     if not_owned:
         raise ValueError(f"{SPAG} of layer {layer!r}: `chunks` holds experts {not_owned} that rank {rank} "
                          f"does not own in P")
-    layouts = _resolve_layouts(spec, shard.num_experts, chunks, receives_E.size > 0, f"{SPAG} of layer {layer!r}")
+    layouts = _resolve_layouts(spec, shard.num_experts, chunks, bool(receives_E), f"{SPAG} of layer {layer!r}")
     layout_known = layouts is not None
     if layouts is None:       # this rank neither sends nor receives: any layout gives it an empty plan
         layouts = ChunkLayout.from_spec([])
@@ -760,7 +915,7 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
     # Step 1: destination tensors for every expert P' adds here (allocated now: zero-size ones are done).
     result: dict[int, list[torch.Tensor]] = {}
     device = _default_device(group, chunks)
-    for e in (int(x) for x in receives_E):
+    for e in receives_E:
         layout = _layout_of(layouts, e)
         if out is not None and e in out:
             dst = list(out[e])
@@ -770,32 +925,28 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
         else:
             dst = layout.empty(device)
         result[e] = dst
-    if not any(t.src == rank or t.dst == rank for stage in plan.stages for t in stage):
+    schedule = _schedule(plan, layouts, rank)
+    if not schedule.posts:
         handle._result = result
         handle._done.set()
         return handle
     src_bytes = {e: [_flat_bytes(t) for t in chunks[e]] for e in sends_E}
     dst_bytes = {e: [t.reshape(-1).view(torch.uint8) for t in ts] for e, ts in result.items()}
 
-    def segments(transfers: list[Transfer]) -> list[tuple[torch.Tensor, int, int]]:
-        segs = []
-        for t in transfers:
-            views = src_bytes[t.expert] if t.expert in src_bytes else dst_bytes[t.expert]
-            for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop):
-                segs.append((views[i], lo, hi))
-        return segs
+    def view(key: tuple[int, int]) -> torch.Tensor:
+        e, i = key
+        return src_bytes[e][i] if e in src_bytes else dst_bytes[e][i]
 
-    def on_recv(run: list[_Segment], buf: torch.Tensor) -> None:
+    def on_recv(run: _Run, buf: torch.Tensor) -> None:
         pos = 0
-        for view, lo, hi in run:
-            view[lo:hi].copy_(buf[pos:pos + hi - lo])
+        for key, lo, hi in run:
+            view(key)[lo:hi].copy_(buf[pos:pos + hi - lo])
             pos += hi - lo
 
     deadline = time.monotonic() + handle.timeout_s
 
     def body() -> dict[int, list[torch.Tensor]]:
-        handle._run_stages(group, deadline, device, lambda stage, transfers: segments(transfers), segments,
-                           True, on_recv)
+        handle._run_stages(group, deadline, device, schedule, lambda stage, key: view(key), view, on_recv)
         return result
 
     _launch(handle, group, body)
@@ -837,13 +988,9 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
         sum of its gradient over all holders in P' **including the owner's own gradient** (new tensors for
         replicated experts; the given tensors themselves for experts without replicas). Non-owners get {}.
     """
-    topology, rank, world = _common(shard, placement, topology, group, SPRS)
-    delta_ED = placement.mask & ~shard.mask
-    owners_E = shard.owners()
-    holds_E = [int(e) for e in np.flatnonzero(placement.mask[:, rank])]
-    owned_rep_E = [e for e in holds_E if owners_E[e] == rank and delta_ED[e].any()]
-    replica_E = [int(e) for e in np.flatnonzero(delta_ED[:, rank])]
-    missing = [e for e in owned_rep_E + replica_E if e not in grads]
+    topology, rank, local = _common(shard, placement, topology, group, SPRS)
+    owners_E, holds_E, owned_rep_E, replica_E = local.owners_E, local.holds_E, local.replicated_E, local.added_E
+    missing = [e for e in (*owned_rep_E, *replica_E) if e not in grads]
     if missing:
         raise ValueError(f"{SPRS} of layer {layer!r}: rank {rank} holds experts {missing} in P' "
                          f"(replicated or replicas) but `grads` lacks them")
@@ -856,7 +1003,7 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
     layout_known = layouts is not None
     if layouts is None:       # this rank holds nothing: any layout gives it an empty plan
         layouts = ChunkLayout.from_spec([])
-    for e in owned_rep_E + replica_E:
+    for e in (*owned_rep_E, *replica_E):
         layout = _layout_of(layouts, e)
         layout.check(grads[e], f"{SPRS} of layer {layer!r}: gradient of expert {e}")
         if any(dt == torch.bool for dt in layout.dtypes):
@@ -867,7 +1014,8 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
     # Owned experts without replicas are already complete.
     result: dict[int, list[torch.Tensor]] = {int(e): list(g) for e, g in grads.items()
                                               if owners_E[int(e)] == rank and int(e) not in owned_rep_E}
-    if not any(t.src == rank or t.dst == rank for stage in plan.stages for t in stage):
+    schedule = _schedule(plan, layouts, rank)
+    if not schedule.posts:
         for e in owned_rep_E:               # zero-size chunks: nothing to add
             result[e] = [g.clone() for g in grads[e]]
         handle._result = result
@@ -875,32 +1023,29 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
         return handle
 
     # Step 1: accumulators: the owner's result and, on replicas, the partial sum of their piece.
-    acc: dict[int, list[torch.Tensor]] = {e: [g.detach().contiguous().clone() for g in grads[e]]
-                                          for e in owned_rep_E}
-    if plan.stages:
-        for t in plan.stages[0]:
-            if t.dst == rank and t.expert not in acc:
-                acc[t.expert] = [g.detach().contiguous().clone() for g in grads[t.expert]]
-    src_bytes = {e: [_flat_bytes(g) for g in grads[e]] for e in replica_E}
+    # They are flat (`ChunkLayout.empty`), so a partial sum spanning several tensors leaves without a copy.
+    def accumulator(e: int) -> list[torch.Tensor]:
+        out = _layout_of(layouts, e).empty(grads[e][0].device if grads[e] else device)
+        for a, g in zip(out, grads[e]):
+            a.copy_(g.detach())
+        return out
+
     device = _default_device(group, grads)
+    acc: dict[int, list[torch.Tensor]] = {e: accumulator(e) for e in owned_rep_E}
+    for e in schedule.first_stage_received_E:
+        if e not in acc:
+            acc[e] = accumulator(e)
+    src_bytes = {e: [_flat_bytes(g) for g in grads[e]] for e in replica_E}
     acc_flat = {e: [a.reshape(-1) for a in ts] for e, ts in acc.items()}
 
     acc_bytes = {e: [a.view(torch.uint8) for a in ts] for e, ts in acc_flat.items()}
 
-    def send_segs(stage: int, transfers: list[Transfer]) -> list[_Segment]:
+    def send_view(stage: int, key: tuple[int, int]) -> torch.Tensor:
+        e, i = key
         last = stage == len(plan.stages) - 1          # the gather to the owners sends partial sums
-        segs = []
-        for t in transfers:
-            views = acc_bytes[t.expert] if last and t.expert in acc else src_bytes[t.expert]
-            for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop):
-                segs.append((views[i], lo, hi))
-        return segs
+        return acc_bytes[e][i] if last and e in acc else src_bytes[e][i]
 
-    def recv_segs(transfers: list[Transfer]) -> list[_Segment]:
-        return [((t.expert, i), lo, hi) for t in transfers
-                for i, lo, hi in _layout_of(layouts, t.expert).segments(t.start, t.stop)]
-
-    def on_recv(run: list[_Segment], buf: torch.Tensor) -> None:
+    def on_recv(run: _Run, buf: torch.Tensor) -> None:
         pos = 0
         for (e, i), lo, hi in run:
             dt = _layout_of(layouts, e).dtypes[i]
@@ -910,7 +1055,7 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
     deadline = time.monotonic() + handle.timeout_s
 
     def body() -> dict[int, list[torch.Tensor]]:
-        handle._run_stages(group, deadline, device, send_segs, recv_segs, False, on_recv)
+        handle._run_stages(group, deadline, device, schedule, send_view, None, on_recv)
         for e in owned_rep_E:
             result[e] = acc[e]
         return result
