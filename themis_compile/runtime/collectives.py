@@ -489,11 +489,16 @@ class _Schedule:
     posts: dict[tuple[int, int], tuple[tuple[tuple[int, tuple[_Run, ...]], ...],
                                        tuple[tuple[int, tuple[_Run, ...], bool], ...]]]
 
-    @property
-    def first_stage_received_E(self) -> frozenset[int]:
-        """Experts of which this rank receives bytes in stage 0."""
-        return frozenset(key[0] for (stage, _), (receives, _) in self.posts.items() if stage == 0
-                         for _, runs in receives for run in runs for key, _, _ in run)
+    def first_stage_receives(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Per expert, the byte ranges ``(tensor, lo, hi)`` this rank receives in stage 0."""
+        out: dict[int, list[tuple[int, int, int]]] = {}
+        for (stage, _), (receives, _) in self.posts.items():
+            if stage == 0:
+                for _, runs in receives:
+                    for run in runs:
+                        for (e, i), lo, hi in run:
+                            out.setdefault(e, []).append((i, lo, hi))
+        return out
 
 
 def _schedule(plan: CommPlan, layouts: ChunkLayout | list[ChunkLayout], rank: int) -> _Schedule:
@@ -1022,23 +1027,25 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
         handle._done.set()
         return handle
 
-    # Step 1: accumulators: the owner's result and, on replicas, the partial sum of their piece.
-    # They are flat (`ChunkLayout.empty`), so a partial sum spanning several tensors leaves without a copy.
-    def accumulator(e: int) -> list[torch.Tensor]:
-        out = _layout_of(layouts, e).empty(grads[e][0].device if grads[e] else device)
-        for a, g in zip(out, grads[e]):
-            a.copy_(g.detach())
-        return out
-
+    # Step 1: accumulators: the owner's result (its own gradient, to which the others are added) and, on
+    # a replica that combines a piece for its node, that piece of its own gradient (the rest of the
+    # buffer is never read). They are flat (`ChunkLayout.empty`), so a partial sum spanning several
+    # tensors leaves without a copy.
     device = _default_device(group, grads)
-    acc: dict[int, list[torch.Tensor]] = {e: accumulator(e) for e in owned_rep_E}
-    for e in schedule.first_stage_received_E:
-        if e not in acc:
-            acc[e] = accumulator(e)
     src_bytes = {e: [_flat_bytes(g) for g in grads[e]] for e in replica_E}
+    acc: dict[int, list[torch.Tensor]] = {}
+    for e in owned_rep_E:
+        acc[e] = _layout_of(layouts, e).empty(device)
+        for a, g in zip(acc[e], grads[e]):
+            a.copy_(g.detach())
+    pieces_E = {e: ranges for e, ranges in schedule.first_stage_receives().items() if e not in acc}
+    for e in pieces_E:
+        acc[e] = _layout_of(layouts, e).empty(device)
     acc_flat = {e: [a.reshape(-1) for a in ts] for e, ts in acc.items()}
-
     acc_bytes = {e: [a.view(torch.uint8) for a in ts] for e, ts in acc_flat.items()}
+    for e, ranges in pieces_E.items():
+        for i, lo, hi in ranges:
+            acc_bytes[e][i][lo:hi].copy_(src_bytes[e][i][lo:hi])
 
     def send_view(stage: int, key: tuple[int, int]) -> torch.Tensor:
         e, i = key
