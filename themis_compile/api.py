@@ -13,6 +13,7 @@ from torch import nn
 from themis_compile.config import ThemisConfig
 from themis_compile.passes.detect import MoELayerInfo, explain_moe_layers, find_moe_layers
 from themis_compile.passes.shard import prepare_moe_layers
+from themis_compile.runtime.collectives import collective_device
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
         ranks = dist.get_process_group_ranks(group)
         if ranks != list(range(dist.get_world_size())):
             raise ValueError("dense_parallel='fsdp2' needs the default group's ranks in order")
-        device = "cuda" if torch.cuda.is_available() and dist.get_backend(group) == "nccl" else "cpu"
+        device = collective_device(group).type
         mesh = init_device_mesh(device, (len(ranks),))
         expert_params = {p for m in sharded for p in m.parameters()}
         fully_shard(model, mesh=mesh, ignored_params=expert_params)
@@ -175,8 +176,7 @@ def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
     comm_group = dist.new_group(ranks=dist.get_process_group_ranks(group))
     # Its first operation involves every rank: on NCCL, batched point-to-point operations may involve a
     # subset of the group's ranks only once the communicator exists (torch's batch_isend_irecv contract).
-    nccl = dist.get_backend(comm_group) == "nccl"
-    dist.all_reduce(torch.zeros(1, device="cuda" if nccl else "cpu"), group=comm_group)
+    dist.all_reduce(torch.zeros(1, device=collective_device(comm_group)), group=comm_group)
     return FSSDPState(rank=rank, world_size=world_size, group=group, comm_group=comm_group, topology=topology,
                       rematerialize=config.rematerialize, calibrate=config.calibrate,
                       timeout_s=config.collective_timeout_s, check_plans=config.check_plans)

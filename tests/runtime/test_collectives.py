@@ -75,7 +75,7 @@ def _assert_bit_exact(got: list[torch.Tensor], want: list[torch.Tensor], what: s
 
 
 def _check_case(rank: int, world: int, topology: Topology, seed: int, num_experts: int, spec_name: str,
-                density: float, store_key: str, flat_owned: bool = False) -> dict:
+                density: float, store_key: str, flat_owned: bool = False, group=None) -> dict:
     """One SpAG + re-materialization SpAG + SpRS round trip; returns this rank's byte counts.
     ``flat_owned``: odd ranks hold their chunks as views into one buffer (`ChunkLayout.empty`), even ranks
     as separate tensors, so senders and receivers differ in which runs they can use without a copy."""
@@ -93,7 +93,7 @@ def _check_case(rank: int, world: int, topology: Topology, seed: int, num_expert
     psi = ChunkLayout.from_spec(spec).nbytes
 
     # SpAG: exactly ΔP on this rank, bit-exact.
-    handle = sparse_all_gather(owned, shard, placement, topology, spec=spec, layer=layer, timeout_s=30)
+    handle = sparse_all_gather(owned, shard, placement, topology, group, spec=spec, layer=layer, timeout_s=30)
     got = handle.wait()
     assert set(got) == want_E, (rank, sorted(got), sorted(want_E))
     for e in want_E:
@@ -114,7 +114,7 @@ def _check_case(rank: int, world: int, topology: Topology, seed: int, num_expert
     # Re-materialization: the replicas were freed; gather again toward the same P' into reused buffers.
     del got
     reused = {e: [torch.zeros(s, dtype=dt) for s, dt in spec] for e in want_E}
-    again = sparse_all_gather(owned, shard, placement, topology, spec=spec, layer=layer + "/rm",
+    again = sparse_all_gather(owned, shard, placement, topology, group, spec=spec, layer=layer + "/rm",
                               out=reused, timeout_s=30).wait()
     for e in want_E:
         assert all(a is b for a, b in zip(again[e], reused[e]))
@@ -124,7 +124,7 @@ def _check_case(rank: int, world: int, topology: Topology, seed: int, num_expert
 
     # SpRS: every owner gets the exact sum over all holders (integer-valued grads sum exactly).
     grads = {int(e): _chunk(seed, int(e), spec, holder=rank) for e in placement.experts_on(rank)}
-    handle = sparse_reduce_scatter(grads, placement, shard, topology, spec=spec, layer=layer, timeout_s=30)
+    handle = sparse_reduce_scatter(grads, placement, shard, topology, group, spec=spec, layer=layer, timeout_s=30)
     summed = handle.wait()
     assert set(summed) == set(owned), (rank, sorted(summed), sorted(owned))
     for e in owned:
@@ -247,6 +247,49 @@ def _run_sliced(rank: int, world: int) -> list[dict]:
     return cases
 
 
+def _count_temp_receive_buffers(rank: int, world: int, out_separate: bool) -> int:
+    """SpAG of one expert to every other rank; returns how many receive runs went through a buffer.
+    Its chunk is two tensors and the three pieces are 80 kB each, so the middle piece spans both."""
+    from themis_compile.runtime import collectives
+
+    spec = [((100, 300), torch.float32), ((300, 100), torch.float32)]
+    shard = Placement.contiguous(world, world)
+    everywhere = np.zeros((world, world), dtype=bool)
+    everywhere[0] = True
+    placement = shard.union(Placement(everywhere))                                 # expert 0 everywhere
+    owned = {int(e): _chunk(41, int(e), spec) for e in shard.experts_on(rank)}
+    out = {0: [torch.zeros(s, dtype=dt) for s, dt in spec]} if out_separate and rank != 0 else None
+    count = 0
+    complete = collectives.SparseCollectiveHandle._complete
+
+    def counting(self, posted, *args):
+        nonlocal count
+        count += len(posted[1])
+        return complete(self, posted, *args)
+
+    collectives.SparseCollectiveHandle._complete = counting
+    try:
+        got = sparse_all_gather(owned, shard, placement, Topology.from_env(world), spec=spec, layer="in-place",
+                                out=out, timeout_s=30).wait()
+    finally:
+        collectives.SparseCollectiveHandle._complete = complete
+    if rank != 0:
+        _assert_bit_exact(got[0], _chunk(41, 0, spec), f"in-place expert 0 on rank {rank}")
+    return count
+
+
+def _run_subgroup_and_in_place(rank: int, world: int) -> dict:
+    """Collectives on a sub-group (ranks 1..3 of 4, group-local ranks, two nodes), and whether receives
+    land in place."""
+    group = dist.new_group([1, 2, 3])
+    out = {"flat": _count_temp_receive_buffers(rank, world, False),
+           "separate": _count_temp_receive_buffers(rank, world, True)}
+    if rank != 0:
+        out["sub"] = _check_case(dist.get_rank(group), 3, Topology([2, 1]), 31, 5, "swiglu", 0.6, "sub",
+                                 group=group)
+    return out
+
+
 def _run_missing_rank(rank: int, world: int) -> str:
     """Rank 3 owns an expert everyone needs; it stays alive but never calls the collective. Rank 0 owns
     another one, so the waiting ranks also exchange with a healthy peer in the same stage."""
@@ -306,6 +349,36 @@ def test_pipeline_slices_and_zero_copy_runs_stay_exact() -> None:
         assert sum(s["spag_recv"] for s in per_rank) == per_rank[0]["spag_model_total"]
         assert sum(s["spag_inter"] for s in per_rank) == per_rank[0]["spag_model_inter"]
         assert sum(s["sprs_inter"] for s in per_rank) == per_rank[0]["spag_model_inter"]
+
+
+def test_sub_group_and_receives_in_place() -> None:
+    results = run_multirank(_run_subgroup_and_in_place, 4, timeout_s=60)
+    # Replicas are allocated flat: every piece, also one spanning two tensors, is received in place.
+    assert all(r["flat"] == 0 for r in results)
+    # Into separate `out` tensors the spanning piece needs a buffer (on each of the three receivers).
+    assert sum(r["separate"] for r in results) >= 3
+    per_rank = [r["sub"] for r in results[1:]]
+    assert sum(s["spag_recv"] for s in per_rank) == per_rank[0]["spag_model_total"] > 0
+    assert sum(s["spag_inter"] for s in per_rank) == per_rank[0]["spag_model_inter"] > 0
+
+
+def test_schedule_cache_follows_the_cutting_constants(monkeypatch) -> None:
+    from themis_compile.runtime import collectives
+
+    layout = ChunkLayout.from_spec(SPECS["swiglu"])
+    shard = Placement.contiguous(4, 4)
+    plan = plan_sparse_all_gather(shard, Placement.full(4, 4), Topology([2, 2]), layout)
+
+    def runs() -> int:
+        return sum(len(r) for recv, send in collectives._schedule(plan, layout, 0).posts.values()
+                   for _, r, *_ in (*recv, *send))
+    bucketed = runs()
+    monkeypatch.setattr(collectives, "_BUCKET_BYTES", 1)        # every transfer its own runs
+    apart = runs()
+    monkeypatch.setattr(collectives, "_ZERO_COPY_BYTES", 1)     # every segment alone
+    alone = runs()
+    assert bucketed < apart < alone
+    assert collectives._schedule(plan, layout, 0) is collectives._schedule(plan, layout, 0)
 
 
 def test_missing_rank_times_out_naming_collective_and_layer() -> None:
@@ -503,3 +576,15 @@ def test_only_relayed_pieces_are_sliced_and_a_lone_new_holder_is_direct() -> Non
     relayed = [t for t in stage0 if t.expert == 0]
     assert {t.slice for t in relayed} == {0} and all(t.slice >= 0 for t in stage1)   # 1.5 MiB pieces: 1 slice
     assert plan.num_slices == 1 and sum(t.nbytes for t in relayed) == big.nbytes
+
+
+def test_collective_device_follows_the_backend_for_cuda(monkeypatch) -> None:
+    from themis_compile.runtime import collectives
+
+    assert collectives.collective_device() == torch.device("cpu")          # no process group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for config, device in [("cuda:nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cuda:3"), ("cpu:gloo,cuda:gloo", "cpu")]:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=config: c)
+        assert collectives.collective_device() == torch.device(device), config

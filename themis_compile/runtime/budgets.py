@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from themis_compile.runtime.collectives import collective_device
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,8 +44,7 @@ class BudgetController:
         self._checks = 0
         self._bw: dict[str, float] = {}
         # Where small collective tensors live: the group's device (NCCL needs CUDA tensors).
-        nccl = self.state.world_size > 1 and dist.get_backend(self.state.group) == "nccl"
-        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._device = collective_device(self.state.group) if self.state.world_size > 1 else torch.device("cpu")
         cached = self._rank0(lambda: self._cached(model))
         if cached is not None:
             self._apply(P.Profile.from_json(cached, source="cache"))

@@ -21,7 +21,10 @@ reached node sees Ψ of inter-node traffic, and the collective takes two message
 replica count. Piece sizes are chosen by water-filling on the bytes each device already sends in this
 collective, so devices that send a lot (owners of many hot experts) get small pieces to relay: any holder
 may supply a piece (§3.3). Pieces are cut at element boundaries so that gradients can be summed piecewise.
-All pieces one device sends to another in one stage travel as one flat byte message (bucketing).
+What one device sends to another in one stage is cut into runs by sizes both sides know (`_runs`): small
+pieces are bucketed into one buffer, large ones travel alone, and a run whose bytes lie back to back in
+memory is sent from or received into that memory without a copy. Replicas and partial sums are therefore
+allocated as views into one flat buffer per expert (`ChunkLayout.empty`).
 
 Asynchrony: on gloo the stages run on one background thread per process group (FIFO, so collectives
 execute in issue order on every rank; ``Work.wait`` releases the GIL, so compute on the main thread
@@ -74,6 +77,7 @@ __all__ = [
     "SparseCollectiveHandle",
     "SpAGHandle",
     "SpRSHandle",
+    "collective_device",
     "plan_sparse_all_gather",
     "plan_sparse_reduce_scatter",
     "sparse_all_gather",
@@ -484,21 +488,14 @@ class _Schedule:
     Attributes:
         posts: per (stage, slice) this rank takes part in: its receives as ``(src, runs)`` and its sends
             as ``(dst, runs, crosses_nodes)``, in the order both sides post them.
+        first_stage_ranges: per expert, the distinct byte ranges ``(tensor, lo, hi)`` this rank receives
+            in stage 0 (in SpRS: the piece it combines for its node).
     """
 
     posts: dict[tuple[int, int], tuple[tuple[tuple[int, tuple[_Run, ...]], ...],
                                        tuple[tuple[int, tuple[_Run, ...], bool], ...]]]
 
-    def first_stage_receives(self) -> dict[int, list[tuple[int, int, int]]]:
-        """Per expert, the byte ranges ``(tensor, lo, hi)`` this rank receives in stage 0."""
-        out: dict[int, list[tuple[int, int, int]]] = {}
-        for (stage, _), (receives, _) in self.posts.items():
-            if stage == 0:
-                for _, runs in receives:
-                    for run in runs:
-                        for (e, i), lo, hi in run:
-                            out.setdefault(e, []).append((i, lo, hi))
-        return out
+    first_stage_ranges: dict[int, tuple[tuple[int, int, int], ...]]
 
 
 def _schedule(plan: CommPlan, layouts: ChunkLayout | list[ChunkLayout], rank: int) -> _Schedule:
@@ -522,7 +519,14 @@ def _schedule(plan: CommPlan, layouts: ChunkLayout | list[ChunkLayout], rank: in
                           for (src, dst), ts in msgs if src == rank)
             if receives or sends:
                 posts[(stage, slice_)] = (receives, sends)
-    schedule = plan._schedules[key] = _Schedule(posts)
+    ranges: dict[int, dict[tuple[int, int, int], None]] = {}
+    for (stage, _), (receives, _) in posts.items():
+        if stage == 0:
+            for _, rs in receives:
+                for run in rs:
+                    for (e, i), lo, hi in run:
+                        ranges.setdefault(e, {})[(i, lo, hi)] = None
+    schedule = plan._schedules[key] = _Schedule(posts, {e: tuple(r) for e, r in ranges.items()})
     return schedule
 
 
@@ -772,20 +776,26 @@ def _group_rank_and_size(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _is_nccl(group: Any) -> bool:
+def collective_device(group: Any = None) -> torch.device:
+    """The device a group's collectives take their tensors on: the current CUDA device where the group
+    runs NCCL for CUDA tensors (``init_process_group("nccl")``, ``"cpu:gloo,cuda:nccl"``, or no backend
+    named on a CUDA machine), else the CPU."""
+    if not dist.is_available() or not dist.is_initialized():
+        return torch.device("cpu")
     try:
-        return dist.get_backend(group) == "nccl"
-    except Exception:  # noqa: BLE001 - no backend: not NCCL
-        return False
+        config = str(dist.get_backend_config(group))    # e.g. "cuda:nccl" or "cpu:gloo,cuda:nccl"
+    except Exception:  # noqa: BLE001 - older or custom groups: the backend's name
+        config = str(dist.get_backend(group))
+    if "nccl" in config.lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _default_device(group: Any, local: Mapping[int, Sequence[torch.Tensor]]) -> torch.device:
     for ts in local.values():
         for t in ts:
             return t.device
-    if _is_nccl(group):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device(group)
 
 
 def _resolve_layouts(spec: ChunkSpec | Mapping[int, ChunkSpec] | None, num_experts: int,
@@ -896,7 +906,8 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
 
     Returns:
         A handle whose ``wait()`` returns ``{expert: [tensor, ...]}`` with bit-exact copies of every expert
-        P' adds to this rank (and nothing else).
+        P' adds to this rank (and nothing else). Tensors allocated here are views into one buffer per expert
+        (`ChunkLayout.empty`): they share a storage, and freeing one storage frees the expert's chunk.
     """
     topology, rank, local = _common(shard, placement, topology, group, SPAG)
     owners_E, receives_E, sends_E = local.owners_E, local.added_E, local.replicated_E
@@ -954,15 +965,17 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
         handle._run_stages(group, deadline, device, schedule, lambda stage, key: view(key), view, on_recv)
         return result
 
-    _launch(handle, group, body)
+    _launch(handle, group, body, device)
     return handle
 
 
-def _launch(handle: SparseCollectiveHandle, group: Any, body: Callable[[], Any]) -> None:
+def _launch(handle: SparseCollectiveHandle, group: Any, body: Callable[[], Any], device: torch.device) -> None:
+    """Run ``body`` (the rank's stages): on CPU tensors (gloo) on the group's background thread; on device
+    tensors (NCCL) at once, batched and enqueued on the communicator's stream."""
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: rank %d starts %d stage(s), %d message(s) globally", handle._name(), handle.rank,
                      len(handle.plan.stages), handle.plan.num_messages())
-    if _is_nccl(group):
+    if device.type != "cpu":
         handle._nccl = True
         handle._run(body)                      # enqueued on the NCCL stream; the host does not block
     else:
@@ -990,8 +1003,9 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
 
     Returns:
         A handle whose ``wait()`` returns, for every expert this rank owns that appears in ``grads``, the
-        sum of its gradient over all holders in P' **including the owner's own gradient** (new tensors for
-        replicated experts; the given tensors themselves for experts without replicas). Non-owners get {}.
+        sum of its gradient over all holders in P' **including the owner's own gradient** (for replicated
+        experts new tensors, views into one buffer per expert as in `sparse_all_gather`; the given tensors
+        themselves for experts without replicas). Non-owners get {}.
     """
     topology, rank, local = _common(shard, placement, topology, group, SPRS)
     owners_E, holds_E, owned_rep_E, replica_E = local.owners_E, local.holds_E, local.replicated_E, local.added_E
@@ -1038,7 +1052,7 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
         acc[e] = _layout_of(layouts, e).empty(device)
         for a, g in zip(acc[e], grads[e]):
             a.copy_(g.detach())
-    pieces_E = {e: ranges for e, ranges in schedule.first_stage_receives().items() if e not in acc}
+    pieces_E = {e: ranges for e, ranges in schedule.first_stage_ranges.items() if e not in acc}
     for e in pieces_E:
         acc[e] = _layout_of(layouts, e).empty(device)
     acc_flat = {e: [a.reshape(-1) for a in ts] for e, ts in acc.items()}
@@ -1067,5 +1081,5 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
             result[e] = acc[e]
         return result
 
-    _launch(handle, group, body)
+    _launch(handle, group, body, device)
     return handle
