@@ -634,8 +634,8 @@ class SparseCollectiveHandle:
         Order (the same on every rank, so per peer both sides post the same sequence of messages, which
         gloo matches in posting order and NCCL in issue order):
 
-        1. every stage's direct transfers (slice ``DIRECT``: no relay depends on them);
-        2. stage 0 of every slice;
+        1. stage 0 of every slice (what relays wait for goes first);
+        2. every stage's direct transfers (slice ``DIRECT``: no relay depends on them);
         3. for slice i = 0, 1, ...: once this rank's stage-0 receives of slice i have arrived (and been
            unpacked), stage 1 of slice i — relaying overlaps the rest of stage 0;
         then the remaining receives, and last the sends (their buffers stay alive until then).
@@ -646,8 +646,8 @@ class SparseCollectiveHandle:
         def post(stage: int, slice_: int) -> tuple[list, list]:
             return self._post(group, stage, slice_, device, schedule, send_view, recv_view, deadline, pending)
 
-        direct = [(stage, post(stage, DIRECT)) for stage in range(num_stages)]
         first = [post(0, i) for i in range(num_slices)]
+        direct = [(stage, post(stage, DIRECT)) for stage in range(num_stages)]
         later = []
         for i in range(num_slices):
             self._complete(first[i], 0, deadline, on_recv)
@@ -684,7 +684,7 @@ class SparseCollectiveHandle:
                 buf = None if recv_view is None else _span([(recv_view(key), lo, hi) for key, lo, hi in run])
                 if buf is None:
                     buf = torch.empty(sum(hi - lo for _, lo, hi in run), dtype=torch.uint8, device=device)
-                    received.append((run, buf))
+                    received.append((len(recv_ops), run, buf))     # unpacked once operation i arrived
                 recv_ops.append((src, buf))
                 self.recv_bytes += buf.numel()
         for dst, runs, crosses_nodes in sends_:
@@ -723,31 +723,44 @@ class SparseCollectiveHandle:
         return recvs, received
 
     def _complete(self, posted: tuple[list[tuple[int, Any]], list], stage: int, deadline: float,
-                  on_recv: Callable[[list[_Segment], torch.Tensor], None]) -> None:
-        """Wait for posted receives, then unpack the ones that did not land in place."""
+                  on_recv: Callable[[_Run, torch.Tensor], None]) -> None:
+        """Wait for posted receives; unpack each one that did not land in place as soon as it arrived, so
+        that unpacking (in SpRS: summing) overlaps the receives still in flight."""
         recvs, received = posted
-        self._wait(recvs, stage, deadline)
-        for run, buf in received:
-            on_recv(run, buf)
+        done = 0
 
-    def _wait(self, works: list[tuple[int, Any]], stage: int, deadline: float) -> None:
-        """Wait for ``works`` in order. On gloo each wait is bounded by the deadline; on NCCL ``wait()``
-        only orders the current stream after the transfer (a timeout would block the host), and the
-        process group's own timeout applies."""
+        def unpack_through(i: int) -> None:
+            nonlocal done
+            while done < len(received) and received[done][0] <= i:
+                _, run, buf = received[done]
+                on_recv(run, buf)
+                done += 1
+
+        # On gloo a work per receive, in posting order; on NCCL the batch's works, then everything.
+        self._wait(recvs, stage, deadline, None if self._nccl else unpack_through)
+        unpack_through(len(received) + len(recvs))
+
+    def _wait(self, works: list[tuple[int, Any]], stage: int, deadline: float,
+              after: Callable[[int], None] | None = None) -> None:
+        """Wait for ``works`` in order, calling ``after(i)`` once work i is done. On gloo each wait is
+        bounded by the deadline; on NCCL ``wait()`` only orders the current stream after the transfer (a
+        timeout would block the host), and the process group's own timeout applies."""
         for i, (peer, work) in enumerate(works):
             try:
                 if self._nccl:
                     work.wait()
-                    continue
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError("the deadline passed")
-                work.wait(timeout=datetime.timedelta(seconds=remaining))
+                else:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError("the deadline passed")
+                    work.wait(timeout=datetime.timedelta(seconds=remaining))
             except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
                 # The peer whose transfer failed first, then those not waited for yet (gloo reports a
                 # point-to-point work as incomplete until it has been waited for).
                 waiting = [peer] + [p for p, _ in works[i + 1:] if p != peer]
                 raise self._failure(exc, stage, waiting, deadline) from exc
+            if after is not None:
+                after(i)
 
     def _failure(self, exc: BaseException, stage: int, peers: list[int], deadline: float) -> Exception:
         """The error to raise for ``exc``: names the collective, the layer, the stage and the peers."""
@@ -1045,21 +1058,24 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
     # a replica that combines a piece for its node, that piece of its own gradient (the rest of the
     # buffer is never read). They are flat (`ChunkLayout.empty`), so a partial sum spanning several
     # tensors leaves without a copy.
+    # They are filled from the own gradient when the first contribution arrives (`fill`), not before
+    # the first messages leave: off the path of the transfers.
     device = _default_device(group, grads)
     src_bytes = {e: [_flat_bytes(g) for g in grads[e]] for e in replica_E}
-    acc: dict[int, list[torch.Tensor]] = {}
-    for e in owned_rep_E:
-        acc[e] = _layout_of(layouts, e).empty(device)
-        for a, g in zip(acc[e], grads[e]):
-            a.copy_(g.detach())
-    pieces_E = {e: ranges for e, ranges in schedule.first_stage_ranges.items() if e not in acc}
-    for e in pieces_E:
-        acc[e] = _layout_of(layouts, e).empty(device)
+    pieces_E = {e: ranges for e, ranges in schedule.first_stage_ranges.items() if e not in owned_rep_E}
+    acc = {e: _layout_of(layouts, e).empty(device) for e in (*owned_rep_E, *pieces_E)}
     acc_flat = {e: [a.reshape(-1) for a in ts] for e, ts in acc.items()}
     acc_bytes = {e: [a.view(torch.uint8) for a in ts] for e, ts in acc_flat.items()}
-    for e, ranges in pieces_E.items():
-        for i, lo, hi in ranges:
-            acc_bytes[e][i][lo:hi].copy_(src_bytes[e][i][lo:hi])
+    unfilled = set(acc)
+
+    def fill(e: int) -> None:
+        unfilled.discard(e)
+        if e in pieces_E:
+            for i, lo, hi in pieces_E[e]:
+                acc_bytes[e][i][lo:hi].copy_(src_bytes[e][i][lo:hi])
+        else:
+            for a, g in zip(acc[e], grads[e]):
+                a.copy_(g.detach())
 
     def send_view(stage: int, key: tuple[int, int]) -> torch.Tensor:
         e, i = key
@@ -1069,6 +1085,8 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
     def on_recv(run: _Run, buf: torch.Tensor) -> None:
         pos = 0
         for (e, i), lo, hi in run:
+            if e in unfilled:
+                fill(e)
             dt = _layout_of(layouts, e).dtypes[i]
             acc_flat[e][i][lo // dt.itemsize:hi // dt.itemsize].add_(_typed(buf[pos:pos + hi - lo], dt))
             pos += hi - lo
@@ -1077,6 +1095,8 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
 
     def body() -> dict[int, list[torch.Tensor]]:
         handle._run_stages(group, deadline, device, schedule, send_view, None, on_recv)
+        for e in list(unfilled):             # an owner that received nothing for e (zero-size pieces)
+            fill(e)
         for e in owned_rep_E:
             result[e] = acc[e]
         return result
