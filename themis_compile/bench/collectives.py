@@ -8,7 +8,10 @@ Launches its own gloo ranks on loopback through the multi-rank harness and print
 - ``spag`` / ``sprs``: for placements of growing |ΔP| (random replicas over a contiguous shard placement),
   the achieved completion time (max over ranks, median over repeats) and the §3.3 lower bound
   ``max per-device volume / bw`` (`cost_model.volume.lower_bound_time`); ``bound_ratio = bound / time``
-  (1.0 = at the bound; the target on gloo is ≥ 0.8 for chunks ≥ 1 MiB);
+  (1.0 = at the bound; the target on gloo is ≥ 0.8 for chunks ≥ 1 MiB); as references, the same plan with
+  64-byte chunks (``latency_floor_s``) and raw gloo moving the plan's bytes between the same pairs in the
+  same stages, one message per pair and stage (``raw_pattern_time_s``, ``raw_pattern_bound_ratio``,
+  ``over_raw_pattern`` = our time over it);
 - ``vs_naive``: placements where several replicas of one expert cross the same node boundary, timed
   against the paper's prototype (one owner-to-replica transfer per pair of ΔP, all issued at once);
   ``speedup = naive / ours`` (target ≥ 1.5), plus ``modeled_speedup``: both message plans replayed on a
@@ -21,7 +24,9 @@ Launches its own gloo ranks on loopback through the multi-rank harness and print
   otherwise the section says why it is missing). ``speedup`` there is measured, not modeled, and ``bound_ratio`` uses the §3.3 bound with
   both the measured intra-node bandwidth and the shaped node boundary.
 
-Without ``emulated``, the "nodes" on one machine are declared, not physical: loopback links all share the
+The ranks' C allocator keeps freed memory (``allocator``), as the caching allocator does on GPUs, so that
+fresh receive buffers do not pay page faults. Without ``emulated``, the "nodes" on one machine are
+declared, not physical: loopback links all share the
 same CPUs, so those figures show the effect of fewer bytes per device, not of a slower node boundary.
 """
 
