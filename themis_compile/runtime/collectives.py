@@ -909,7 +909,8 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
         placement: the ephemeral placement P' ⊇ P.
         topology: nodes of the group's ranks; ``None`` = one node.
         group: the process group (default: the world). Every rank of it must call this, in the same order
-            as other sparse collectives on the group.
+            as other sparse collectives on the group. On NCCL, one operation involving every rank must have
+            run on the group before (e.g. an all-reduce), as torch's batched point-to-point operations need.
         spec: the chunk layout ``[(shape, dtype), ...]`` (or expert -> layout); default: derived from a local
             chunk (see module docstring).
         layer: a name for errors and logs.
