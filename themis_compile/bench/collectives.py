@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from themis_compile.cost_model.volume import lower_bound_time, sparse_all_gather_volume
+from themis_compile.cost_model.volume import chunk_bytes, lower_bound_time, sparse_all_gather_volume
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
 from themis_compile.runtime.collectives import (
@@ -108,14 +108,7 @@ def _max_over_ranks(seconds: float) -> float:
 
 def _timed(fn, repeats: int) -> float:
     """Median over repeats of the slowest rank's time of ``fn()`` (after a barrier, one warm-up)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(_max_over_ranks(time.perf_counter() - t0))
-    return statistics.median(times)
+    return _interleaved(fn, repeats=repeats)[0]
 
 
 def _pair(rank: int, peer: int, nbytes: int) -> Callable[[], None]:
@@ -139,7 +132,7 @@ def _link_bandwidth(rank: int, world: int, nbytes: int, repeats: int) -> dict[st
 def _chunks(rank: int, chunk_mib: float) -> tuple[list, int, dict[int, list[torch.Tensor]], list[torch.Tensor]]:
     """(spec, Ψ, this rank's owned chunk, a gradient-like chunk) for SwiGLU chunks of ``chunk_mib``."""
     spec = _swiglu_spec(int(chunk_mib * MiB))
-    psi = sum(int(np.prod(s)) * dt.itemsize for s, dt in spec)
+    psi = chunk_bytes(spec)
     return spec, psi, {rank: [torch.randn(s).to(dt) for s, dt in spec]}, [torch.randn(s).to(dt) for s, dt in spec]
 
 
@@ -181,9 +174,10 @@ def _ring(rank: int, world: int, nbytes: int) -> Callable[[], None]:
 
 
 def _raw_pattern(plan: CommPlan, rank: int) -> Callable[[], None]:
-    """Raw gloo running ``plan``'s message pattern with no library around it: per stage, one preallocated
-    message per (src, dst) pair, all posted at once, all waited for before the next stage. What the plan's
-    messages cost on this machine; ``our time / this`` is the library's own overhead."""
+    """Raw gloo moving ``plan``'s bytes with no library around it: per stage, one preallocated message per
+    (src, dst) pair (no slices, copies or sums), all posted at once, all waited for before the next stage.
+    A reference for what the plan's message pattern costs on this machine: ``our time / this`` is the
+    library's own cost, plus in SpRS the sums, minus what pipelining wins."""
     stages = []
     for stage in range(len(plan.stages)):
         recvs, sends = [], []

@@ -316,9 +316,14 @@ def _slices(layout: ChunkLayout, start: int, stop: int) -> list[tuple[int, int]]
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def _check_placements(shard: Placement, placement: Placement, topology: Topology) -> None:
+def _require_placements(shard: Placement, placement: Placement) -> None:
+    """ValueError unless both are `Placement` objects (checked before anything reads them)."""
     if not isinstance(shard, Placement) or not isinstance(placement, Placement):
         raise ValueError("shard and placement must be themis_compile.planner.Placement objects")
+
+
+def _check_placements(shard: Placement, placement: Placement, topology: Topology) -> None:
+    _require_placements(shard, placement)
     shard.require_shard_placement("the shard placement P")
     if shard.shape != placement.shape:
         raise ValueError(f"P and P' have different shapes {shard.shape} and {placement.shape}")
@@ -339,8 +344,7 @@ def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Top
     ``layouts`` is one `ChunkLayout` for all experts or one per expert. Pure and deterministic: every rank
     computes the same plan.
     """
-    if not isinstance(shard, Placement) or not isinstance(placement, Placement):
-        raise ValueError("shard and placement must be themis_compile.planner.Placement objects")
+    _require_placements(shard, placement)
     E, D = shard.shape
     layout_E = [layouts] * E if isinstance(layouts, ChunkLayout) else list(layouts)
     if len(layout_E) != E:
@@ -858,8 +862,7 @@ def _common(shard: Placement, placement: Placement, topology: Topology | None, g
     """(topology, rank, this rank's `_Local`) after checking the placements against each other and the
     group; the checks run once per placement pair (a cached pair passed them)."""
     rank, world = _group_rank_and_size(group)
-    if not isinstance(shard, Placement) or not isinstance(placement, Placement):
-        raise ValueError("shard and placement must be themis_compile.planner.Placement objects")
+    _require_placements(shard, placement)
     if topology is None:
         topology = _single_node(shard.num_devices)
     key = (shard, placement, topology.devices_per_node, rank, world)
