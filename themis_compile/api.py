@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from themis_compile.config import ThemisConfig
-from themis_compile.passes.detect import MoELayerInfo, explain_moe_layers, find_moe_layers
+from themis_compile.passes.detect import SEARCHED, MoELayerInfo, explain_moe_layers, find_moe_layers
 from themis_compile.passes.shard import prepare_moe_layers
 from themis_compile.runtime.collectives import collective_device
 
@@ -27,6 +27,8 @@ class ThemisRuntime:
     world_size: int
     group: object
     layers: dict[str, nn.Module] = field(default_factory=dict)   # layer name -> ShardedExperts
+    layer_infos: dict[str, MoELayerInfo] = field(default_factory=dict)   # layer name -> what detection found
+    unsharded: list[tuple[str, str]] = field(default_factory=list)  # (MoE-like module, why it is not sharded)
     fssdp: object = None                                           # FSSDPState under themis / themis-rm
     reshard_scheduler: object = None                               # ReshardScheduler (Alg. 2 every k steps)
 
@@ -35,6 +37,12 @@ class ThemisRuntime:
         """Per-layer, per-iteration load statistics (:class:`~themis_compile.runtime.fssdp.LayerStats`),
         oldest first; empty for policies other than themis / themis-rm."""
         return [] if self.fssdp is None else list(self.fssdp.stats)
+
+    @property
+    def dense_parallel(self) -> str | None:
+        """How everything that is not a sharded expert is data-parallel: ``"fsdp2"``, ``"ddp"``, or
+        ``None`` at world size 1."""
+        return self.config.dense_parallel if self.world_size > 1 else None
 
     @property
     def layer_order(self) -> list:
@@ -67,12 +75,16 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         model: an ``nn.Module`` with MoE layers, built identically on every rank.
         config: a :class:`ThemisConfig`; default ``ThemisConfig()``.
         group: a ProcessGroup or DeviceMesh; default the default group, or world size 1 without one.
-        strict: raise instead of warning when no MoE layer is found.
+        strict: raise ``ValueError`` instead of warning when no MoE layer is found or when a module that
+            looks MoE-like is not sharded.
 
     Returns the same module object, modified in place: its MoE layers' experts are replaced by sharded
-    experts holding only the experts this rank owns, and its dense parameters are made data-parallel with
+    experts holding only the experts this rank owns, and everything else is made data-parallel with
     torch's FSDP2 (``fully_shard``) or DDP (``replicate``, ``dense_parallel="ddp"``) when the world size
-    exceeds 1.
+    exceeds 1. Whatever is not sharded is data-parallel, never left out: a model with no MoE layer found
+    is entirely data-parallel, and an MoE-like module that is rejected keeps its experts as dense
+    parameters (a warning names each such module and why; ``strict=True`` raises instead). Either way the
+    model trains as it would in one process on the whole global batch.
     """
     from themis_compile.planner.placement import Placement
     from themis_compile.runtime.ep import ShardedExperts
@@ -84,14 +96,15 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     group, rank, world_size = _resolve_group(group)
     if getattr(model, "_themis_runtime", None) is not None:
         raise ValueError("this model was already optimized by themis_compile")
-    # Detect, rewrite expert loops into one experts(x, ids, weights) call, verify on a probe; warns (or
-    # raises with strict=True) when nothing is found, raises naming the layer on a bad top-k.
-    infos = prepare_moe_layers(model, strict=strict)
-    if not infos:
-        return model
+    # Detect (read-only); name what will not be sharded before anything changes. Then rewrite expert
+    # loops into one experts(x, ids, weights) call and verify each on a probe (raises naming the layer).
+    found, rejected = find_moe_layers(model)
+    _report_unsharded(model, found, rejected, strict=strict, world_size=world_size, config=config)
+    infos = prepare_moe_layers(model, strict=strict) if found else []
 
-    runtime = ThemisRuntime(config=config, rank=rank, world_size=world_size, group=group)
-    fssdp = config.policy in ("themis", "themis-rm") and world_size > 1
+    runtime = ThemisRuntime(config=config, rank=rank, world_size=world_size, group=group,
+                            unsharded=[(name, _one_line(why)) for name, why in rejected])
+    fssdp = bool(infos) and config.policy in ("themis", "themis-rm") and world_size > 1
     if fssdp:
         state = _fssdp_state(config, group, rank, world_size)
         runtime.fssdp = state
@@ -115,10 +128,11 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
             # So that the block's own counts and aux loss see the uniform assignment too.
             block.route = _make_uniform_route(block.route, bank.num_experts)
         runtime.layers[info.name] = experts
+        runtime.layer_infos[info.name] = info
         sharded.append(experts)
 
     if world_size > 1:
-        _make_dense_data_parallel(model, sharded, group, config)
+        _make_dense_data_parallel(model, sharded, group, config, conditional=runtime.unsharded)
     if fssdp and config.reshard_interval:
         from themis_compile.runtime.reshard import ReshardScheduler
 
@@ -146,8 +160,39 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     return model
 
 
-def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group, config: ThemisConfig) -> None:
-    """Dense (non-expert) parameters: torch's DDP (composable ``replicate``) or FSDP2 (``fully_shard``)."""
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _report_unsharded(model: nn.Module, found: list[MoELayerInfo], rejected: list[tuple[str, str]], *,
+                      strict: bool, world_size: int, config: ThemisConfig) -> None:
+    """Warn (or raise with ``strict``) about what ``optimize`` will not shard: no MoE layer at all, or
+    MoE-like modules that failed a check — one line each, with the reason."""
+    if found and not rejected:
+        return
+    what = (f"found no MoE layer in {type(model).__name__} (searched for {SEARCHED})" if not found
+            else f"{len(rejected)} MoE-like module(s) not sharded")
+    lines = [f"  {name}: {_one_line(why)}" for name, why in rejected]
+    if strict:
+        raise ValueError("\n".join([f"themis_compile.optimize(strict=True): {what}"] + lines))
+    parallel = f"data-parallel through {config.dense_parallel} over {world_size} ranks"
+    if not found:
+        fate = f"the whole model is {parallel}" if world_size > 1 else "the model runs as it is (world size 1)"
+    else:
+        fate = "their experts stay dense parameters" + (f", {parallel}" if world_size > 1 else " (world size 1)")
+    warnings.warn("\n".join([f"themis_compile.optimize: {what}; {fate}"] + lines), UserWarning, stacklevel=3)
+
+
+def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group, config: ThemisConfig, *,
+                              conditional: list[tuple[str, str]] = ()) -> None:
+    """Everything but the sharded experts: torch's DDP (composable ``replicate``) or FSDP2 (``fully_shard``).
+
+    ``conditional`` names modules left dense whose parameters a rank may not use in a step (the experts
+    of a rejected MoE-like module get no gradient on a rank that routed no token to them). Both wrappers
+    are then told so, or ranks would reduce different sets of gradients: FSDP2 reduce-scatters a zero
+    gradient for them (``set_reduce_scatter_unused_params``), DDP finds them in each backward
+    (``find_unused_parameters``).
+    """
     if config.dense_parallel == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -158,11 +203,25 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
         device = collective_device(group).type
         mesh = init_device_mesh(device, (len(ranks),))
         expert_params = {p for m in sharded for p in m.parameters()}
+        if conditional and not _fsdp2_reduces_unused_params():
+            names = ", ".join(name for name, _ in conditional)
+            raise ValueError(f"dense_parallel='fsdp2' cannot make the unsharded MoE-like modules {names} data-parallel "
+                             f"on torch {torch.__version__} (no FSDPModule.set_reduce_scatter_unused_params: ranks "
+                             f"that routed no token to an expert would reduce different gradients); use "
+                             f"ThemisConfig(dense_parallel='ddp') or a newer torch")
         fully_shard(model, mesh=mesh, ignored_params=expert_params)
+        if conditional:
+            model.set_reduce_scatter_unused_params(True)
         return
     from torch.distributed._composable.replicate import replicate
 
-    replicate(model, ignored_modules=sharded, process_group=group)
+    replicate(model, ignored_modules=sharded, process_group=group, find_unused_parameters=bool(conditional))
+
+
+def _fsdp2_reduces_unused_params() -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
 
 
 def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
@@ -233,11 +292,45 @@ def runtime_of(model: nn.Module) -> ThemisRuntime:
 def explain(model: nn.Module, verbose: bool = False) -> str:
     """A report of the MoE layers ``optimize`` would shard (router kind, experts form, top-k, activation,
     shared experts) and of MoE-like modules it rejected, with the reason; ``verbose`` adds the router
-    path, score function, auxiliary outputs and how the experts are called."""
+    path, score function, auxiliary outputs and how the experts are called.
+
+    On a model ``optimize`` already prepared: the layers it sharded (policy, experts, the experts this
+    rank owns, top-k, experts form) and what it left data-parallel, with the reason for each MoE-like
+    module it did not shard.
+    """
+    runtime = getattr(model, "_themis_runtime", None)
+    if runtime is not None:
+        return _explain_optimized(runtime, verbose)
     if verbose:
         return explain_moe_layers(model)
     infos, rejected = find_moe_layers(model)
     lines = [f"{len(infos)} MoE layer(s) found"]
     lines += [f"  {info.name}: {info.describe()}" for info in infos]
     lines += [f"  rejected {name}: {why}" for name, why in rejected]
+    return "\n".join(lines)
+
+
+def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:
+    policy = runtime.config.policy
+    lines = [f"optimized by themis_compile (policy {policy}, rank {runtime.rank} of {runtime.world_size}): "
+             f"{len(runtime.layers)} MoE layer(s) sharded"]
+    for name, experts in runtime.layers.items():
+        info = runtime.layer_infos.get(name)
+        text = f"  {name}: {policy}, {experts.num_experts} experts"
+        if info is not None:
+            text += f" ({info.experts_form}, '{info.experts_attr}'), top-{info.top_k}"
+        if hasattr(experts, "owned_experts"):
+            owned = experts.owned_experts()
+            text += f"; this rank owns {len(owned)}: {owned}"
+        lines.append(text)
+        if verbose and info is not None:
+            lines.append(f"    {info.describe()}")
+    if runtime.dense_parallel is None:
+        lines.append("not sharded (world size 1, no data parallelism needed): every other parameter")
+    else:
+        lines.append(f"data-parallel through {runtime.dense_parallel} over {runtime.world_size} ranks: every "
+                     f"other parameter")
+    if runtime.unsharded:
+        lines.append(f"  including the experts of {len(runtime.unsharded)} MoE-like module(s) not sharded:")
+        lines += [f"    {name}: {why}" for name, why in runtime.unsharded]
     return "\n".join(lines)

@@ -1,0 +1,249 @@
+"""What ``optimize`` does not shard is still data-parallel: no silent fallback to per-rank copies.
+
+A model with no MoE layer, and a model where one MoE-like block is rejected (its experts differ in width,
+which FSSDP cannot shard) next to one that is sharded, train on 2 ranks and on 4 (2 nodes x 2) exactly
+like one process on the whole global batch, under both dense wrappers (FSDP2 and DDP). The warning names
+the rejected block and why; ``strict=True`` refuses instead.
+
+Shape suffixes: B batch, S sequence, T tokens, H hidden, F ffn, E experts, K top-k, V vocab.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import themis_compile
+from themis_compile import ThemisConfig
+from themis_compile.models.gpt_moe import CausalSelfAttention, ExpertMLP, MoEFeedForward, MoEModelConfig
+from themis_compile.testing import run_multirank
+from tests.runtime.equivalence import _batches, _expert_chunks_reference, make_optimizer, model_loss
+
+STEPS, BATCH, SEQ = 4, 8, 8
+VOCAB, H = 64, 32
+UNEVEN_WIDTHS = (48,) + (32,) * 7     # expert 0 is wider: not shardable, so rejected
+REJECTED_REASON = "experts are not identical"
+
+
+class UnevenMoE(nn.Module):
+    """An MoE block (softmax, top-k, a loop with ``index_add_`` that skips empty experts)
+    whose experts have different widths. It records which experts its last forward used on this rank."""
+
+    def __init__(self, widths=UNEVEN_WIDTHS, top_k: int = 1) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(H, len(widths), bias=False)
+        self.experts = nn.ModuleList(ExpertMLP(H, f) for f in widths)
+        self.used_E: list[bool] = []
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        probs_TE = F.softmax(self.gate(x_TH), dim=-1)
+        weights_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)     # Switch-style: not renormalised
+        out_TH = torch.zeros_like(x_TH)
+        self.used_E = []
+        for e, expert in enumerate(self.experts):
+            token_idx, k_idx = torch.where(ids_TK == e)
+            self.used_E.append(bool(token_idx.numel()))
+            if token_idx.numel() == 0:
+                continue        # this expert gets no gradient on this rank in this step
+            y = expert(x_TH[token_idx]) * weights_TK[token_idx, k_idx, None]
+            out_TH.index_add_(0, token_idx, y)
+        return out_TH.view_as(x_BSH)
+
+
+class DenseFFN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = ExpertMLP(H, 2 * H)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x_BSH)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MoEModelConfig, ffn: nn.Module) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.ffn = nn.LayerNorm(H), CausalSelfAttention(cfg), nn.LayerNorm(H), ffn
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_BSH = x_BSH + self.attn(self.ln_1(x_BSH))
+        return x_BSH + self.ffn(self.ln_2(x_BSH))
+
+
+class TinyLM(nn.Module):
+    """A small pre-norm decoder whose feed-forward per block is ``"dense"``, ``"uneven"`` (rejected) or
+    ``"moe"`` (the reference model's MoE block, sharded)."""
+
+    def __init__(self, ffns: tuple[str, ...]) -> None:
+        super().__init__()
+        self.config = cfg = MoEModelConfig(vocab_size=VOCAB, d_model=H, n_heads=2, d_ffn=H, num_experts=4, top_k=2,
+                                           seq_len=SEQ, aux_loss_weight=0.01)
+        make = {"dense": DenseFFN, "uneven": UnevenMoE, "moe": lambda: MoEFeedForward(cfg, 0)}
+        self.tok_emb = nn.Embedding(VOCAB, H)
+        self.blocks = nn.ModuleList(Block(cfg, make[kind]()) for kind in ffns)
+        self.lm_head = nn.Linear(H, VOCAB, bias=False)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        x_BSH = self.tok_emb(tokens_BS)
+        for block in self.blocks:
+            x_BSH = block(x_BSH)
+        return self.lm_head(x_BSH)
+
+    def ffns(self, kind: type) -> list[nn.Module]:
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, kind)]
+
+    def aux_loss(self) -> torch.Tensor:
+        return sum((m.aux_loss for m in self.ffns(MoEFeedForward)), torch.zeros(()))
+
+
+MODELS = {"dense": ("dense", "dense"), "mixed": ("uneven", "moe")}
+
+
+def make_tiny(kind: str) -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM(MODELS[kind])
+
+
+# --------------------------------------------------------------------------- training, both ways
+def _sharded_prefixes(model: nn.Module) -> list[str]:
+    from themis_compile.passes.detect import find_moe_layers
+
+    return [f"{info.name}.{info.experts_attr}." for info in find_moe_layers(model)[0]]
+
+
+def train_one_process(kind: str) -> dict:
+    model = make_tiny(kind)
+    opt = make_optimizer(model.parameters(), "adamw")
+    losses, used = [], []
+    for tokens in _batches(STEPS, BATCH, SEQ, VOCAB):
+        loss = model_loss(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        used.append([list(m.used_E) for m in model.ffns(UnevenMoE)])
+    prefixes = _sharded_prefixes(model)
+    dense = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith(tuple(prefixes))}
+    return {"losses": losses, "dense": dense, "experts": _expert_chunks_reference(model), "used": used}
+
+
+def train_ranks(rank: int, world_size: int, kind: str, config: dict) -> dict:
+    model = make_tiny(kind)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = themis_compile.optimize(model, ThemisConfig(**config))
+    runtime = themis_compile.api.runtime_of(model)
+    opt = make_optimizer(model.parameters(), "adamw")
+    local = BATCH // world_size
+    losses, used = [], []
+    for tokens in _batches(STEPS, BATCH, SEQ, VOCAB):
+        loss = model_loss(model, tokens[rank * local:(rank + 1) * local])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world_size)
+        used.append([list(m.used_E) for m in model.ffns(UnevenMoE)])
+    sharded = {id(p) for m in runtime.layers.values() for p in m.parameters()}
+    dense = {}
+    for n, p in model.named_parameters():
+        if id(p) not in sharded:
+            p = p.detach()
+            dense[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()   # collective (FSDP2)
+    owned = {(li, e): [t.detach().clone() for t in chunk]
+             for li, experts in enumerate(runtime.layers.values()) for e, chunk in experts.local_chunks().items()}
+    return {"losses": losses, "dense": dense, "owned": owned, "used": used,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
+            "explain": themis_compile.explain(model)}
+
+
+def assert_trains_like_one_process(reference: dict, results: list[dict]) -> None:
+    for rank, out in enumerate(results):
+        for step, (a, b) in enumerate(zip(out["losses"], reference["losses"], strict=True)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs one process {b}"
+        assert out["dense"].keys() == reference["dense"].keys()
+        for name, p in out["dense"].items():
+            torch.testing.assert_close(p, reference["dense"][name], rtol=1e-4, atol=5e-4, msg=f"rank {rank} {name}")
+    owned = {}
+    for out in results:
+        for key, chunk in out["owned"].items():
+            assert key not in owned, f"expert {key} owned twice"
+            owned[key] = chunk
+    assert owned.keys() == reference["experts"].keys()
+    for key, chunk in owned.items():
+        for a, b in zip(chunk, reference["experts"][key], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-4, msg=f"expert {key}")
+
+
+CONFIGS = {"fsdp2": {"policy": "themis", "dense_parallel": "fsdp2", "reshard_interval": 2},
+           "ddp": {"policy": "ep", "dense_parallel": "ddp"}}
+
+
+def _cases(rank: int, world_size: int, cases: list[tuple[str, str]]) -> list[dict]:
+    # One process group for every case of a world size.
+    return [train_ranks(rank, world_size, kind, CONFIGS[wrapper]) for kind, wrapper in cases]
+
+
+CASES = {2: [("dense", "fsdp2"), ("dense", "ddp"), ("mixed", "fsdp2"), ("mixed", "ddp")],
+         4: [("dense", "fsdp2"), ("mixed", "fsdp2"), ("mixed", "ddp")]}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_unsharded_modules_train_like_one_process(world_size):
+    cases = CASES[world_size]
+    results = run_multirank(_cases, world_size, args=(cases,), devices_per_node=2, timeout_s=120)
+    references = {kind: train_one_process(kind) for kind in MODELS}
+    for i, (kind, wrapper) in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        assert_trains_like_one_process(references[kind], per_rank)
+        (warning,) = [w for w in per_rank[0]["warnings"] if "themis_compile.optimize" in w]
+        explained = per_rank[0]["explain"]
+        assert f"data-parallel through {wrapper} over {world_size} ranks" in warning
+        assert f"data-parallel through {wrapper} over {world_size} ranks" in explained
+        if kind == "dense":
+            assert "found no MoE layer in TinyLM" in warning
+            assert "0 MoE layer(s) sharded" in explained
+            continue
+        # One line per rejected module, with the reason; the sharded block is not among them.
+        lines = warning.splitlines()
+        assert len(lines) == 2 and lines[1].startswith("  blocks.0.ffn: ") and REJECTED_REASON in lines[1]
+        assert "1 MoE layer(s) sharded" in explained and "\n  blocks.1.ffn: " in explained
+        assert f"\n    blocks.0.ffn: {REJECTED_REASON}" in explained
+        # The rejected block's experts went unused on some rank in some step while another rank used them
+        # (ranks would reduce different sets of gradients if the wrapper were not told) ...
+        assert any(len({r["used"][step][0][e] for r in per_rank}) == 2
+                   for step in range(STEPS) for e in range(len(UNEVEN_WIDTHS))), [r["used"] for r in per_rank]
+        # ... while every expert got tokens from the whole batch in every step, as in the one-process run.
+        assert all(all(used[0]) for used in references[kind]["used"]), references[kind]["used"]
+
+
+# --------------------------------------------------------------------------- one process, no group
+def test_world_size_one_warns_naming_each_rejected_module_and_trains_unchanged():
+    reference = make_tiny("mixed")
+    with pytest.warns(UserWarning) as record:
+        model = themis_compile.optimize(make_tiny("mixed"), ThemisConfig(policy="ep"))
+    (message,) = [str(w.message) for w in record if "themis_compile.optimize" in str(w.message)]
+    lines = message.splitlines()
+    assert lines[0].startswith("themis_compile.optimize: 1 MoE-like module(s) not sharded")
+    assert len(lines) == 2 and lines[1].startswith("  blocks.0.ffn: ") and REJECTED_REASON in lines[1]
+    tokens = torch.randint(0, VOCAB, (2, SEQ))
+    torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+    assert list(themis_compile.api.runtime_of(model).layers) == ["blocks.1.ffn"]
+
+
+def test_strict_refuses_naming_the_rejected_modules():
+    model = make_tiny("mixed")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"(?s)strict=True.*1 MoE-like module\(s\) not sharded.*blocks\.0\.ffn: experts are"):
+        themis_compile.optimize(model, strict=True)
+    assert getattr(model, "_themis_runtime", None) is None and type(model.blocks[1].ffn.experts) is nn.ModuleList
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="strict=True.*found no MoE layer in TinyLM"):
+        themis_compile.optimize(make_tiny("dense"), strict=True)
