@@ -128,6 +128,7 @@ def test_compiled_runtime_call_order(compiled_run):
 def test_graph_without_moe_warns_loudly_or_raises_when_strict():
     f = nn.Linear(4, 4)
     torch._dynamo.reset()
+    B.reset_report()
     with pytest.warns(RuntimeWarning, match="themis_compile.optimize"):
         out = torch.compile(f, backend="themis")(torch.randn(2, 4))
     assert out.shape == (2, 4)
@@ -135,6 +136,75 @@ def test_graph_without_moe_warns_loudly_or_raises_when_strict():
     with pytest.raises(Exception, match="themis_compile.optimize"):
         torch.compile(f, backend=B.make_themis_backend(strict=True))(torch.randn(3, 4))
     torch._dynamo.reset()
+
+
+class _Broken(nn.Module):
+    """Two layers with a graph break between them: dynamo compiles two graphs, neither with a MoE node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def _themis_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught
+            if issubclass(w.category, RuntimeWarning) and "themis_compile.optimize" in str(w.message)]
+
+
+@pytest.fixture
+def cheap_inductor(monkeypatch):
+    # What these tests check is decided before inductor runs: keep inductor out (it is slow on CPU).
+    import torch._inductor.compile_fx as cfx
+
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, example_inputs, **kwargs: gm.forward)
+    torch._dynamo.reset()
+    B.reset_report()
+    yield
+    torch._dynamo.reset()
+
+
+def test_model_not_optimized_warns_once_over_all_its_graphs(cheap_inductor):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(_Broken(), backend="themis")(torch.randn(2, 4))
+    assert out.shape == (2, 4)
+    assert B.last_report().graphs_without_moe == 2
+    (message,) = _themis_warnings(caught)
+    assert "was not passed through themis_compile.optimize" in message
+    with pytest.raises(Exception, match="not passed through themis_compile.optimize"):
+        torch.compile(_Broken(), backend=B.make_themis_backend(strict=True))(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("case", ["ep", "no-moe", "step-function"])
+def test_optimized_model_without_themis_graphs_does_not_warn(cheap_inductor, case):
+    """Under policy ep nothing is scheduled and every graph lacks a themis node (here ~15 graphs, broken at
+    the runtime's host-side checks); a model optimize found no MoE layer in has none either. The model
+    was optimized in both: no "was it optimized?" warning, even when a step function is compiled."""
+    torch.manual_seed(0)
+    if case == "no-moe":
+        with pytest.warns(UserWarning, match="found no MoE layer"):
+            model = themis_compile.optimize(_Broken(), themis_compile.ThemisConfig(policy="ep"))
+        x = torch.randn(2, 4)
+    else:
+        cfg = MoEModelConfig(d_model=16, n_heads=2, n_layers=1, d_ffn=16, num_experts=4, top_k=2, seq_len=8,
+                             vocab_size=16, aux_loss_weight=0.0)
+        model = themis_compile.optimize(GPTMoE(cfg), themis_compile.ThemisConfig(policy="ep"))
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if case == "step-function":
+            out = torch.compile(lambda m, t: m(t).sum(), backend="themis")(model, x)
+        else:
+            out = torch.compile(model, backend="themis")(x)
+    torch.testing.assert_close(out, model(x).sum() if case == "step-function" else model(x))
+    assert B.last_report().graphs_without_moe >= (2 if case == "no-moe" else 3)
+    assert _themis_warnings(caught) == [] and B.last_report().unoptimized_warnings == 0
+    torch.compile(model, backend=B.make_themis_backend(strict=True))(x)      # strict: no error either
 
 
 def _two_rank_compiled(rank: int, world_size: int) -> dict:

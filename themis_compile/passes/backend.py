@@ -5,10 +5,13 @@
 
 What it does with each graph dynamo captures:
 
-1. Checks that the graph contains themis MoE layers (``themis::moe_experts`` nodes, which an optimized
-   model produces under compile). A graph without any is compiled by plain inductor with a loud
-   ``RuntimeWarning`` that names the likely cause (the model was not optimized, or the MoE layers sit in
-   another graph); ``make_themis_backend(strict=True)`` raises instead. Either way, never silently nothing.
+1. Checks that the graph contains themis MoE layers (``themis::moe_experts`` nodes, which a model
+   optimized under themis / themis-rm produces under compile). A graph without any is compiled by plain
+   inductor. That is normal for a model ``optimize`` prepared (its other graphs after a graph break, every
+   graph under policy ep, which has no collective to schedule); when no optimized module is being run
+   (none on the Python stack of the compilation: the model was not passed through ``optimize``), the
+   backend says so once, with a ``RuntimeWarning`` and a log line (``make_themis_backend(strict=True)``
+   raises instead), never silently nothing.
 2. Runs `themis_compile.passes.schedule.schedule_graph` on the dynamo graph: each layer's SpAG start moves
    before the preceding attention (found by the ``themis_region`` annotations), and SpRS fences go on the
    attention inputs, whose backward waits for SpRS at the end of attention l's backward.
@@ -24,12 +27,14 @@ The backend is registered under the name "themis" when this module is imported a
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 from themis_compile.passes import schedule as _schedule
 
@@ -53,6 +58,7 @@ class CompileReport:
     forward: list[list[_schedule.LayerSchedule]] = field(default_factory=list)
     backward_fences: list[int] = field(default_factory=list)    # SpRS waits found per backward graph
     graphs_without_moe: int = 0
+    unoptimized_warnings: int = 0                                # "not optimized" warnings given (at most 1)
     forward_order: list[list[str]] = field(default_factory=list)  # node names of each AOT forward graph
 
 
@@ -73,6 +79,34 @@ def _has_moe(gm: fx.GraphModule) -> bool:
     return any(_schedule.is_moe_experts(n) for n in gm.graph.nodes)
 
 
+def _is_optimized(module: nn.Module) -> bool:
+    # The root optimize() prepared carries its runtime (torch.compile's wrapper holds the root as
+    # _orig_mod); a part of an optimized model compiled on its own may hold sharded experts, which carry
+    # their owner table.
+    root = getattr(module, "_orig_mod", module)
+    return getattr(root, "_themis_runtime", None) is not None or any(hasattr(m, "owner_E") for m in root.modules())
+
+
+def _optimized_module_running() -> bool:
+    """Whether a module ``optimize`` prepared is being run by the Python frames that led to this compilation.
+
+    The graph alone cannot tell: after a graph break dynamo compiles whatever frame comes next (a router
+    helper, the token exchange), and under policy ep no graph has a themis node. The module whose call
+    started it all is on the stack, though (its ``__call__``, or the ``torch.compile`` wrapper).
+    """
+    frame, seen = sys._getframe(1), set()
+    while frame is not None:
+        for value in frame.f_locals.values():
+            # A module, or one passed on in an argument tuple (torch.compile(step)(model, batch)).
+            for candidate in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(candidate, nn.Module) and id(candidate) not in seen:
+                    seen.add(id(candidate))
+                    if _is_optimized(candidate):
+                        return True
+        frame = frame.f_back
+    return False
+
+
 def _inner_compile(gm: fx.GraphModule, example_inputs, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -86,7 +120,8 @@ def _inner_compile(gm: fx.GraphModule, example_inputs, **kwargs):
 
 
 def make_themis_backend(strict: bool = False) -> Callable:
-    """A "themis" backend; with ``strict=True`` a graph without themis MoE layers raises ValueError."""
+    """A "themis" backend; with ``strict=True`` compiling a model that ``optimize`` did not prepare raises
+    ValueError (instead of one warning)."""
 
     def backend(gm: fx.GraphModule, example_inputs, **kwargs):
         from torch._inductor import config as inductor_config
@@ -94,13 +129,15 @@ def make_themis_backend(strict: bool = False) -> Callable:
 
         if not _has_moe(gm):
             _REPORT.graphs_without_moe += 1
-            msg = ("torch.compile(backend='themis'): this graph contains no themis MoE layer, so there is "
-                   "nothing to schedule; was the model passed through themis_compile.optimize(model) before "
-                   "torch.compile? Compiling it with plain inductor.")
-            if strict:
-                raise ValueError(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            logger.warning(msg)
+            if (strict or not _REPORT.unoptimized_warnings) and not _optimized_module_running():
+                msg = ("torch.compile(backend='themis'): the model being compiled was not passed through "
+                       "themis_compile.optimize(model), so there is nothing to schedule; compiling it with "
+                       "plain inductor.")
+                if strict:
+                    raise ValueError(msg)
+                _REPORT.unoptimized_warnings += 1
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                logger.warning(msg)
             return compile_fx(gm, example_inputs)
         _REPORT.dynamo.append(_schedule.schedule_graph(gm.graph, insert_fences=True))
         gm.recompile()
