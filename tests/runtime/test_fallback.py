@@ -161,7 +161,8 @@ def train_ranks(rank: int, world_size: int, kind: str, config: dict) -> dict:
              for li, experts in enumerate(runtime.layers.values()) for e, chunk in experts.local_chunks().items()}
     return {"losses": losses, "dense": dense, "owned": owned, "used": used,
             "warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
-            "explain": themis_compile.explain(model)}
+            "explain": themis_compile.explain(model),
+            "owned_now": {name: experts.owned_experts() for name, experts in runtime.layers.items()}}
 
 
 def assert_trains_like_one_process(reference: dict, results: list[dict]) -> None:
@@ -214,8 +215,13 @@ def test_unsharded_modules_train_like_one_process(world_size):
         # One line per rejected module, with the reason; the sharded block is not among them.
         lines = warning.splitlines()
         assert len(lines) == 2 and lines[1].startswith("  blocks.0.ffn: ") and REJECTED_REASON in lines[1]
-        assert "1 MoE layer(s) sharded" in explained and "\n  blocks.1.ffn: " in explained
         assert f"\n    blocks.0.ffn: {REJECTED_REASON}" in explained
+        for rank, out in enumerate(per_rank):     # explain() on an optimized model: what each rank holds
+            owned = out["owned_now"]["blocks.1.ffn"]
+            assert f"(policy {CONFIGS[wrapper]['policy']}, rank {rank} of {world_size}): 1 MoE layer(s) sharded" in out["explain"]
+            assert (f"\n  blocks.1.ffn: {CONFIGS[wrapper]['policy']}, 4 experts (modulelist, 'experts'), top-2; "
+                    f"this rank owns {len(owned)}: {owned}\n") in out["explain"]
+        assert sorted(e for out in per_rank for e in out["owned_now"]["blocks.1.ffn"]) == [0, 1, 2, 3]
         # The rejected block's experts went unused on some rank in some step while another rank used them
         # (ranks would reduce different sets of gradients if the wrapper were not told) ...
         assert any(len({r["used"][step][0][e] for r in per_rank}) == 2
@@ -236,6 +242,14 @@ def test_world_size_one_warns_naming_each_rejected_module_and_trains_unchanged()
     tokens = torch.randint(0, VOCAB, (2, SEQ))
     torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
     assert list(themis_compile.api.runtime_of(model).layers) == ["blocks.1.ffn"]
+    # Before optimize, explain lists what it would do; after, what it did (not "0 MoE layer(s) found").
+    assert themis_compile.explain(reference).startswith("1 MoE layer(s) found\n  blocks.1.ffn: 4 experts")
+    text = themis_compile.explain(model).splitlines()
+    assert text[:2] == ["optimized by themis_compile (policy ep, rank 0 of 1): 1 MoE layer(s) sharded",
+                        "  blocks.1.ffn: ep, 4 experts (modulelist, 'experts'), top-2; this rank owns 4: [0, 1, 2, 3]"]
+    assert text[2].startswith("not sharded (world size 1") and text[-1].startswith(f"    blocks.0.ffn: {REJECTED_REASON}")
+    verbose = themis_compile.explain(model, verbose=True).splitlines()
+    assert verbose[2] == "    " + themis_compile.api.runtime_of(model).layer_infos["blocks.1.ffn"].describe()
 
 
 def test_strict_refuses_naming_the_rejected_modules():
