@@ -15,6 +15,7 @@ schedule a wrapper installed after ``optimize`` recomputes the scheduled graph, 
 from __future__ import annotations
 
 import functools
+import gc
 import warnings
 
 import pytest
@@ -59,6 +60,7 @@ CASES = [
     ("ref", "themis-rm", "wrap-before", 2, False),
     ("mixtral", "themis", "hf", 2, True),
     ("ref", "themis-rm", "wrap-before", "joint", False),
+    ("ref", "themis-rm", "model-before", 1, False),     # one checkpoint around the whole model: two layers
     ("ref", "themis", "wrap-before", 1, True),
     ("ref", "themis-rm", "wrap-after", 1, True),
 ]
@@ -93,6 +95,8 @@ def _apply_checkpointing(model: torch.nn.Module, how: str, stage: str) -> None:
         return
     if kind == "wrap":
         _checkpoint_forwards(model)
+    elif kind == "model":
+        model.forward = functools.partial(checkpoint, model.forward, use_reentrant=False)
     else:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
@@ -160,7 +164,11 @@ def _train(rank: int, world_size: int, name: str, policy: str, how: str, micro: 
         for e, chunk in experts.local_chunks().items():
             owned[(li, e)] = [t.detach().clone() for t in chunk]
     fssdp = runtime.fssdp is not None
+    del opt, loss
+    gc.collect()
     extra = dict(
+        # Replay records live as long as their checkpoint's autograd graph: none may outlive the backward.
+        records_left=sum(len(getattr(experts, "_checkpointed", ())) for experts in runtime.layers.values()),
         recomputed=recomputed,
         stats=len(runtime.stats),
         iterations=[experts.iteration for experts in runtime.layers.values()] if fssdp else None,
@@ -209,6 +217,7 @@ def _check(case, reference, per_rank) -> None:
             # (The scheduling pass still traces through a checkpoint wrapper installed before optimize.)
             assert extra["recomputed"] == [forwards] * extra["layers"], \
                 f"{label} rank {rank}: recomputations per layer {extra['recomputed']}, expected {forwards}"
+        assert extra["records_left"] == 0, f"{label} rank {rank}: {extra['records_left']} replay records leaked"
         if extra["iterations"] is not None:
             assert extra["stats"] == forwards * extra["layers"], f"{label}: {extra['stats']} statistics records"
             assert extra["iterations"] == [forwards] * extra["layers"], f"{label}: iterations {extra['iterations']}"

@@ -170,7 +170,7 @@ def _closure_frame(fn: Any, depth: int = 3) -> Any:
     return None
 
 
-def checkpoint_context() -> _CheckpointContext:
+def _checkpoint_context() -> _CheckpointContext:
     """Tell a checkpointed forward, its recomputation and a plain forward apart.
 
     torch's non-reentrant checkpoint installs saved-tensor hooks for the forward (``_checkpoint_hook``)
@@ -258,7 +258,7 @@ class FSSDPExperts(ShardedExperts):
     def start_materialization(self) -> None:
         """Plan P' for this iteration and start SpAG; idempotent until the layer's forward consumed it.
         A no-op inside an activation-checkpoint recomputation (it replays the forward's plan)."""
-        if self._spag is not None or checkpoint_context().mode == "recompute":
+        if self._spag is not None or _checkpoint_context().mode == "recompute":
             return
         if self.layer_index == 0 and self.state.budget_controller is not None:
             # Iteration start on every rank: adopt a finished cost-model profile (collective).
@@ -321,7 +321,7 @@ class FSSDPExperts(ShardedExperts):
 
     # ------------------------------------------------------------------ forward (steps 3-7)
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        ckpt = checkpoint_context()
+        ckpt = _checkpoint_context()
         if ckpt.mode == "recompute":
             return self._replay(ckpt, x_TH, ids_TK, weights_TK)
         self._check_forward_context(ckpt)
