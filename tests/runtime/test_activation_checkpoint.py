@@ -248,9 +248,9 @@ def _run_one(rank: int, world_size: int, case):
     return _train(rank, world_size, *case)
 
 
-@pytest.mark.parametrize("policy", ["themis", "themis-rm", "ep"])
-def test_activation_checkpointing_world_size_one(policy):
-    case = ("ref", policy, "wrap-before", 2, False)
+def test_activation_checkpointing_world_size_one():
+    # Without a process group every policy runs the experts unsharded (one code path for all three).
+    case = ("ref", "themis", "wrap-before", 2, False)
     result = _train(0, 1, *case)
     assert result[3]["recomputed"] == [2 * STEPS] * result[3]["layers"]
     assert_equivalent(_reference("ref", "wrap-before", 2), [result[:3] + (None,)])
