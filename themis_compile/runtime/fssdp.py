@@ -181,7 +181,10 @@ def _checkpoint_context() -> _CheckpointContext:
     if not hooks:
         return _NO_CHECKPOINT
     pack = hooks[0]
-    name = getattr(pack, "__qualname__", "")
+    inner = pack
+    while hasattr(inner, "__wrapped__"):      # a decorated hook (e.g. dynamo's disable) keeps its original
+        inner = inner.__wrapped__
+    name = getattr(inner, "__qualname__", "")
     if name.startswith("_checkpoint_hook."):
         mode = "forward"
     elif name.startswith("_recomputation_hook."):
