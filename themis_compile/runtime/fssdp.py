@@ -17,6 +17,12 @@ Backward of layer l:
 Re-materialization (themis-rm): replicas' storage is released after step 6 and gathered again (same P')
 just before the layer's backward, prefetched when the next layer's backward finishes (§3.1).
 
+Activation checkpointing (torch's non-reentrant ``checkpoint`` around a block, ``apply_activation_checkpointing``,
+HF ``gradient_checkpointing_enable()``): the recomputation inside backward replays the forward it pairs with
+(``_replay``): the same realized P', T and dispatch splits, the same held tensors (re-gathered first under
+re-materialization); no planning, no count all-gather, no predictor or statistics update, no second SpRS. Only
+the token all-to-alls run again, on every rank, because every rank recomputes the same blocks in the same order.
+
 Invariants: owned parameters are only read in forward and only written by the optimizer; replicas carry
 no optimizer state; a misprediction costs speed, never correctness (every pair is served by a holder).
 
@@ -27,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -34,6 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.profiler import record_function
 
@@ -122,6 +131,105 @@ class _Released:
     handle: Any = None
 
 
+# ---------------------------------------------------------------------- activation checkpointing
+@dataclass(frozen=True)
+class _CheckpointContext:
+    """Where torch's non-reentrant activation checkpoint stands on this thread.
+
+    ``mode`` is "forward" inside a checkpointed forward, "recompute" inside its recomputation (during
+    backward), None elsewhere. ``frame`` is the checkpoint call's ``_CheckpointFrame``: the forward and
+    its recomputation share it, so it pairs them exactly, whatever the number of forwards before one
+    backward. ``hook`` is the saved-tensor pack hook, new for every recomputation of a frame.
+    """
+
+    mode: str | None = None
+    frame: Any = None
+    hook: Any = None
+
+
+_NO_CHECKPOINT = _CheckpointContext()
+_CHECKPOINT_FRAME = getattr(torch_checkpoint, "_CheckpointFrame", None)
+
+
+def _closure_frame(fn: Any, depth: int = 3) -> Any:
+    """The ``_CheckpointFrame`` a checkpoint hook closes over (directly or through a weak reference,
+    possibly behind wrappers such as dynamo's disable), or None."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:      # an empty cell
+            continue
+        if isinstance(value, weakref.ref):
+            value = value()
+        if _CHECKPOINT_FRAME is not None and isinstance(value, _CHECKPOINT_FRAME):
+            return value
+        if depth and callable(value):
+            found = _closure_frame(value, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _checkpoint_context() -> _CheckpointContext:
+    """Tell a checkpointed forward, its recomputation and a plain forward apart.
+
+    torch's non-reentrant checkpoint installs saved-tensor hooks for the forward (``_checkpoint_hook``)
+    and others for the recomputation (``_recomputation_hook``); the innermost pair on this thread says
+    which one runs. (torch.utils.checkpoint internals, stable since torch 2.1.)
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if not hooks:
+        return _NO_CHECKPOINT
+    pack = hooks[0]
+    inner = pack
+    while hasattr(inner, "__wrapped__"):      # a decorated hook (e.g. dynamo's disable) keeps its original
+        inner = inner.__wrapped__
+    name = getattr(inner, "__qualname__", "")
+    if name.startswith("_checkpoint_hook."):
+        mode = "forward"
+    elif name.startswith("_recomputation_hook."):
+        mode = "recompute"
+    else:
+        return _NO_CHECKPOINT
+    return _CheckpointContext(mode, _closure_frame(pack), pack)
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """True inside the forward of ``torch.utils.checkpoint(..., use_reentrant=True)``."""
+    code = torch_checkpoint.CheckpointFunction.forward.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@dataclass(eq=False)
+class _ForwardRecord:
+    """What one forward of a layer decided, for its recomputation under activation checkpointing.
+
+    The recomputation must save tensors of exactly the forward's shapes, so it reuses the realized P'
+    (after calibration), the global counts T, this rank's dispatch rows R[:, rank, :] and the very tensors
+    the experts ran with (owned aliases and replicas: the leaves the SpRS hook watches).
+    """
+
+    placement: Placement
+    tokens_ED: np.ndarray
+    splits_ED: torch.Tensor
+    held: dict[int, list[torch.Tensor]]
+    released: _Released | None = None       # themis-rm: the replicas' storage to gather again first
+
+
+@dataclass(eq=False)
+class _FrameRecords:
+    """The forwards of one layer inside one checkpoint frame, in order, and how far each recomputation
+    (keyed by its pack hook) has replayed them."""
+
+    records: list[_ForwardRecord] = field(default_factory=list)
+    replayed: dict[Any, int] = field(default_factory=dict)
+
+
 class FSSDPExperts(ShardedExperts):
     """Sharded experts of one layer under FSSDP: ephemeral load-balancing replicas every iteration."""
 
@@ -141,6 +249,9 @@ class FSSDPExperts(ShardedExperts):
         self._spag = None
         self._replicas: dict[int, list[torch.Tensor]] | None = None
         self._released: list[_Released] = []
+        # Checkpoint frame -> the forwards its recomputation replays; an entry lives as long as the frame
+        # (that is, as long as the autograd graph that may still recompute it).
+        self._checkpointed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def set_shard_placement(self, shard: Placement) -> None:
         super().set_shard_placement(shard)
@@ -148,8 +259,9 @@ class FSSDPExperts(ShardedExperts):
 
     # ------------------------------------------------------------------ materialization (steps 1-2)
     def start_materialization(self) -> None:
-        """Plan P' for this iteration and start SpAG; idempotent until the layer's forward consumed it."""
-        if self._spag is not None:
+        """Plan P' for this iteration and start SpAG; idempotent until the layer's forward consumed it.
+        A no-op inside an activation-checkpoint recomputation (it replays the forward's plan)."""
+        if self._spag is not None or _checkpoint_context().mode == "recompute":
             return
         if self.layer_index == 0 and self.state.budget_controller is not None:
             # Iteration start on every rank: adopt a finished cost-model profile (collective).
@@ -212,6 +324,10 @@ class FSSDPExperts(ShardedExperts):
 
     # ------------------------------------------------------------------ forward (steps 3-7)
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        ckpt = _checkpoint_context()
+        if ckpt.mode == "recompute":
+            return self._replay(ckpt, x_TH, ids_TK, weights_TK)
+        self._check_forward_context(ckpt)
         # (Expert ids are checked inside the all-gather of the counts: one collective, every rank fails.)
         if self.layer_index == 0 or not self.state.layer_order:
             self.state.layer_order.clear()
@@ -226,7 +342,8 @@ class FSSDPExperts(ShardedExperts):
                     layer.drop_released()
         self.state.layer_order.append(self)
         self.start_materialization()
-        tokens_ED = self._global_tokens(ids_TK, weights_TK)
+        # Detached: the finiteness check must not record autograd ops (a checkpoint would save them).
+        tokens_ED = self._global_tokens(ids_TK, weights_TK.detach())
         load_E = tokens_ED.sum(axis=1)
         replicas = self._consume_materialization()
         placement = self._planned
@@ -269,12 +386,75 @@ class FSSDPExperts(ShardedExperts):
         # last layer keeps its replicas: its backward starts right away, so releasing them would only put
         # a re-gather on the critical path (at most one layer's replicas are alive at a time either way).
         last = self.layer_index == len(self.state.layers) - 1
+        released = None
         if track and self.state.rematerialize and placement != self.shard_placement and not last:
-            self._release_replicas(held, replicas, placement, out_TH)
+            released = self._release_replicas(held, replicas, placement, out_TH)
+        if ckpt.mode == "forward":
+            self._remember(ckpt, _ForwardRecord(placement, tokens_ED, splits_ED, held, released))
         # Only training forwards feed the load predictor (evaluation must not steer the next plans).
         self._record(tokens_ED, load_E if track else None, placement, calibrated)
         self.iteration += 1
         return out_TH
+
+    # ------------------------------------------------------------------ activation checkpointing
+    def _check_forward_context(self, ckpt: _CheckpointContext) -> None:
+        """Raise, naming the variant, where a forward could not be replayed exactly (on every rank alike:
+        the condition is the same program state everywhere, so no rank is left in a collective)."""
+        variant = None
+        if ckpt.mode == "forward" and ckpt.frame is None:
+            variant = "this torch version's non-reentrant checkpoint (its frame is not recognised)"
+        elif torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            variant = ("a forward run inside a backward pass that is not a recomputation of torch's "
+                       "non-reentrant checkpoint (a nested checkpoint, or a reentrant one)")
+        elif not torch.is_grad_enabled() and _in_reentrant_checkpoint():
+            variant = "torch.utils.checkpoint(..., use_reentrant=True)"
+        if variant is not None:
+            raise RuntimeError(
+                f"themis_compile: MoE layer {self.layer!r} (policy themis/themis-rm) cannot run under {variant}: "
+                "its recomputation could not replay the forward's plan. Use torch.utils.checkpoint(..., "
+                "use_reentrant=False), apply_activation_checkpointing (non-reentrant by default) or HF "
+                "gradient_checkpointing_enable() (non-reentrant by default).")
+
+    def _remember(self, ckpt: _CheckpointContext, record: _ForwardRecord) -> None:
+        entry = self._checkpointed.get(ckpt.frame)
+        if entry is None:
+            entry = self._checkpointed[ckpt.frame] = _FrameRecords()
+        entry.records.append(record)
+
+    def _replay(self, ckpt: _CheckpointContext, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                weights_TK: torch.Tensor) -> torch.Tensor:
+        """Recompute a checkpointed forward inside backward, exactly as it ran.
+
+        Contract: the forward's realized P', T, dispatch rows and held tensors are reused, so every
+        saved tensor has the forward's shape; the load predictor, the statistics and the iteration counter
+        are untouched; no SpRS is registered (the forward's hook receives the gradients, which flow
+        through the forward's graph); no collective but the token all-to-alls of the exchange, which
+        every rank issues because every rank recomputes the same blocks in the same order. Under
+        re-materialization the released replicas are gathered again first (or their prefetch waited for).
+        """
+        entry = self._checkpointed.get(ckpt.frame) if ckpt.frame is not None else None
+        index = entry.replayed.get(ckpt.hook, 0) if entry is not None else 0
+        if entry is None or index >= len(entry.records):
+            raise RuntimeError(f"themis_compile: MoE layer {self.layer!r} is recomputed by activation "
+                               "checkpointing, but no forward of this checkpoint region is left to replay")
+        entry.replayed[ckpt.hook] = index + 1
+        record = entry.records[index]
+        local_E = torch.zeros(self.num_experts, dtype=torch.int64)
+        local_E.scatter_add_(0, ids_TK.reshape(-1).cpu(), torch.ones(ids_TK.numel(), dtype=torch.int64))
+        if not np.array_equal(local_E.numpy(), record.tokens_ED[:, self.rank]):
+            raise RuntimeError(f"themis_compile: MoE layer {self.layer!r}: the activation-checkpoint "
+                               "recomputation routed tokens differently from the forward (is the router "
+                               "non-deterministic, or did its state change before backward?)")
+        if record.released is not None:
+            with record_function("themis::rematerialize_for_recompute"):
+                self._rematerialize(record.released)
+        held = record.held
+        dest_TK = kernels.assign_destinations(ids_TK, record.splits_ED.to(ids_TK.device))
+        return dispatch_compute_combine(
+            x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
+            lambda rows, counts: self.run_experts(held, rows, counts),
+            group=self.group, world_size=self.world_size,
+        )
 
     def _check_plan_digest(self, placement: Placement) -> None:
         digests: list[Any] = [None] * self.world_size
@@ -338,7 +518,7 @@ class FSSDPExperts(ShardedExperts):
         self.state.pending = keep
 
     # ------------------------------------------------------------------ re-materialization (§3.1)
-    def _release_replicas(self, held, replicas, placement: Placement, out_TH: torch.Tensor) -> None:
+    def _release_replicas(self, held, replicas, placement: Placement, out_TH: torch.Tensor) -> "_Released":
         leaves = {e: held[e] for e in replicas}
         rm = _Released(leaves, {e: [t.untyped_storage().nbytes() for t in ts] for e, ts in leaves.items()},
                        placement)
@@ -360,6 +540,7 @@ class FSSDPExperts(ShardedExperts):
             return grad
 
         out_TH.register_hook(before_backward)
+        return rm
 
     def drop_released(self) -> None:
         """Forget released replicas whose backward will not come (their re-gathers are waited for)."""
