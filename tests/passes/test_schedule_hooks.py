@@ -315,7 +315,7 @@ def _hf_rank(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
             policy=policy, reshard_interval=0, overlap_degree=4, materialization_budget=2))
         runtime = themis_compile.api.runtime_of(model)
         logging.getLogger("themis_compile").removeHandler(capture)
-        result = model.__dict__["_themis_schedule"]
+        result = S.schedule_of(model)
         log: list = []
         _instrument(model, runtime.layers, log)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -272,7 +272,9 @@ def _bench_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[st
 
 def _schedule_summary(model) -> dict[str, str]:
     """Per MoE layer, where the pass started its SpAG: in an FX graph or by a module hook."""
-    result = model.__dict__.get("_themis_schedule")
+    from themis_compile.passes.schedule import schedule_of
+
+    result = schedule_of(model)
     if result is None:
         return {}
     out = {name: "fx: " + (f"before {s.attention}" if not s.fallback else "earliest legal point")

@@ -31,8 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from themis_compile.passes.ops import is_moe_experts, is_reduction_wait
-from themis_compile.passes.schedule import LayerSchedule, schedule_graph
+from themis_compile.passes import schedule as _schedule
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,8 @@ INDUCTOR_SETTINGS: dict[str, Any] = {
 class CompileReport:
     """What the backend did to the graphs of the last compilation (for tests and inspection)."""
 
-    dynamo: list[list[LayerSchedule]] = field(default_factory=list)
-    forward: list[list[LayerSchedule]] = field(default_factory=list)
+    dynamo: list[list[_schedule.LayerSchedule]] = field(default_factory=list)
+    forward: list[list[_schedule.LayerSchedule]] = field(default_factory=list)
     backward_fences: list[int] = field(default_factory=list)    # SpRS waits found per backward graph
     graphs_without_moe: int = 0
     forward_order: list[list[str]] = field(default_factory=list)  # node names of each AOT forward graph
@@ -71,16 +70,16 @@ def reset_report() -> None:
 
 
 def _has_moe(gm: fx.GraphModule) -> bool:
-    return any(is_moe_experts(n) for n in gm.graph.nodes)
+    return any(_schedule.is_moe_experts(n) for n in gm.graph.nodes)
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
 
     if kwargs.get("is_backward", False):
-        _REPORT.backward_fences.append(sum(is_reduction_wait(n) for n in gm.graph.nodes))
+        _REPORT.backward_fences.append(sum(_schedule.is_reduction_wait(n) for n in gm.graph.nodes))
     elif _has_moe(gm):
-        _REPORT.forward.append(schedule_graph(gm.graph))
+        _REPORT.forward.append(_schedule.schedule_graph(gm.graph))
         _REPORT.forward_order.append([n.name for n in gm.graph.nodes])
         gm.recompile()
     return compile_fx_inner(gm, example_inputs, **kwargs)
@@ -103,7 +102,7 @@ def make_themis_backend(strict: bool = False) -> Callable:
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
             logger.warning(msg)
             return compile_fx(gm, example_inputs)
-        _REPORT.dynamo.append(schedule_graph(gm.graph, insert_fences=True))
+        _REPORT.dynamo.append(_schedule.schedule_graph(gm.graph, insert_fences=True))
         gm.recompile()
         with inductor_config.patch(INDUCTOR_SETTINGS):
             return compile_fx(gm, example_inputs, inner_compile=_inner_compile)

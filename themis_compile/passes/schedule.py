@@ -93,6 +93,8 @@ from themis_compile.runtime.ep import ShardedExperts
 
 logger = logging.getLogger(__name__)
 
+_RESULT_ATTR = "_themis_schedule"      # where a model keeps its ScheduleResult (not a submodule or parameter)
+
 __all__ = [
     "LayerSchedule",
     "ScheduleResult",
@@ -101,6 +103,7 @@ __all__ = [
     "attention_regions",
     "schedule_graph",
     "schedule_model",
+    "schedule_of",
     "sharded_layers",
     "trace_for_schedule",
     # re-exported from passes.attention and passes.ops, where they live
@@ -480,6 +483,11 @@ def _try_schedule(module: nn.Module, qualname: str, blocks: dict[str, tuple[nn.M
 
 
 # ----------------------------------------------------------------------------------------- the model
+def schedule_of(model: nn.Module) -> ScheduleResult | None:
+    """The `ScheduleResult` of `schedule_model` on ``model``, or None if it was not scheduled."""
+    return model.__dict__.get(_RESULT_ATTR)
+
+
 def schedule_model(model: nn.Module, layers: Mapping[str, nn.Module] | None = None) -> ScheduleResult:
     """Schedule the sparse collectives of an optimized ``model`` (eager and compiled paths); see the Contract.
 
@@ -489,7 +497,7 @@ def schedule_model(model: nn.Module, layers: Mapping[str, nn.Module] | None = No
 
     Returns the `ScheduleResult`, also kept on the model (a second call returns it unchanged).
     """
-    done = model.__dict__.get("_themis_schedule")
+    done = schedule_of(model)
     if done is not None:
         return done
     layers = sharded_layers(model) if layers is None else dict(layers)
@@ -508,7 +516,7 @@ def schedule_model(model: nn.Module, layers: Mapping[str, nn.Module] | None = No
     if hooked:
         result.hooks = WindowHooks(model, {name: (blocks[name][0], ids[name]) for name in hooked},
                                    upgrade_only=fallbacks)
-    model.__dict__["_themis_schedule"] = result
+    model.__dict__[_RESULT_ATTR] = result
     logger.info("themis schedule: %d MoE layers scheduled into attention windows in FX graphs, %d at the "
                 "earliest legal point there, %d by module hooks from the first forward's order",
                 len(result.layers) - len(fallbacks), len(fallbacks), len(result.untraced))

@@ -161,7 +161,8 @@ class WindowHooks:
         self._recorders.append(self.root.register_forward_hook(self._end))
 
     def _begin(self, *_args) -> None:
-        if not _inactive() and not self._recording:
+        # A forward that raised left its events behind: each forward starts a fresh record.
+        if not _inactive() and self.windows is None:
             self.events.clear()
             self._recording = True
 
