@@ -281,7 +281,7 @@ def _instrument(model: nn.Module, layers: dict, log: list) -> None:
     """Log the runtime's SpAG starts and SpRS waits, each attention's forward (inside it, after every
     pre-hook) and the begin of its backward (the gradient of its output)."""
     for name, experts in layers.items():
-        for method in ("start_materialization", "wait_reduction"):
+        for method in ("start_materialization", "wait_reduction", "start_rematerialization"):
             inner = getattr(experts, method)
 
             def logged(inner=inner, method=method, name=name):
@@ -380,6 +380,10 @@ def test_hf_attention_windows_on_two_ranks(hf_runs, case):
                 earlier = [a for a in (e[1] for e in bwd if e[0] == "attn_backward") if a < attn]
                 if earlier:
                     assert wait < bwd.index(("attn_backward", max(earlier))), (step, bwd)
+                # themis-rm: the re-gather of layer l-1's released replicas is issued in the same window
+                if case[1] == "themis-rm" and i > 0:
+                    prefetch = bwd.index(("start_rematerialization", layers[i - 1]))
+                    assert prefetch < bwd.index(("attn_backward", attn)) < wait, (step, bwd)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
