@@ -189,7 +189,9 @@ def test_schedule_keeps_checkpoint_wrapping_of_reference_blocks(wrap):
     elif wrap == "apply_activation_checkpointing":
         _wrap_modules(model)
     model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy="ep"))
-    result = S.schedule_model(model, themis_compile.api.runtime_of(model).layers)
+    layers = themis_compile.api.runtime_of(model).layers
+    assert S.sharded_layers(model) == layers          # what schedule_model schedules without ``layers``
+    result = S.schedule_model(model)
     if wrap == "apply_activation_checkpointing":
         # the wrapper does not trace (checkpoint); the block inside it does, and is scheduled in FX
         assert set(result.graphs) == {f"blocks.{i}._checkpoint_wrapped_module" for i in range(cfg.n_layers)}
