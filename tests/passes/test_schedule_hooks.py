@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import themis_compile
 from themis_compile.passes import schedule as S
 from themis_compile.passes.windows import Event, attention_windows
-from tests.passes.test_schedule import Attention, FakeExperts, MoE
+from tests.passes.test_schedule import Attention, MoE
 from tests.runtime.equivalence import _batches, _dense_params, _expert_chunks_reference, assert_equivalent
 
 # Legend: B batch, S sequence, H hidden, T tokens, K top-k.
