@@ -357,6 +357,7 @@ class UntraceableForward(RuntimeError):
 
 
 def _autograd_context() -> tuple[bool, Any]:
+    # (grad mode, innermost saved-tensor hooks): what activation checkpointing and offloading change
     return torch.is_grad_enabled(), torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
