@@ -219,14 +219,22 @@ def test_schedule_keeps_hf_gradient_checkpointing():
     assert counts == {False: 2, True: 4}
 
 
-def test_tracer_refuses_checkpointed_forward():
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad:UserWarning")
+@pytest.mark.parametrize("context", ["non-reentrant", "reentrant", "save_on_cpu", "no_grad"])
+def test_tracer_refuses_what_a_graph_would_drop(context):
     class Outer(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.inner = nn.Linear(4, 4)
 
         def forward(self, x):
-            return checkpoint(self.inner, x, use_reentrant=False) + 1
+            if context == "save_on_cpu":
+                with torch.autograd.graph.save_on_cpu():
+                    return self.inner(x) + 1
+            if context == "no_grad":
+                with torch.no_grad():
+                    return self.inner(x) + 1
+            return checkpoint(self.inner, x, use_reentrant=context == "reentrant") + 1
 
     with pytest.raises(S.UntraceableForward, match="checkpointing"):
         S.trace_for_schedule(Outer())
