@@ -150,11 +150,11 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         state.budget_controller = BudgetController(model, runtime)
     import themis_compile.passes.backend  # noqa: F401  registers torch.compile(backend="themis") without install
     if config.schedule and fssdp:
-        # Place each layer's SpAG start before the attention that precedes it (§4.2); layers in no
-        # traceable module keep the runtime's own start at their forward (logged).
+        # Place each layer's SpAG start before the attention that precedes it (§4.2): in FX graphs where
+        # the model traces, by module hooks from the first forward's order where it does not.
         from themis_compile.passes.schedule import schedule_model
 
-        schedule_model(model)
+        schedule_model(model, runtime.layers)
     logger.info("themis_compile: %d MoE layers sharded over %d ranks (policy %s)", len(infos), world_size,
                 config.policy)
     return model

@@ -1,9 +1,12 @@
 """`python -m themis_compile.bench overlap [--quick]`: is SpAG/SpRS hidden behind attention? (§4.2)
 
-Trains the reference GPT-MoE under FSSDP (policy "themis") on N gloo ranks, twice from the same seed:
-with the scheduling pass (``schedule_model``: SpAG starts before the preceding attention, SpRS is waited
-at the end of attention's backward) and without it (the runtime starts and waits SpAG inside the MoE
-forward, the earliest legal point of an unscheduled model). Prints one JSON document:
+Trains an MoE model under FSSDP (policy "themis") on N gloo ranks, twice from the same seed: with the
+scheduling pass (``ThemisConfig(schedule=True)``: SpAG starts before the preceding attention, SpRS is
+waited at the end of attention's backward) and without it (the runtime starts and waits SpAG inside the
+MoE forward, the earliest legal point of an unscheduled model). ``--model gpt`` is the reference GPT-MoE,
+whose blocks the pass schedules as FX graphs; ``--model mixtral`` / ``qwen3-moe`` / ``deepseek-v3`` are
+tiny random-init Hugging Face models, whose decoder layers FX cannot trace, so the pass schedules them by
+module hooks from the order modules run in (`themis_compile.passes.windows`). Prints one JSON document:
 
 - ``profile``: per MoE layer the profiled T_attn (forward and backward), bw (p2p microbenchmark), Ψ, and the
   budgets t = ⌊T_attn·bw/Ψ⌋ and m the planner used (`themis_compile.cost_model.profile.budgets`);
@@ -25,7 +28,8 @@ import json
 import os
 import statistics
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -46,6 +50,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--router-skew", type=float, default=2.0)
     p.add_argument("--policy", default="themis", choices=("themis", "themis-rm"))
+    p.add_argument("--model", default="gpt", choices=MODELS,
+                   help="the reference GPT-MoE (FX-scheduled) or a tiny random HF model (hook-scheduled)")
     p.add_argument("--trace", default=None, help="write a chrome trace of one scheduled step to this path")
     return p.parse_args(argv)
 
@@ -59,7 +65,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         steps=args.steps or (2 if quick else 6),
         warmup=args.warmup or (3 if quick else 4),
         layers=args.layers, experts=args.experts, router_skew=args.router_skew, policy=args.policy,
-        trace=args.trace,
+        model=args.model, trace=args.trace,
     )
 
 
@@ -116,20 +122,48 @@ class _CollectiveClock:
         return out
 
 
+MODELS = ("gpt", "mixtral", "qwen3-moe", "deepseek-v3")
+
+
+def _model(settings: dict[str, Any]) -> tuple[torch.nn.Module, int, Callable]:
+    """(unmodified model, vocabulary size, loss(model, tokens_BS)) for ``settings["model"]``."""
+    d, n_layers, n_experts, kind = settings["d_model"], settings["layers"], settings["experts"], settings["model"]
+    if kind == "gpt":
+        from themis_compile.models.gpt_moe import GPTMoE, MoEModelConfig, lm_loss
+
+        cfg = MoEModelConfig(d_model=d, n_heads=4, n_layers=n_layers, d_ffn=2 * d, num_experts=n_experts,
+                             top_k=2, seq_len=settings["seq_len"], vocab_size=256, experts_form="stacked",
+                             router_skew=settings["router_skew"])
+        return GPTMoE(cfg), cfg.vocab_size, lambda m, t: lm_loss(m(t), t)
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=d, num_hidden_layers=n_layers, num_attention_heads=4,
+                  max_position_embeddings=max(settings["seq_len"], 64), num_experts_per_tok=2)
+    if kind == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(intermediate_size=2 * d, num_local_experts=n_experts,
+                                                       num_key_value_heads=2, **common))
+    elif kind == "qwen3-moe":
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            intermediate_size=2 * d, moe_intermediate_size=2 * d, num_experts=n_experts, decoder_sparse_step=1,
+            mlp_only_layers=[], num_key_value_heads=2, head_dim=d // 4, **common))
+    else:
+        model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            intermediate_size=2 * d, moe_intermediate_size=2 * d, n_routed_experts=n_experts, n_shared_experts=1,
+            n_group=2, topk_group=1, first_k_dense_replace=0, num_key_value_heads=4, q_lora_rank=d // 2,
+            kv_lora_rank=d // 2, qk_rope_head_dim=d // 8, qk_nope_head_dim=d // 8, v_head_dim=d // 4, **common))
+    return model, common["vocab_size"], lambda m, t: m(input_ids=t, labels=t).loss
+
+
 def _build(settings: dict[str, Any], world_size: int, schedule: bool, profile=None):
     import themis_compile
     from themis_compile.api import runtime_of
     from themis_compile.cost_model import profile as P
-    from themis_compile.models.gpt_moe import GPTMoE, MoEModelConfig
-    from themis_compile.passes.schedule import schedule_model
 
     torch.manual_seed(0)
-    cfg = MoEModelConfig(d_model=settings["d_model"], n_heads=4, n_layers=settings["layers"],
-                         d_ffn=2 * settings["d_model"], num_experts=settings["experts"], top_k=2,
-                         seq_len=settings["seq_len"], vocab_size=256, experts_form="stacked",
-                         router_skew=settings["router_skew"])
-    model = themis_compile.optimize(GPTMoE(cfg), themis_compile.ThemisConfig(policy=settings["policy"],
-                                                                               reshard_interval=0))
+    model, vocab, loss_fn = _model(settings)
+    model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy=settings["policy"], reshard_interval=0,
+                                                                       schedule=schedule))
+    cfg = _Run(vocab_size=vocab, seq_len=settings["seq_len"], loss=loss_fn)
     runtime = runtime_of(model)
     layers = dict(runtime.layers)
     budgets = None
@@ -137,21 +171,24 @@ def _build(settings: dict[str, Any], world_size: int, schedule: bool, profile=No
         psi = {name: int(layer.bank.chunk_bytes) for name, layer in layers.items()}
         budgets = P.budgets(profile, psi, config=runtime.config, topology=getattr(runtime.fssdp, "topology", None))
         P.apply_budgets(layers, budgets)
-    if schedule:
-        schedule_model(model, layers)
     return model, cfg, budgets
 
 
-def _steps(model, cfg, settings, n: int, rank: int, opt) -> list[float]:
-    from themis_compile.models.gpt_moe import lm_loss
+@dataclass(frozen=True)
+class _Run:
+    vocab_size: int
+    seq_len: int
+    loss: Callable
 
+
+def _steps(model, cfg: _Run, settings, n: int, rank: int, opt) -> list[float]:
     g = torch.Generator().manual_seed(100 + rank)
     times = []
     for _ in range(n):
         tokens = torch.randint(0, cfg.vocab_size, (settings["batch"], cfg.seq_len), generator=g)
         dist.barrier()
         t0 = time.perf_counter()
-        loss = lm_loss(model(tokens), tokens)
+        loss = cfg.loss(model, tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -204,15 +241,14 @@ def _bench_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[st
             clock.records = records
             results[mode] = {"step_s": statistics.median(times), **clock.summary()}
         model, cfg, _opt, _t, _r = runs["pass_on"]
+        results["schedule"] = _schedule_summary(model)
         if settings.get("trace"):
             # A training step is collective: every rank runs it, rank 0 records and writes the trace.
-            from themis_compile.models.gpt_moe import lm_loss
-
             tokens = torch.randint(0, cfg.vocab_size, (settings["batch"], cfg.seq_len))
             handles = P.annotate_attention(model)
 
             def step() -> None:
-                lm_loss(model(tokens), tokens).backward()
+                cfg.loss(model, tokens).backward()
 
             if rank == 0:
                 P.export_chrome_trace(step, settings["trace"])
@@ -234,6 +270,21 @@ def _bench_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[st
         clock.restore()
 
 
+def _schedule_summary(model) -> dict[str, str]:
+    """Per MoE layer, where the pass started its SpAG: in an FX graph or by a module hook."""
+    from themis_compile.passes.schedule import schedule_of
+
+    result = schedule_of(model)
+    if result is None:
+        return {}
+    out = {name: "fx: " + (f"before {s.attention}" if not s.fallback else "earliest legal point")
+           for name, s in result.layers.items()}
+    for name, w in result.windows.items():
+        if w.start != "unchanged":
+            out[name] = f"hooks: {w.start}"
+    return out
+
+
 def _report(results: dict[str, Any], world_size: int, settings: dict[str, Any]) -> dict[str, Any]:
     on, off = results["pass_on"], results["pass_off"]
     fits = all(layer["t"] >= 1 for layer in results["profile"]["layers"].values())
@@ -242,6 +293,7 @@ def _report(results: dict[str, Any], world_size: int, settings: dict[str, Any]) 
         "world_size": world_size,
         "settings": {k: v for k, v in settings.items() if k != "trace"},
         "profile": results["profile"],
+        "schedule": results["schedule"],
         "pass_on": on,
         "pass_off": off,
         "targets": {

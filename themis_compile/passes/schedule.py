@@ -2,31 +2,22 @@
 
 The paper issues layer l's SparseAllGather (SpAG) during the forward of the attention layer before it,
 and overlaps the SparseReduceScatter (SpRS) of layer l, together with the re-materialization SpAG of
-layer l-1, with the backward of attention l (Fig. 1c). This module is that placement, as an FX pass.
+layer l-1, with the backward of attention l (Fig. 1c). This module is that placement: `schedule_graph`,
+an FX pass over the ``themis::`` ops of `themis_compile.passes.ops`, and `schedule_model`, which applies
+it to an optimized model (FX where the model traces, module hooks where it does not).
 
-Vocabulary (the ``themis::`` ops the pass places; each is one opaque node in any FX graph):
+Three ways one placement reaches a model:
 
-- ``themis::spag_start(layer) -> token``: plan P' (Alg. 1) and start SpAG of MoE layer ``layer``
-  (``start_materialization()`` of the runtime; idempotent within an iteration).
-- ``themis::spag_wait(token, layer) -> ready``: the end of the SpAG window, just before the MoE block
-  (the runtime's forward waits for the SpAG itself, at token dispatch, which is no earlier).
-- ``themis::moe_experts(x_TH, ids_TK, weights_TK, ready, layer, keep_graph) -> (out_TH, handle)``: the sharded experts
-  of a layer as one opaque node under ``torch.compile`` (the runtime runs eagerly inside; its autograd
-  graph is kept for ``themis::moe_experts_backward``).
-- ``themis::reduction_fence(x, layer) -> x``: identity in forward on the input of attention l; its
-  backward (``themis::reduction_wait``) waits for SpRS of MoE layer l (``wait_reduction()``), i.e. at the
-  end of attention l's backward. The runtime itself starts SpRS right after the MoE backward and the
-  re-materialization SpAG of layer l-1 when layer l's MoE backward ends, so both run in that window.
-
-Two graph flavours are scheduled by the same core (`schedule_graph`):
-
-(a) eager: `schedule_model` traces the model with ``torch.fx`` keeping attention modules and MoE blocks as
-    leaves (``call_module`` nodes), inserts the ops above and installs the scheduled graph as the forward;
-(b) compiled: under ``torch.compile`` the MoE experts call becomes ``themis::spag_start`` ->
-    ``themis::spag_wait`` -> ``themis::moe_experts`` (adjacent), attention modules are annotated with
-    ``node.meta["custom"]["themis_region"] == "attn"``, and the "themis" backend
-    (`themis_compile.passes.backend`) moves the start into the attention window on the dynamo graph and
-    again on the AOT forward graph.
+(a) eager, traceable: `schedule_model` traces the smallest modules containing MoE blocks with ``torch.fx``
+    (attention modules and MoE blocks as leaves), runs `schedule_graph` with SpRS fences and installs the
+    scheduled graph as the module's forward;
+(b) eager, not traceable (HF decoder layers, data-dependent Python, activation checkpointing inside the
+    forward): `themis_compile.passes.windows.WindowHooks` learns each layer's attention from the order in
+    which modules run in the first forward and places the same start and fence with module hooks;
+(c) compiled: under ``torch.compile`` the MoE experts call becomes ``themis::spag_start`` ->
+    ``themis::spag_wait`` -> ``themis::moe_experts`` (adjacent, `install_compile_boundaries`), attention
+    modules are annotated with ``node.meta["custom"]["themis_region"] == "attn"``, and the "themis" backend
+    (`themis_compile.passes.backend`) runs `schedule_graph` on the dynamo graph and on the AOT forward graph.
 
 Contract of `schedule_graph`
     Assumes: ``graph`` is a valid FX graph; MoE sites are given or are ``themis::moe_experts`` nodes
@@ -53,18 +44,27 @@ Pseudo-code
         move or create start(l) before at; move or create wait(start, l) before site
         if insert_fences and R: fence R's activation inputs
 
+Contract of `schedule_model`
+    Assumes: ``model`` went through ``themis_compile.optimize`` (its MoE experts are sharded runtime
+    modules, or ``layers`` names them).
+    Guarantees: every MoE layer is scheduled by exactly one of (a) and (b), (a) where it finds the layer's
+    attention window; the user's parameters, state dict and forward wrappers (activation checkpointing,
+    FSDP2, DDP) are kept: a module is traced only if its forward is its class's and tracing it sees no
+    checkpointing, saved-tensor hooks or grad-mode change; idempotent.
+
+Pseudo-code
+    install_compile_boundaries(model)                                          # (c)
+    for each smallest traceable module M containing MoE blocks:               # (a)
+        gm = trace(M); schedule_graph(gm, fences); M.forward = gm
+    WindowHooks(model, layers not in a graph or whose graph found no window)   # (b)
+
 Legend: T tokens, K top-k, H d_model.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import inspect
-import itertools
 import logging
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -72,285 +72,55 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from themis_compile.passes.attention import REGION_KEY, class_calls_attention, is_attention_module, mark_attention
+from themis_compile.passes.ops import (
+    eager_reduction_fence,
+    install_compile_boundaries,
+    is_boundary_forward,
+    is_moe_experts,
+    is_reduction_fence,
+    is_reduction_wait,
+    is_spag_start,
+    is_spag_wait,
+    is_themis_op,
+    layer_arg,
+    layer_module,
+    layer_name,
+    register_layer,
+)
+from themis_compile.passes.windows import LayerWindow, WindowHooks
+from themis_compile.runtime.ep import ShardedExperts
+
 logger = logging.getLogger(__name__)
+
+_RESULT_ATTR = "_themis_schedule"      # where a model keeps its ScheduleResult (not a submodule or parameter)
 
 __all__ = [
     "LayerSchedule",
     "ScheduleResult",
     "ThemisTracer",
+    "UntraceableForward",
+    "attention_regions",
+    "schedule_graph",
+    "schedule_model",
+    "schedule_of",
+    "sharded_layers",
+    "trace_for_schedule",
+    # re-exported from passes.attention and passes.ops, where they live
     "mark_attention",
     "is_attention_module",
     "register_layer",
     "layer_module",
     "install_compile_boundaries",
-    "schedule_graph",
-    "schedule_model",
-    "trace_for_schedule",
     "is_spag_start",
     "is_spag_wait",
     "is_moe_experts",
     "is_reduction_fence",
     "is_reduction_wait",
-    "attention_regions",
 ]
 
-ATTENTION_ATTR = "themis_attention"
-REGION_KEY = "themis_region"
 
-# ----------------------------------------------------------------------------------------- layer registry
-# The ops carry an integer layer id (a custom op cannot take a module); the registry maps it back to the
-# sharded experts module of that layer. Weak references: the registry never keeps a model alive.
-_LAYERS: dict[int, weakref.ref] = {}
-_LAYER_NAMES: dict[int, str] = {}
-_NEXT_LAYER_ID = itertools.count()
-_REGISTRY_LOCK = threading.Lock()
-
-
-def register_layer(experts: nn.Module, name: str = "") -> int:
-    """Give a layer's sharded experts module an integer id for the ``themis::`` ops (idempotent)."""
-    with _REGISTRY_LOCK:
-        layer_id = getattr(experts, "_themis_layer_id", None)
-        if layer_id is not None and layer_id in _LAYERS and _LAYERS[layer_id]() is experts:
-            return layer_id
-        layer_id = next(_NEXT_LAYER_ID)
-        _LAYERS[layer_id] = weakref.ref(experts)
-        _LAYER_NAMES[layer_id] = name or getattr(experts, "layer", "") or f"layer{layer_id}"
-        experts._themis_layer_id = layer_id
-        return layer_id
-
-
-def layer_module(layer_id: int) -> nn.Module:
-    """The sharded experts module registered under ``layer_id``; raises ValueError if it is gone."""
-    ref = _LAYERS.get(int(layer_id))
-    module = ref() if ref is not None else None
-    if module is None:
-        raise ValueError(f"themis layer id {layer_id} is not registered (was its model freed?)")
-    return module
-
-
-def layer_name(layer_id: int) -> str:
-    return _LAYER_NAMES.get(int(layer_id), f"layer{layer_id}")
-
-
-def _call_runtime(layer_id: int, method: str, range_name: str) -> Any:
-    # The runtime methods are optional: the EP runtime has no SpAG, a runtime without wait_reduction
-    # waits at the end of its own backward. A missing method is a no-op, not an error.
-    fn = getattr(layer_module(layer_id), method, None)
-    if fn is None:
-        return None
-    with torch.profiler.record_function(range_name):
-        return fn()
-
-
-# ----------------------------------------------------------------------------------------- the ops
-def _token() -> torch.Tensor:
-    return torch.zeros(1)
-
-
-@torch.library.custom_op("themis::spag_start", mutates_args=())
-def spag_start(layer: int) -> torch.Tensor:
-    """Start SpAG of MoE layer ``layer`` (plan P' by Alg. 1, then the async collective); returns a token."""
-    _call_runtime(layer, "start_materialization", "themis::spag_start")
-    return _token()
-
-
-@spag_start.register_fake
-def _(layer: int) -> torch.Tensor:
-    return torch.empty(1)
-
-
-@torch.library.custom_op("themis::spag_wait", mutates_args=())
-def spag_wait(token: torch.Tensor, layer: int) -> torch.Tensor:
-    """The end of layer ``layer``'s SpAG window; returns a token the MoE node consumes (ordering edge).
-
-    The runtime's forward itself waits for the SpAG just before token dispatch (after the router and the
-    token-count exchange, i.e. no earlier than this node), and its ``wait_materialization`` hands the
-    replicas over to that forward; so this node only marks the window in the graph and the trace.
-    """
-    with torch.profiler.record_function("themis::spag_window_end"):
-        return _token()
-
-
-@spag_wait.register_fake
-def _(token: torch.Tensor, layer: int) -> torch.Tensor:
-    return torch.empty(1)
-
-
-@torch.library.custom_op("themis::reduction_fence", mutates_args=())
-def reduction_fence(x: torch.Tensor, layer: int) -> torch.Tensor:
-    """Identity on the input of attention l (compiled graphs); its backward waits for SpRS of layer l."""
-    return x.clone()
-
-
-@reduction_fence.register_fake
-def _(x: torch.Tensor, layer: int) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("themis::reduction_wait", mutates_args=())
-def reduction_wait(grad: torch.Tensor, layer: int) -> torch.Tensor:
-    """Wait for SpRS of MoE layer ``layer`` (end of attention l's backward); identity on ``grad``."""
-    _call_runtime(layer, "wait_reduction", "themis::sprs_wait")
-    return grad.clone()
-
-
-@reduction_wait.register_fake
-def _(grad: torch.Tensor, layer: int) -> torch.Tensor:
-    return torch.empty_like(grad)
-
-
-def _setup_fence(ctx, inputs, output) -> None:
-    ctx.layer = inputs[1]
-
-
-def _fence_backward(ctx, grad):
-    return torch.ops.themis.reduction_wait(grad, ctx.layer), None
-
-
-reduction_fence.register_autograd(_fence_backward, setup_context=_setup_fence)
-
-
-class _ReductionFence(torch.autograd.Function):
-    """The eager twin of ``themis::reduction_fence``: a view in forward (no copy), SpRS wait in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: int) -> torch.Tensor:
-        ctx.layer = layer
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        _call_runtime(ctx.layer, "wait_reduction", "themis::sprs_wait")
-        return grad, None
-
-
-def eager_reduction_fence(x: torch.Tensor, layer: int) -> torch.Tensor:
-    """``reduction_fence`` for eager graphs; returns ``x`` unchanged when no gradient flows."""
-    if not (torch.is_grad_enabled() and x.requires_grad):
-        return x
-    return _ReductionFence.apply(x, layer)
-
-
-torch.fx.wrap("eager_reduction_fence")
-
-# themis::moe_experts keeps the eager autograd graph of the runtime's forward in a stash, keyed by the
-# integer in its ``handle`` output; the backward op replays it and drops the entry. Forwards that never
-# see a backward (evaluation with gradients enabled) are bounded by dropping the oldest entries of a layer
-# beyond _STASH_CAP (pipeline schedules keep at most a few dozen micro-batches in flight).
-_STASH: dict[int, collections.OrderedDict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-_STASH_CAP = 64
-_NEXT_KEY = itertools.count(1)
-# A custom op's implementation runs below autograd (autograd dispatch keys excluded), and inside compiled
-# code more keys are excluded. The eager runtime inside themis::moe_experts must record autograd as in
-# plain eager mode, so it runs with the dispatch exclude set of a fresh thread.
-_EAGER_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
-
-
-def _eager_autograd():
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), _EAGER_EXCLUDE)
-
-
-@torch.library.custom_op("themis::moe_experts", mutates_args=())
-def moe_experts(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, ready: torch.Tensor,
-                layer: int, keep_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sharded experts of MoE layer ``layer`` on (x_TH, ids_TK, weights_TK), run eagerly, as one node.
-
-    With ``keep_graph`` (the captured graph is a training graph) the eager autograd graph is kept for
-    ``themis::moe_experts_backward``: expert parameter gradients accumulate into the parameters directly
-    when it is replayed (the runtime's own hooks, e.g. SpRS, run there), so they are not op outputs.
-    """
-    experts = layer_module(layer)
-    forward = getattr(experts, "_themis_eager_forward", experts.forward)
-    if not keep_graph or torch.is_inference_mode_enabled():
-        with torch.no_grad():
-            return forward(x_TH, ids_TK, weights_TK).detach(), torch.zeros((), dtype=torch.int64)
-    with _eager_autograd(), torch.enable_grad():
-        x_leaf = x_TH.detach().requires_grad_(x_TH.is_floating_point())
-        w_leaf = weights_TK.detach().requires_grad_(weights_TK.is_floating_point())
-        out_TH = forward(x_leaf, ids_TK, w_leaf)
-    key = next(_NEXT_KEY)
-    entries = _STASH.setdefault(layer, collections.OrderedDict())
-    entries[key] = (x_leaf, w_leaf, out_TH)
-    if len(entries) > _STASH_CAP:
-        entries.popitem(last=False)
-        logger.warning("themis::moe_experts of layer %s: more than %d forwards without a backward; dropping "
-                       "the oldest autograd graph", layer_name(layer), _STASH_CAP)
-    return out_TH.detach(), torch.full((), key, dtype=torch.int64)
-
-
-@moe_experts.register_fake
-def _(x_TH, ids_TK, weights_TK, ready, layer, keep_graph):
-    return torch.empty_like(x_TH), torch.empty((), dtype=torch.int64)
-
-
-@torch.library.custom_op("themis::moe_experts_backward", mutates_args=())
-def moe_experts_backward(grad_TH: torch.Tensor, handle: torch.Tensor, x_TH: torch.Tensor,
-                         weights_TK: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward of ``themis::moe_experts``: (grad of x_TH, grad of weights_TK)."""
-    entry = _STASH.get(layer, {}).pop(int(handle), None)
-    if entry is None:
-        raise RuntimeError(f"themis::moe_experts_backward of layer {layer_name(layer)!r}: no forward graph for "
-                           f"handle {int(handle)} (backward twice, or more than {_STASH_CAP} forwards in flight)")
-    x_leaf, w_leaf, out_TH = entry
-    with _eager_autograd(), torch.enable_grad():
-        torch.autograd.backward([out_TH], [grad_TH.to(out_TH.dtype)])
-    grad_x = x_leaf.grad if x_leaf.grad is not None else torch.zeros_like(x_TH)
-    grad_w = w_leaf.grad if w_leaf.grad is not None else torch.zeros_like(weights_TK)
-    return grad_x, grad_w
-
-
-@moe_experts_backward.register_fake
-def _(grad_TH, handle, x_TH, weights_TK, layer):
-    return torch.empty_like(x_TH), torch.empty_like(weights_TK)
-
-
-def _setup_moe(ctx, inputs, output) -> None:
-    x_TH, ids_TK, weights_TK, ready, layer, keep_graph = inputs
-    ctx.layer = layer
-    ctx.save_for_backward(output[1], x_TH, weights_TK)
-
-
-def _moe_backward(ctx, grad_TH, grad_handle):
-    handle, x_TH, weights_TK = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.themis.moe_experts_backward(grad_TH, handle, x_TH, weights_TK, ctx.layer)
-    return grad_x, None, grad_w, None, None, None
-
-
-moe_experts.register_autograd(_moe_backward, setup_context=_setup_moe)
-
-
-# ----------------------------------------------------------------------------------------- predicates
-def _is_op(node: fx.Node, packet: Any) -> bool:
-    return node.op == "call_function" and (node.target is packet or node.target is packet.default)
-
-
-def is_spag_start(node: fx.Node) -> bool:
-    return _is_op(node, torch.ops.themis.spag_start)
-
-
-def is_spag_wait(node: fx.Node) -> bool:
-    return _is_op(node, torch.ops.themis.spag_wait)
-
-
-def is_moe_experts(node: fx.Node) -> bool:
-    return _is_op(node, torch.ops.themis.moe_experts)
-
-
-def is_reduction_fence(node: fx.Node) -> bool:
-    return _is_op(node, torch.ops.themis.reduction_fence) or (
-        node.op == "call_function" and node.target is eager_reduction_fence)
-
-
-def is_reduction_wait(node: fx.Node) -> bool:
-    return _is_op(node, torch.ops.themis.reduction_wait)
-
-
-def _layer_arg(node: fx.Node, position: int) -> int:
-    if len(node.args) > position:
-        return int(node.args[position])
-    return int(node.kwargs["layer"])
-
-
+# ----------------------------------------------------------------------------------------- attention regions
 _SDPA_TARGETS: tuple[Any, ...] = (torch.nn.functional.scaled_dot_product_attention,)
 _SDPA_ATEN_NAMES = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 
@@ -364,41 +134,11 @@ def _is_sdpa(node: fx.Node) -> bool:
     return any(s in name for s in _SDPA_ATEN_NAMES) and "backward" not in name
 
 
-# ----------------------------------------------------------------------------------------- attention
-def mark_attention(module: nn.Module) -> nn.Module:
-    """Mark ``module`` as an attention layer (an overlap window) for the scheduling pass; returns it."""
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"mark_attention expects an nn.Module, got {type(module).__name__}")
-    setattr(module, ATTENTION_ATTR, True)
-    return module
-
-
-@functools.lru_cache(maxsize=None)
-def _class_calls_attention(cls: type) -> bool:
-    forward = getattr(cls, "forward", None)
-    if forward is None or forward is nn.Module.forward:
-        return False
-    try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
-        return False
-    return any(s in source for s in ("scaled_dot_product_attention", "flex_attention", "attention_interface"))
-
-
-def is_attention_module(module: nn.Module) -> bool:
-    """True for modules marked with `mark_attention` (or ``themis_attention = True``) and for modules whose
-    ``forward`` calls ``F.scaled_dot_product_attention`` (or flex attention / an HF attention interface)."""
-    flag = getattr(module, ATTENTION_ATTR, None)
-    if flag is not None:
-        return bool(flag)
-    return _class_calls_attention(type(module))
-
-
 def _stack_attention_key(node: fx.Node) -> str | None:
     # Innermost module on the node's nn_module_stack whose class calls attention (dynamo/AOT graphs).
     stack = node.meta.get("nn_module_stack") or {}
     for path, cls in reversed(list(stack.values())):
-        if isinstance(cls, type) and _class_calls_attention(cls):
+        if isinstance(cls, type) and class_calls_attention(cls):
             return f"stack:{path}"
     return None
 
@@ -414,18 +154,13 @@ def _attention_key(node: fx.Node, modules: Mapping[str, nn.Module] | None) -> st
         if module is not None and is_attention_module(module):
             return f"module:{node.target}"
         return None
-    if node.op == "call_function" and not _is_themis(node):
+    if node.op == "call_function" and not is_themis_op(node):
         key = _stack_attention_key(node)
         if key is not None:
             return key
         if _is_sdpa(node):
             return f"sdpa:{node.name}"
     return None
-
-
-def _is_themis(node: fx.Node) -> bool:
-    return (is_spag_start(node) or is_spag_wait(node) or is_moe_experts(node) or is_reduction_fence(node)
-            or is_reduction_wait(node))
 
 
 def attention_regions(graph: fx.Graph, modules: Mapping[str, nn.Module] | None = None) -> dict[str, list[fx.Node]]:
@@ -438,7 +173,7 @@ def attention_regions(graph: fx.Graph, modules: Mapping[str, nn.Module] | None =
     return regions
 
 
-# ----------------------------------------------------------------------------------------- the pass
+# ----------------------------------------------------------------------------------------- the graph pass
 @dataclass(frozen=True)
 class LayerSchedule:
     """Where the pass put one MoE layer's collectives.
@@ -531,16 +266,16 @@ def schedule_graph(
     """
     # Step 0: MoE sites and the themis nodes already in the graph (compiled graphs carry them).
     if moe_sites is None:
-        moe_sites = {n: _layer_arg(n, 4) for n in graph.nodes if is_moe_experts(n)}
+        moe_sites = {n: layer_arg(n, 4) for n in graph.nodes if is_moe_experts(n)}
     order = {n: i for i, n in enumerate(graph.nodes)}
     sites = sorted(moe_sites.items(), key=lambda kv: order[kv[0]])
     starts: dict[int, list[fx.Node]] = {}
     waits: dict[int, list[fx.Node]] = {}
     for node in graph.nodes:
         if is_spag_start(node):
-            starts.setdefault(_layer_arg(node, 0), []).append(node)
+            starts.setdefault(layer_arg(node, 0), []).append(node)
         elif is_spag_wait(node):
-            waits.setdefault(_layer_arg(node, 1), []).append(node)
+            waits.setdefault(layer_arg(node, 1), []).append(node)
 
     # Step 1: attention regions.
     regions = attention_regions(graph, modules)
@@ -615,18 +350,41 @@ def schedule_graph(
     return results
 
 
-# ----------------------------------------------------------------------------------------- eager path
+# ----------------------------------------------------------------------------------------- (a) eager, FX
+class UntraceableForward(RuntimeError):
+    """Tracing would not record what the forward does (activation checkpointing, saved-tensor hooks, a
+    grad-mode change): the traced graph would silently drop it."""
+
+
+def _autograd_context() -> tuple[bool, Any]:
+    # (grad mode, innermost saved-tensor hooks): what activation checkpointing and offloading change
+    return torch.is_grad_enabled(), torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
 class ThemisTracer(fx.Tracer):
-    """``torch.fx`` tracer keeping attention modules and the given MoE blocks as leaf ``call_module`` nodes."""
+    """``torch.fx`` tracer keeping attention modules and the given MoE blocks as leaf ``call_module`` nodes.
+
+    It raises `UntraceableForward` when a node is recorded under another autograd context than the trace
+    began in: ``torch.utils.checkpoint`` (non-reentrant: saved-tensor hooks; reentrant: no grad), its
+    ``checkpoint_wrapper``/``apply_activation_checkpointing`` and HF ``gradient_checkpointing_enable()``
+    forms, ``save_on_cpu``, ``torch.no_grad()`` blocks — none of which an FX graph records.
+    """
 
     def __init__(self, moe_blocks: Iterable[nn.Module] = ()) -> None:
         super().__init__()
         self._moe_ids = {id(m) for m in moe_blocks}
+        self._context = _autograd_context()
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if id(m) in self._moe_ids or is_attention_module(m):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def create_node(self, *args, **kwargs) -> fx.Node:
+        if _autograd_context() != self._context:
+            raise UntraceableForward("the forward runs code under activation checkpointing, saved-tensor hooks "
+                                     "or another grad mode, which an FX graph does not record")
+        return super().create_node(*args, **kwargs)
 
 
 def trace_for_schedule(module: nn.Module, moe_blocks: Iterable[nn.Module] = ()) -> fx.GraphModule:
@@ -642,13 +400,26 @@ class ScheduleResult:
 
     Attributes:
         graphs: qualified name of each traced module -> its scheduled GraphModule (installed as forward).
-        layers: per MoE layer name, its `LayerSchedule`.
-        untraced: MoE layer names left to the runtime's own start (no traceable module contains them).
+        layers: per MoE layer name scheduled in a graph, its `LayerSchedule`.
+        untraced: MoE layer names in no traceable module; `hooks` schedules them.
+        hooks: the `WindowHooks` of the layers in ``untraced`` and of graph layers without a window there
+            (None when every layer has a window in a graph); its ``windows`` are known after the first forward.
     """
 
     graphs: dict[str, fx.GraphModule]
     layers: dict[str, LayerSchedule]
     untraced: list[str]
+    hooks: WindowHooks | None = None
+
+    @property
+    def windows(self) -> dict[str, LayerWindow]:
+        """Per MoE layer scheduled by hooks, its `LayerWindow` (empty before the first forward)."""
+        return {} if self.hooks is None or self.hooks.windows is None else dict(self.hooks.windows)
+
+
+def sharded_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """MoE block name -> its sharded experts module (what ``optimize`` put into ``model``)."""
+    return {name.rpartition(".")[0]: m for name, m in model.named_modules() if isinstance(m, ShardedExperts)}
 
 
 def _moe_blocks(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, tuple[nn.Module, nn.Module]]:
@@ -664,44 +435,6 @@ def _moe_blocks(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, 
     return blocks
 
 
-def install_compile_boundaries(model: nn.Module, layers: Mapping[str, nn.Module]) -> dict[str, int]:
-    """Make ``model`` compile as whole graphs: each sharded experts module becomes ``spag_start ->
-    spag_wait -> themis::moe_experts`` under ``torch.compile`` (eager calls are unchanged), and each attention
-    module is annotated ``themis_region="attn"`` in compiled graphs. Returns layer name -> layer id."""
-    ids = {}
-    for name, experts in layers.items():
-        layer = register_layer(experts, name)
-        ids[name] = layer
-        if "_themis_eager_forward" not in experts.__dict__:
-            eager = experts.forward
-            experts._themis_eager_forward = eager
-            experts.forward = functools.partial(_boundary_forward, eager, layer)
-    for name, module in model.named_modules():
-        if is_attention_module(module) and "_themis_attn_forward" not in module.__dict__:
-            eager = module.forward
-            module._themis_attn_forward = eager
-            module.forward = functools.partial(_annotated_forward, eager, name)
-    return ids
-
-
-def _boundary_forward(eager: Callable, layer: int, x_TH: torch.Tensor, ids_TK: torch.Tensor,
-                      weights_TK: torch.Tensor) -> torch.Tensor:
-    if not torch.compiler.is_compiling():
-        return eager(x_TH, ids_TK, weights_TK)
-    token = torch.ops.themis.spag_start(layer)
-    ready = torch.ops.themis.spag_wait(token, layer)
-    out_TH, _handle = torch.ops.themis.moe_experts(x_TH, ids_TK, weights_TK, ready, layer,
-                                                   torch.is_grad_enabled())
-    return out_TH
-
-
-def _annotated_forward(eager: Callable, name: str, *args, **kwargs):
-    if not torch.compiler.is_compiling():
-        return eager(*args, **kwargs)
-    with torch.fx.traceback.annotate({REGION_KEY: "attn", "themis_attn": name}):
-        return eager(*args, **kwargs)
-
-
 def _scheduled_forward(original: Callable, gm: fx.GraphModule, *args, **kwargs):
     # Under torch.compile the original forward is traced (the "themis" backend schedules that graph);
     # the eager FX graph is for eager execution only.
@@ -710,21 +443,28 @@ def _scheduled_forward(original: Callable, gm: fx.GraphModule, *args, **kwargs):
     return gm(*args, **kwargs)
 
 
+def _own_forward(module: nn.Module) -> bool:
+    # A forward set on the instance (a user's checkpoint wrapper, a hook library) is not what a trace of
+    # the class forward would record, and installing the graph in its place would drop the wrapper.
+    forward = module.__dict__.get("forward")
+    return forward is None or is_boundary_forward(forward)
+
+
 def _try_schedule(module: nn.Module, qualname: str, blocks: dict[str, tuple[nn.Module, nn.Module]],
-                  ids: Mapping[str, int], result: ScheduleResult) -> bool:
+                  ids: Mapping[str, int], result: ScheduleResult) -> None:
     inside = {name: b for name, b in blocks.items() if any(m is b[0] for m in module.modules())}
-    if not inside:
-        return True
-    if any(b[0] is module for b in inside.values()):
-        return False  # a MoE block itself is a leaf, not a graph to schedule
-    try:
-        gm = trace_for_schedule(module, [b[0] for b in inside.values()])
-    except Exception as exc:  # noqa: BLE001 - any tracing failure means: try the children
-        logger.debug("themis schedule: cannot trace %s (%s); trying its children", qualname or "<root>", exc)
-        ok = True
+    if not inside or any(b[0] is module for b in inside.values()):
+        return  # nothing to schedule here, or a MoE block itself (a leaf, not a graph)
+    gm = None
+    if _own_forward(module):
+        try:
+            gm = trace_for_schedule(module, [b[0] for b in inside.values()])
+        except Exception as exc:  # noqa: BLE001 - any tracing failure means: try the children
+            logger.debug("themis schedule: cannot trace %s (%s); trying its children", qualname or "<root>", exc)
+    if gm is None:
         for child_name, child in module.named_children():
-            ok &= _try_schedule(child, f"{qualname}.{child_name}" if qualname else child_name, blocks, ids, result)
-        return ok
+            _try_schedule(child, f"{qualname}.{child_name}" if qualname else child_name, blocks, ids, result)
+        return
     modules = dict(gm.named_modules())
     sites = {}
     for node in gm.graph.nodes:
@@ -741,39 +481,44 @@ def _try_schedule(module: nn.Module, qualname: str, blocks: dict[str, tuple[nn.M
     module.__dict__["_themis_scheduled_graph"] = gm
     module.forward = functools.partial(_scheduled_forward, original, gm)
     result.graphs[qualname or "<root>"] = gm
-    return True
+
+
+# ----------------------------------------------------------------------------------------- the model
+def schedule_of(model: nn.Module) -> ScheduleResult | None:
+    """The `ScheduleResult` of `schedule_model` on ``model``, or None if it was not scheduled."""
+    return model.__dict__.get(_RESULT_ATTR)
 
 
 def schedule_model(model: nn.Module, layers: Mapping[str, nn.Module] | None = None) -> ScheduleResult:
-    """Schedule the sparse collectives of an optimized ``model`` (eager and compiled paths).
+    """Schedule the sparse collectives of an optimized ``model`` (eager and compiled paths); see the Contract.
 
     Args:
-        model: a model returned by ``themis_compile.optimize``.
-        layers: MoE block name -> sharded experts; default ``runtime_of(model).layers``.
+        model: a model returned by ``themis_compile.optimize`` (the module the user calls).
+        layers: MoE block name -> sharded experts; default `sharded_layers(model)`.
 
-    Installs the compile boundaries (`install_compile_boundaries`), traces the model — or, where the
-    model's own forward does not trace, its smallest traceable submodules that contain MoE blocks — with
-    attention modules and MoE blocks as leaves, runs `schedule_graph` with SpRS fences, and makes each
-    scheduled graph the forward of its module for eager execution. Idempotent.
+    Returns the `ScheduleResult`, also kept on the model (a second call returns it unchanged).
     """
-    if layers is None:
-        from themis_compile.api import runtime_of
-
-        layers = runtime_of(model).layers
+    done = schedule_of(model)
+    if done is not None:
+        return done
+    layers = sharded_layers(model) if layers is None else dict(layers)
     if not layers:
         raise ValueError("schedule_model: the model has no sharded MoE layer (call themis_compile.optimize first)")
-    result = ScheduleResult(graphs={}, layers={}, untraced=[])
+    # Step 1: compile boundaries (c).
     ids = install_compile_boundaries(model, layers)
-    if getattr(model, "_themis_schedule", None) is not None:
-        return model._themis_schedule
     blocks = _moe_blocks(model, layers)
+    # Step 2: FX graphs of the smallest traceable modules containing MoE blocks (a).
+    result = ScheduleResult(graphs={}, layers={}, untraced=[])
     _try_schedule(model, "", blocks, ids, result)
     result.untraced = [name for name in layers if name not in result.layers]
-    for name in result.untraced:
-        logger.warning("themis schedule: MoE layer %s is in no traceable module; its SpAG starts at the "
-                       "layer's own forward (no overlap with attention)", name)
-    model.__dict__["_themis_schedule"] = result
-    fallbacks = [n for n, s in result.layers.items() if s.fallback]
-    logger.info("themis schedule: %d MoE layers scheduled into attention windows, %d at the earliest legal "
-                "point, %d untraced", len(result.layers) - len(fallbacks), len(fallbacks), len(result.untraced))
+    # Step 3: module hooks for the rest, from the order modules run in the first forward (b).
+    fallbacks = [name for name, s in result.layers.items() if s.fallback]
+    hooked = result.untraced + fallbacks
+    if hooked:
+        result.hooks = WindowHooks(model, {name: (blocks[name][0], ids[name]) for name in hooked},
+                                   upgrade_only=fallbacks)
+    model.__dict__[_RESULT_ATTR] = result
+    logger.info("themis schedule: %d MoE layers scheduled into attention windows in FX graphs, %d at the "
+                "earliest legal point there, %d by module hooks from the first forward's order",
+                len(result.layers) - len(fallbacks), len(fallbacks), len(result.untraced))
     return result
