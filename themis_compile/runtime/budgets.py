@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import collective_device
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,10 @@ class BudgetController:
             return
         self._apply(None)   # conservative defaults until measured
         try:
-            self._bw = P.measure_bandwidth(self.state.group, self.state.topology, nbytes=1 << 20, iters=3)
+            self._bw = P.measure_bandwidth(self.state.group, self.state.topology, nbytes=1 << 20, iters=3,
+                                           timeout_s=self.state.timeout_s)
+        except deadline.CollectiveError:
+            raise       # a rank that does not take part: the group is unusable, training cannot go on
         except Exception as exc:  # noqa: BLE001 - profiling must never block training
             logger.warning("themis: bandwidth measurement failed (%s); using configured bandwidths", exc)
         moe_blocks = dict(model.named_modules())
@@ -76,7 +80,8 @@ class BudgetController:
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
                 box = [("err", exc)]
         if self.state.world_size > 1:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.state.group, 0), group=self.state.group)
+            box = [deadline.broadcast_object(box[0], 0, group=self.state.group, timeout_s=self.state.timeout_s,
+                                             purpose="cost-model result from rank 0")]
         status, value = box[0]
         if status == "err":
             raise value
@@ -99,7 +104,8 @@ class BudgetController:
         flags = torch.tensor([int(self._pending is None), int(bool(self.profiler.failed) or give_up)],
                              dtype=torch.int64, device=self._device)
         if self.state.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.state.group)
+            deadline.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.state.group, timeout_s=self.state.timeout_s,
+                                purpose="profiling readiness")
         not_ready, failed = (int(v) for v in flags.tolist())
         if failed:
             logger.warning("themis: attention profiling did not complete on every rank; keeping the default "

@@ -1,0 +1,177 @@
+"""Every collective of the library has a deadline: a rank that stays alive but stops participating makes the
+others raise within ``collective_timeout_s``, naming the collective, the layer and the missing rank.
+
+One spawned process group serves all cases of a world size. Each case builds its model on a fresh process
+group (a timed-out group is unusable); the skipping rank raises at the site (it "caught an exception and
+went on") and waits in a barrier of the default group, where the others join it after their error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import themis_compile
+from themis_compile import ThemisConfig
+from themis_compile.models import build_model, lm_loss
+from themis_compile.runtime import deadline, exchange
+from themis_compile.runtime.deadline import CollectiveTimeoutError
+from themis_compile.runtime.ep import ShardedExperts
+from themis_compile.runtime.fssdp import FSSDPExperts
+from themis_compile.testing import run_multirank
+
+TIMEOUT_S = 2.0
+SLACK_S = 3.0          # the waiting ranks raise within TIMEOUT_S + SLACK_S of the step's start
+
+
+class _Skip(Exception):
+    """What the skipping rank raises at the site instead of taking part."""
+
+
+def _skip(*args, **kwargs):
+    raise _Skip
+
+
+def _model(group, **config):
+    torch.manual_seed(0)
+    model = build_model("tiny-moe", d_model=16, d_ffn=16, num_experts=4, seq_len=16)
+    config = ThemisConfig(**{"dense_parallel": "ddp", "collective_timeout_s": TIMEOUT_S,
+                             "overlap_degree": 2, "materialization_budget": 1, "reshard_interval": 0, **config})
+    return themis_compile.optimize(model, config, group=group)
+
+
+def _train_step(model, skipping: bool, where: str) -> None:
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    loss = lm_loss(model(tokens), tokens)
+    if skipping and where == "backward":
+        raise _Skip
+    loss.backward()
+
+
+def _reshard_step(model, skipping: bool) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    lm_loss(model(tokens), tokens).backward()
+    if skipping:
+        raise _Skip
+    opt.step()                           # reshard_interval=1: Alg. 2 re-shards after this step
+
+
+# (name, config, what the skipping rank skips, what the waiting ranks' error must name)
+CASES = {
+    "count exchange": ({"policy": "ep"}, "exchange_counts", "all_to_all (count exchange) of MoE layer 'blocks.0.moe'"),
+    "dispatch": ({"policy": "ep"}, "all_to_all_rows", "all_to_all (token dispatch) of MoE layer 'blocks.0.moe'"),
+    "backward": ({"policy": "ep"}, "backward",
+                 "all_to_all (token combine, backward) of MoE layer 'blocks.1.moe'"),
+    "count reducer": ({"policy": "ep"}, "global_tokens_per_expert",
+                      "all_reduce (global tokens per expert) of MoE layer 'blocks.0.moe'"),
+    "routing check": ({"policy": "ep"}, "_check_routing", "all_reduce (routing check) of MoE layer 'blocks.0.moe'"),
+    "global tokens": ({"policy": "themis"}, "_global_tokens",
+                      "all_gather (tokens per expert and router flags) of MoE layer 'blocks.0.moe'"),
+    "plan digest": ({"policy": "themis", "check_plans": True}, "_check_plan_digest",
+                    "all_gather (plan digest) of MoE layer 'blocks.0.moe'"),
+    "themis backward": ({"policy": "themis-rm"}, "backward",
+                        "all_to_all (token combine, backward) of MoE layer 'blocks.1.moe'"),
+    "reshard": ({"policy": "themis", "reshard_interval": 1}, "step",
+                "all_gather (re-sharding: optimizer-state layouts) timed out"),
+    "bandwidth": (None, "measure_bandwidth", "barrier (bandwidth measurement (intra)) timed out"),
+}
+
+
+def _run_case(name: str, skipper: int, monkeypatch_store: list) -> dict | str:
+    config, where, _ = CASES[name]
+    rank = dist.get_rank()
+    skipping = rank == skipper
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=TIMEOUT_S + 6))
+    start = time.monotonic()
+    try:
+        if config is None:
+            from themis_compile.cost_model.profile import measure_bandwidth
+
+            if skipping:
+                raise _Skip
+            measure_bandwidth(group, nbytes=64, iters=1, timeout_s=TIMEOUT_S)
+            return "no error"
+        model = _model(group, **config)
+        if skipping and where in ("exchange_counts", "all_to_all_rows"):
+            monkeypatch_store.append((exchange, where, getattr(exchange, where)))
+            setattr(exchange, where, _skip)
+        elif skipping and where in ("_check_routing", "_global_tokens", "_check_plan_digest"):
+            cls = ShardedExperts if where == "_check_routing" else FSSDPExperts
+            monkeypatch_store.append((cls, where, getattr(cls, where)))
+            setattr(cls, where, _skip)
+        elif skipping and where == "global_tokens_per_expert":
+            model.blocks[0].moe.global_tokens_per_expert = _skip
+        start = time.monotonic()
+        if config.get("reshard_interval"):
+            _reshard_step(model, skipping)
+        else:
+            _train_step(model, skipping, where)
+        return "no error"
+    except _Skip:
+        return "skipped"
+    except CollectiveTimeoutError as exc:
+        return {"message": str(exc), "elapsed": time.monotonic() - start, "waited": exc.waited_s,
+                "missing": exc.missing_ranks,
+                "collective": exc.collective, "layer": exc.layer}
+    finally:
+        while monkeypatch_store:
+            owner, attr, original = monkeypatch_store.pop()
+            setattr(owner, attr, original)
+        dist.barrier()                   # the default group: the skipping rank waits here, alive
+
+
+def _cases(rank: int, world_size: int, cases: list[tuple[str, int]]) -> list:
+    # One full step of each runtime first, on every rank: first-call costs (lazy imports, allocator
+    # warm-up) must not make a rank arrive late at a timed case on a loaded machine.
+    for policy in ("ep", "themis"):
+        _train_step(_model(dist.group.WORLD, policy=policy), False, "")
+    return [_run_case(name, skipper, []) for name, skipper in cases]
+
+
+def _check(results: list[list], cases: list[tuple[str, int]]) -> None:
+    for i, (name, skipper) in enumerate(cases):
+        expected = CASES[name][2]
+        for rank, per_rank in enumerate(results):
+            got = per_rank[i]
+            if rank == skipper:
+                assert got == "skipped", (name, got)
+                continue
+            assert isinstance(got, dict), (name, rank, got)
+            msg = got["message"]
+            assert expected in msg, (name, msg)
+            assert f"rank {skipper} did not participate" in msg, (name, msg)
+            assert got["missing"] == (skipper,), (name, msg)
+            waiting = [r for r in range(len(results)) if r != skipper]
+            assert f"ranks {waiting} were waiting in it" in msg, (name, msg)
+            assert TIMEOUT_S <= got["waited"] <= TIMEOUT_S + 0.5, (name, got["waited"])
+            assert got["elapsed"] <= TIMEOUT_S + SLACK_S, (name, got["elapsed"])
+
+
+# Three ranks, so that "which rank" means something: mostly rank 1 is missing, and rank 0 (which, unlike
+# in a monitored barrier, needs no special role: the reports go through the store) and rank 2 once each.
+SKIPPERS = {"backward": 2, "count reducer": 0}
+RUN_CASES = [(name, SKIPPERS.get(name, 1)) for name in CASES]
+
+
+def test_every_site_times_out_naming_collective_layer_and_missing_rank():
+    results = run_multirank(_cases, 3, args=(RUN_CASES,), timeout_s=60)
+    _check(results, RUN_CASES)
+
+
+def test_error_types_and_message_without_layer():
+    exc = CollectiveTimeoutError("m", "all_gather (x)", "", 0, 1.0, (1,))
+    assert isinstance(exc, TimeoutError) and isinstance(exc, RuntimeError)
+    assert isinstance(exc, deadline.CollectiveError)
+    assert str(deadline.Call("barrier", "bandwidth measurement")) == "barrier (bandwidth measurement)"
+    assert str(deadline.Call("all_to_all", "token dispatch", "m.l")) == "all_to_all (token dispatch) of MoE layer 'm.l'"
+
+
+@pytest.mark.parametrize("timeout_s", [300.0, 2.0])
+def test_grace_is_a_part_of_the_deadline(timeout_s):
+    grace = deadline._grace(timeout_s)
+    assert 0 < grace <= 2.0 and grace <= timeout_s / 4
