@@ -101,7 +101,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         block = info.module
         original = getattr(block, info.experts_attr)
         if world_size > 1:
-            _broadcast_experts(original, group, config.collective_timeout_s)
+            _broadcast_experts(original, group, deadline.setup_timeout(config.collective_timeout_s))
         bank = ExpertBank(original, layer=info.name)
         shard = Placement.contiguous(bank.num_experts, world_size)
         if fssdp:
@@ -179,7 +179,8 @@ def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
     # Its first operation involves every rank: on NCCL, batched point-to-point operations may involve a
     # subset of the group's ranks only once the communicator exists (torch's batch_isend_irecv contract).
     deadline.all_reduce(torch.zeros(1, device=collective_device(comm_group)), group=comm_group,
-                        timeout_s=config.collective_timeout_s, purpose="sparse-collective group set-up")
+                        timeout_s=deadline.setup_timeout(config.collective_timeout_s),
+                        purpose="sparse-collective group set-up")
     return FSSDPState(rank=rank, world_size=world_size, group=group, comm_group=comm_group, topology=topology,
                       rematerialize=config.rematerialize, calibrate=config.calibrate,
                       timeout_s=config.collective_timeout_s, check_plans=config.check_plans)

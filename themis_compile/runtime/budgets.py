@@ -46,14 +46,17 @@ class BudgetController:
         self._bw: dict[str, float] = {}
         # Where small collective tensors live: the group's device (NCCL needs CUDA tensors).
         self._device = collective_device(self.state.group) if self.state.world_size > 1 else torch.device("cpu")
+        # The deadline of this controller's collectives: the set-up one inside optimize, then the training one.
+        self._timeout_s = deadline.setup_timeout(self.state.timeout_s)
         cached = self._rank0(lambda: self._cached(model))
         if cached is not None:
             self._apply(P.Profile.from_json(cached, source="cache"))
+            self._timeout_s = self.state.timeout_s
             return
         self._apply(None)   # conservative defaults until measured
         try:
             self._bw = P.measure_bandwidth(self.state.group, self.state.topology, nbytes=1 << 20, iters=3,
-                                           timeout_s=self.state.timeout_s)
+                                           timeout_s=self._timeout_s)
         except deadline.CollectiveError:
             raise       # a rank that does not take part: the group is unusable, training cannot go on
         except Exception as exc:  # noqa: BLE001 - profiling must never block training
@@ -63,6 +66,7 @@ class BudgetController:
         self.profiler = P.AttentionProfiler(model, blocks, warmup_steps=warmup_steps, measure_steps=measure_steps,
                                             on_done=self._on_profiled)
         self._key_model = model
+        self._timeout_s = self.state.timeout_s
 
     def _cached(self, model: nn.Module):
         from themis_compile.cost_model import profile as P
@@ -80,7 +84,7 @@ class BudgetController:
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
                 box = [("err", exc)]
         if self.state.world_size > 1:
-            box = [deadline.broadcast_object(box[0], 0, group=self.state.group, timeout_s=self.state.timeout_s,
+            box = [deadline.broadcast_object(box[0], 0, group=self.state.group, timeout_s=self._timeout_s,
                                              purpose="cost-model result from rank 0")]
         status, value = box[0]
         if status == "err":

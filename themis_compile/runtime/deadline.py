@@ -24,7 +24,7 @@ How the missing ranks are named (the failure path only):
      the same call the same number.
   2. A rank whose wait passes ``timeout_s - grace`` appends ``(its rank, call number, collective)`` to
      one key per process group in the rendezvous store (the default store, which every rank reaches).
-  3. It reads the key back until ``timeout_s`` (the grace) and raises: ranks that reported the same call
+  3. It reads the key back at ``timeout_s`` (after the grace) and raises: ranks that reported the same call
      arrived; ranks that reported another call are named with the collective they wait in instead; the
      others did not participate. [grace = min(2 s, timeout_s / 4): ranks reaching a collective further
      apart than that are named as missing.]
@@ -41,6 +41,11 @@ Where the wait happens:
     every later operation of its communicator). The process group's own timeout (the NCCL watchdog)
     applies as well.
 
+Set-up collectives (those of ``optimize``: the experts' broadcast, the sparse-collective group's first
+operation, the first cost-model exchanges) wait at least `SETUP_TIMEOUT_S` (`setup_timeout`): ranks
+reach them after rank-local work of any length (loading weights, detection probes), where a deadline
+sized for a training step would fail healthy runs.
+
 Ranks in messages are global ranks (``RANK`` under torchrun).
 """
 
@@ -54,8 +59,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -66,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "SETUP_TIMEOUT_S",
     "Call",
     "CollectiveError",
     "CollectiveTimeoutError",
@@ -79,7 +84,10 @@ __all__ = [
     "broadcast_object",
     "recv",
     "send",
+    "setup_timeout",
 ]
+
+SETUP_TIMEOUT_S = 300.0      # the least deadline of a set-up collective
 
 _GRACE_MAX_S = 2.0           # most of the deadline spent collecting the other ranks' reports
 _SPIN_S = 2e-3               # NCCL host waits: yield-spin this long, then poll every _POLL_S
@@ -125,9 +133,9 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
         self.waited_s = waited_s
 
 
-@dataclass(frozen=True)
-class Call:
-    """One collective call, for messages: torch's operation, what it is for, and the layer it serves."""
+class Call(NamedTuple):
+    """One collective call, for messages: torch's operation, what it is for, and the layer it serves.
+    (A named tuple: one is made per call, on the hot path.)"""
 
     op: str
     purpose: str
@@ -146,7 +154,7 @@ class _Clock:
     """Per process group: how many calls of this module it has seen, and the device-async calls that may
     still be running (call number, call, completion test)."""
 
-    __slots__ = ("calls", "in_flight", "__weakref__")
+    __slots__ = ("calls", "in_flight")
 
     def __init__(self) -> None:
         self.calls = itertools.count()
@@ -168,6 +176,16 @@ def _clock(group: Any) -> _Clock:
     return clock
 
 
+def _host_waits(device: torch.device) -> bool:
+    """Whether the host waits for the collective itself: CPU tensors (gloo) hold the result only then."""
+    return device.type == "cpu"
+
+
+def _order_after(work: Any) -> None:
+    """Device tensors (NCCL): order the current stream after the collective; the host goes on."""
+    work.wait()
+
+
 def _device_done(work: Any) -> Callable[[], bool]:
     """A completion test for a device-async call that keeps no tensor alive: a CUDA event on the current
     stream, which `work.wait()` has ordered after the collective."""
@@ -177,6 +195,11 @@ def _device_done(work: Any) -> Callable[[], bool]:
 
 
 # ============================================================================================ waiting
+def setup_timeout(timeout_s: float) -> float:
+    """The deadline of a set-up collective given the training deadline ``timeout_s``."""
+    return max(float(timeout_s), SETUP_TIMEOUT_S)
+
+
 def _grace(timeout_s: float) -> float:
     return min(_GRACE_MAX_S, 0.25 * timeout_s)
 
@@ -196,7 +219,7 @@ def _run(post: Callable[[], Any], call: Call, group: Any, timeout_s: float, devi
     except Exception as exc:  # noqa: BLE001 - re-raised with the collective's and layer's names
         raise _failure(call, exc) from exc
     deadline = start + timeout_s - _grace(timeout_s)
-    if device.type == "cpu":
+    if _host_waits(device):
         try:
             work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
         except Exception as exc:  # noqa: BLE001 - a timeout or a failed peer, named below
@@ -204,7 +227,7 @@ def _run(post: Callable[[], Any], call: Call, group: Any, timeout_s: float, devi
                 raise _failure(call, exc) from exc
             raise _timed_out(clock, group, seq, call, timeout_s, start, peers) from exc
         return
-    work.wait()                  # orders the current stream after the collective; the host goes on
+    _order_after(work)
     if async_on_device:
         while clock.in_flight and clock.in_flight[0][2]():
             clock.in_flight.popleft()
@@ -243,7 +266,7 @@ def _timed_out(clock: _Clock, group: Any, seq: int, call: Call, timeout_s: float
             stuck_seq, stuck = s, c
             break
     noticed = "" if stuck is call else f" (noticed while waiting in {call})"
-    # Step 2: report, and read the others' reports until the deadline (at least briefly).
+    # Step 2: report, and read the others' reports at the deadline (after at least the grace).
     grace = _grace(timeout_s)
     until = max(time.monotonic(), start + timeout_s - grace) + grace
     ranks = list(peers) if peers is not None and stuck is call else dist.get_process_group_ranks(group)
@@ -278,22 +301,20 @@ def _describe_missing(missing: Sequence[int], waiting: Sequence[int], reports: d
 
 def _exchange_reports(group: Any, rank: int, ranks: Sequence[int], seq: int, call: Call, until: float
                       ) -> dict[int, tuple[int, str]] | None:
-    """Append this rank's report to the group's key in the rendezvous store and read the reports until
-    ``until`` (or until every rank of ``ranks`` has reported this call): {rank: (call number, call)}, the
-    latest per rank; ``None`` without a usable store."""
+    """Append this rank's report to the group's key in the rendezvous store, and at ``until`` read the
+    reports of ``ranks``: {rank: (call number, call)}, the latest per rank; ``None`` without a usable
+    store. One append and one read per rank (the store serves every rank of a large job at once)."""
     try:
         store = dist.distributed_c10d._get_default_store()
         key = f"{_STORE_PREFIX}/{group.group_name}"
         text = str(call).replace("\t", " ").replace("\n", " ")
         store.append(key, f"{rank}\t{seq}\t{text}\n")
-        while True:
-            reports = {}
-            for line in store.get(key).decode().splitlines():
-                r, s, what = line.split("\t", 2)
-                reports[int(r)] = (int(s), what)
-            if time.monotonic() >= until or all(reports.get(r, (None,))[0] == seq for r in ranks):
-                return reports
-            time.sleep(0.02)
+        time.sleep(max(until - time.monotonic(), 0.0))
+        reports = {}
+        for line in store.get(key).decode().splitlines():
+            r, s, what = line.split("\t", 2)
+            reports[int(r)] = (int(s), what)
+        return {r: v for r, v in reports.items() if r in ranks}
     except Exception as exc:  # noqa: BLE001 - naming the ranks is a courtesy; the timeout stands
         logger.warning("themis_compile: could not exchange timeout reports through the store: %s", exc)
         return None
