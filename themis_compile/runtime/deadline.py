@@ -259,6 +259,8 @@ def _timed_out(clock: _Clock, group: Any, seq: int, call: Call, timeout_s: float
                peers: Sequence[int] | None = None) -> CollectiveTimeoutError:
     """The error for a wait that passed its deadline, after naming the ranks that did not participate."""
     rank = _global_rank()
+    # The backend's own timeout (the process group's) may have come first.
+    early = time.monotonic() < start + timeout_s - _grace(timeout_s) - 0.05
     # Step 1: the call that holds things up: the oldest device-async call still running, else this one.
     stuck_seq, stuck = seq, call
     for s, c, done in clock.in_flight:
@@ -266,9 +268,9 @@ def _timed_out(clock: _Clock, group: Any, seq: int, call: Call, timeout_s: float
             stuck_seq, stuck = s, c
             break
     noticed = "" if stuck is call else f" (noticed while waiting in {call})"
-    # Step 2: report, and read the others' reports at the deadline (after at least the grace).
-    grace = _grace(timeout_s)
-    until = max(time.monotonic(), start + timeout_s - grace) + grace
+    # Step 2: report, and read the others' reports after the grace: at the deadline (the wait ended at
+    # deadline - grace), or a grace after the backend's own error where that came first.
+    until = time.monotonic() + _grace(timeout_s)
     ranks = list(peers) if peers is not None and stuck is call else dist.get_process_group_ranks(group)
     reports = _exchange_reports(group, rank, ranks, stuck_seq, stuck, until)
     if reports is None:
@@ -278,8 +280,10 @@ def _timed_out(clock: _Clock, group: Any, seq: int, call: Call, timeout_s: float
         missing = tuple(r for r in ranks if r not in waiting)
         who = _describe_missing(missing, waiting, reports)
     verb = "timed out" if stuck is call else "did not complete"
+    after = (f"{time.monotonic() - start:.1f} s (the process group's own timeout, shorter than the "
+             f"collective's {timeout_s:.1f} s)" if early else f"{timeout_s:.1f} s")
     return CollectiveTimeoutError(
-        f"themis_compile: {stuck} {verb} after {timeout_s:.1f} s on rank {rank}{noticed}: {who}; the process "
+        f"themis_compile: {stuck} {verb} after {after} on rank {rank}{noticed}: {who}; the process "
         f"group is unusable now and must be rebuilt", stuck.collective, stuck.layer, rank, timeout_s, missing,
         time.monotonic() - start)
 
