@@ -222,3 +222,29 @@ def test_error_types_and_message_without_layer():
 def test_grace_is_a_part_of_the_deadline(timeout_s):
     grace = deadline._grace(timeout_s)
     assert 0 < grace <= 2.0 and grace <= timeout_s / 4
+
+
+class _Group:
+    """Stands in for a process group where no message is exchanged."""
+
+
+class _FailedWork:
+    def wait(self, timeout=None):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+
+    def is_completed(self):
+        return True
+
+
+def test_a_failed_collective_raises_naming_it_and_the_layer():
+    call = deadline.Call("all_to_all", "token dispatch", "blocks.0.moe")
+    with pytest.raises(deadline.CollectiveError, match=r"all_to_all \(token dispatch\) of MoE layer 'blocks.0.moe' "
+                                                       r"failed on rank 0: Connection closed by peer") as info:
+        deadline._run(_FailedWork, call, _Group(), 5.0, torch.device("cpu"))
+    assert not isinstance(info.value, TimeoutError) and info.value.layer == "blocks.0.moe"
+
+    def post():
+        raise ValueError("split sizes do not add up")
+
+    with pytest.raises(deadline.CollectiveError, match="failed on rank 0: split sizes do not add up"):
+        deadline._run(post, call, _Group(), 5.0, torch.device("cpu"))
