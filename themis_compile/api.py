@@ -13,6 +13,7 @@ from torch import nn
 from themis_compile.config import ThemisConfig
 from themis_compile.passes.detect import SEARCHED, MoELayerInfo, explain_moe_layers, find_moe_layers
 from themis_compile.passes.shard import prepare_moe_layers
+from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import collective_device
 
 logger = logging.getLogger(__name__)
@@ -60,12 +61,12 @@ def _resolve_group(group) -> tuple[object, int, int]:
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _broadcast_experts(module: nn.Module, group) -> None:
+def _broadcast_experts(module: nn.Module, group, timeout_s: float = deadline.DEFAULT_TIMEOUT_S) -> None:
     # Every rank built the model; rank 0's experts are the truth (as DDP does for dense parameters), so
     # a rank seeded differently cannot silently train different experts.
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     for p in module.parameters():
-        dist.broadcast(p.data, src=src, group=group)
+        deadline.broadcast(p.data, src, group=group, timeout_s=timeout_s, purpose="experts from rank 0")
 
 
 def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None, strict: bool = False) -> nn.Module:
@@ -113,17 +114,18 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         block = info.module
         original = getattr(block, info.experts_attr)
         if world_size > 1:
-            _broadcast_experts(original, group)
+            _broadcast_experts(original, group, deadline.setup_timeout(config.collective_timeout_s))
         bank = ExpertBank(original, layer=info.name)
         shard = Placement.contiguous(bank.num_experts, world_size)
         if fssdp:
             experts = _fssdp_experts(bank, original, shard, state, index, info, config)
         else:
             experts = ShardedExperts(bank, original, shard, rank=rank, world_size=world_size, group=group,
-                                     layer=info.name, uniform_routing=config.policy == "uniform")
+                                     layer=info.name, uniform_routing=config.policy == "uniform",
+                                     timeout_s=config.collective_timeout_s)
         setattr(block, info.experts_attr, experts)
         if world_size > 1 and hasattr(block, "global_tokens_per_expert"):
-            block.global_tokens_per_expert = _make_count_reducer(group)
+            block.global_tokens_per_expert = _make_count_reducer(group, info.name, config.collective_timeout_s)
         if config.policy == "uniform" and callable(getattr(block, "route", None)):
             # So that the block's own counts and aux loss see the uniform assignment too.
             block.route = _make_uniform_route(block.route, bank.num_experts)
@@ -235,7 +237,9 @@ def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
     comm_group = dist.new_group(ranks=dist.get_process_group_ranks(group))
     # Its first operation involves every rank: on NCCL, batched point-to-point operations may involve a
     # subset of the group's ranks only once the communicator exists (torch's batch_isend_irecv contract).
-    dist.all_reduce(torch.zeros(1, device=collective_device(comm_group)), group=comm_group)
+    deadline.all_reduce(torch.zeros(1, device=collective_device(comm_group)), group=comm_group,
+                        timeout_s=deadline.setup_timeout(config.collective_timeout_s),
+                        purpose="sparse-collective group set-up")
     return FSSDPState(rank=rank, world_size=world_size, group=group, comm_group=comm_group, topology=topology,
                       rematerialize=config.rematerialize, calibrate=config.calibrate,
                       timeout_s=config.collective_timeout_s, check_plans=config.check_plans)
@@ -255,11 +259,12 @@ def _fssdp_experts(bank, experts, shard, state, index: int, info: MoELayerInfo, 
                         layer=info.name)
 
 
-def _make_count_reducer(group):
+def _make_count_reducer(group, layer: str = "", timeout_s: float = deadline.DEFAULT_TIMEOUT_S):
+    group_name = (group if group is not None else dist.group.WORLD).group_name
+
     def global_tokens_per_expert(counts_E: torch.Tensor) -> torch.Tensor:
-        counts_E = counts_E.clone()
-        dist.all_reduce(counts_E, group=group)
-        return counts_E
+        return deadline.all_reduce_counts(counts_E, group=group, group_name=group_name, layer=layer,
+                                          timeout_s=timeout_s)
 
     return global_tokens_per_expert
 

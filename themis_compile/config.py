@@ -38,8 +38,19 @@ class ThemisConfig:
             ranks) or ``"ddp"`` (torch's composable ``replicate``; graph-breaks under torch.compile).
         kernels: dispatch/combine kernels: ``"auto"`` (Triton on CUDA, torch reference on CPU),
             ``"torch"`` or ``"triton"``.
-        collective_timeout_s: every blocking wait of a themis collective fails after this many seconds,
-            naming the collective and the layer, instead of hanging.
+        collective_timeout_s: the deadline of every collective of the library: the sparse collectives
+            (SpAG, SpRS), the token-count exchange and the all-to-alls of the token exchange (forward and
+            backward), the routing and router-output flags, the count all-reduce of a block's
+            ``global_tokens_per_expert``, plan digests, the budget and profile exchanges and the
+            re-sharding gathers. A rank that stops participating makes the others raise
+            ``themis_compile.runtime.deadline.CollectiveTimeoutError`` (a ``TimeoutError``) within this
+            many seconds, naming the collective, the layer and the ranks that did not participate,
+            instead of hanging (`runtime/deadline.py`). On NCCL the all-to-alls of the rows do not block
+            the host: a stuck one is named by the next bounded wait on the group, and the process group's
+            own timeout applies as well. The set-up collectives inside ``optimize`` (the experts'
+            broadcast, the first cost-model exchanges) wait at least 300 s, since ranks reach them after
+            rank-local work of any length. Keep the process group's ``timeout`` (``init_process_group``)
+            at least this long, or its error (wrapped with the same names) comes first.
         check_plans: cross-check a digest of every plan across ranks (debugging; one extra all-gather).
         schedule: place SpAG/SpRS into the preceding attention's compute window (the scheduling pass).
         profile_path: JSON cache of profiled cost-model inputs (T_attn, bw); ``None`` uses the default

@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from themis_compile.runtime import deadline
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -475,9 +477,11 @@ def _pairs(world_size: int, topology) -> dict[str, tuple[int, int]]:
 
 
 def measure_bandwidth(group=None, topology=None, *, nbytes: int = 1 << 22, iters: int = 5, warmup: int = 1,
-                      device: torch.device | str | None = None) -> dict[str, float]:
+                      device: torch.device | str | None = None,
+                      timeout_s: float = deadline.DEFAULT_TIMEOUT_S) -> dict[str, float]:
     """Bytes/s of one link by point-to-point ping-pong, ``{"intra": bw, "inter": bw}`` (keys present only
-    for pairs the topology has). Collective: every rank of ``group`` must call it; all get the same result.
+    for pairs the topology has). Collective: every rank of ``group`` must call it; all get the same result;
+    each of its messages fails after ``timeout_s`` (`runtime/deadline.py`).
     Returns ``{}`` without a process group or with one rank.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -495,21 +499,22 @@ def measure_bandwidth(group=None, topology=None, *, nbytes: int = 1 << 22, iters
     for kind, (a, b) in _pairs(world, topology).items():
         ga, gb = dist.get_global_rank(group, a), dist.get_global_rank(group, b)
         times = []
-        dist.barrier(group)
+        deadline.barrier(group=group, timeout_s=timeout_s, purpose=f"bandwidth measurement ({kind})")
         for i in range(warmup + iters):
             t0 = time.perf_counter()
+            ping = dict(group=group, timeout_s=timeout_s, purpose=f"bandwidth measurement ({kind})")
             if rank == a:
-                dist.send(buf, gb, group=group)
-                dist.recv(buf, gb, group=group)
+                deadline.send(buf, gb, **ping)
+                deadline.recv(buf, gb, **ping)
             elif rank == b:
-                dist.recv(buf, ga, group=group)
-                dist.send(buf, ga, group=group)
+                deadline.recv(buf, ga, **ping)
+                deadline.send(buf, ga, **ping)
             _sync(buf)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         bw = torch.tensor([nbytes / (statistics.median(times) / 2) if rank == a else 0.0], dtype=torch.float64,
                           device=device)
-        dist.broadcast(bw, ga, group=group)
+        deadline.broadcast(bw, ga, group=group, timeout_s=timeout_s, purpose=f"bandwidth measurement ({kind})")
         result[kind] = float(bw.item())
     return result
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import collective_device
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,19 @@ class BudgetController:
         self._bw: dict[str, float] = {}
         # Where small collective tensors live: the group's device (NCCL needs CUDA tensors).
         self._device = collective_device(self.state.group) if self.state.world_size > 1 else torch.device("cpu")
+        # The deadline of this controller's collectives: the set-up one inside optimize, then the training one.
+        self._timeout_s = deadline.setup_timeout(self.state.timeout_s)
         cached = self._rank0(lambda: self._cached(model))
         if cached is not None:
             self._apply(P.Profile.from_json(cached, source="cache"))
+            self._timeout_s = self.state.timeout_s
             return
         self._apply(None)   # conservative defaults until measured
         try:
-            self._bw = P.measure_bandwidth(self.state.group, self.state.topology, nbytes=1 << 20, iters=3)
+            self._bw = P.measure_bandwidth(self.state.group, self.state.topology, nbytes=1 << 20, iters=3,
+                                           timeout_s=self._timeout_s)
+        except deadline.CollectiveError:
+            raise       # a rank that does not take part: the group is unusable, training cannot go on
         except Exception as exc:  # noqa: BLE001 - profiling must never block training
             logger.warning("themis: bandwidth measurement failed (%s); using configured bandwidths", exc)
         moe_blocks = dict(model.named_modules())
@@ -59,6 +66,7 @@ class BudgetController:
         self.profiler = P.AttentionProfiler(model, blocks, warmup_steps=warmup_steps, measure_steps=measure_steps,
                                             on_done=self._on_profiled)
         self._key_model = model
+        self._timeout_s = self.state.timeout_s
 
     def _cached(self, model: nn.Module):
         from themis_compile.cost_model import profile as P
@@ -76,7 +84,8 @@ class BudgetController:
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
                 box = [("err", exc)]
         if self.state.world_size > 1:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.state.group, 0), group=self.state.group)
+            box = [deadline.broadcast_object(box[0], 0, group=self.state.group, timeout_s=self._timeout_s,
+                                             purpose="cost-model result from rank 0")]
         status, value = box[0]
         if status == "err":
             raise value
@@ -99,7 +108,8 @@ class BudgetController:
         flags = torch.tensor([int(self._pending is None), int(bool(self.profiler.failed) or give_up)],
                              dtype=torch.int64, device=self._device)
         if self.state.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.state.group)
+            deadline.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.state.group, timeout_s=self.state.timeout_s,
+                                purpose="profiling readiness")
         not_ready, failed = (int(v) for v in flags.tolist())
         if failed:
             logger.warning("themis: attention profiling did not complete on every rank; keeping the default "

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from themis_compile.planner.placement import Placement
+from themis_compile.runtime import deadline
 from themis_compile.runtime.exchange import dispatch_compute_combine
 from themis_compile.runtime.experts import ExpertBank
 
@@ -47,6 +48,7 @@ class ShardedExperts(nn.Module):
         layer: str = "",
         scale_grads: bool = True,
         uniform_routing: bool = False,
+        timeout_s: float = deadline.DEFAULT_TIMEOUT_S,
     ) -> None:
         super().__init__()
         self.uniform_routing = uniform_routing
@@ -57,6 +59,7 @@ class ShardedExperts(nn.Module):
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.timeout_s = float(timeout_s)      # deadline of every collective of this layer (runtime/deadline.py)
         self.num_experts = bank.num_experts
         self.shard_placement = shard
         self.shards = nn.ModuleDict({str(e): bank.shard_of(experts, int(e)) for e in shard.experts_on(rank)})
@@ -88,7 +91,8 @@ class ShardedExperts(nn.Module):
         # instead of leaving the others waiting in the all-to-all.
         bad = torch.tensor([int(self._routing_error(ids_TK))], dtype=torch.int64, device=ids_TK.device)
         if self.world_size > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+            deadline.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group, timeout_s=self.timeout_s,
+                                purpose="routing check", layer=self.layer)
         if bad.item():
             raise ValueError(f"MoE layer {self.layer!r}: a router chose an expert id outside "
                              f"[0, {self.num_experts})")
@@ -131,5 +135,5 @@ class ShardedExperts(nn.Module):
         return dispatch_compute_combine(
             x_TH, ids_TK, weights_TK, self.destinations(ids_TK), self.num_experts,
             lambda rows, counts: self.run_experts(chunks, rows, counts),
-            group=self.group, world_size=self.world_size,
+            group=self.group, world_size=self.world_size, layer=self.layer, timeout_s=self.timeout_s,
         )

@@ -5,6 +5,10 @@ chosen by Alg. 3), rows are permuted into (destination, expert) order, sent with
 ``all_to_all_single``, grouped by expert on the receiver, run, sent back and combined with the gate
 weights. Dropless: every pair is served. Autograd flows through all of it.
 
+Every collective here has a deadline (`runtime/deadline.py`): a rank that stops participating makes the
+others raise within ``timeout_s``, naming the exchange (count exchange, token dispatch, token combine,
+forward or backward), the layer and the missing ranks.
+
 Shape suffixes: T tokens, K top-k, H d_model, E experts, W ranks (world), S source ranks, N rows.
 """
 
@@ -13,40 +17,51 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from themis_compile import kernels
+from themis_compile.runtime import deadline
+from themis_compile.runtime.deadline import DEFAULT_TIMEOUT_S
 
 
 class _AllToAllRows(torch.autograd.Function):
     """``all_to_all_single`` over rows with uneven splits; its backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x_NH: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    def forward(ctx, x_NH: torch.Tensor, out_splits: list[int], in_splits: list[int], group, purpose: str,
+                layer: str, timeout_s: float) -> torch.Tensor:
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
+        ctx.call = (purpose, layer, timeout_s)
         out = x_NH.new_empty((sum(out_splits), *x_NH.shape[1:]))
-        dist.all_to_all_single(out, x_NH.contiguous(), out_splits, in_splits, group=group)
+        deadline.all_to_all_single(out, x_NH.contiguous(), out_splits, in_splits, group=group, timeout_s=timeout_s,
+                                   purpose=purpose, layer=layer, async_on_device=True)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         out_splits, in_splits = ctx.splits
+        purpose, layer, timeout_s = ctx.call
         grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        deadline.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group,
+                                   timeout_s=timeout_s, purpose=f"{purpose}, backward", layer=layer,
+                                   async_on_device=True)
+        return grad_in, None, None, None, None, None, None
 
 
-def all_to_all_rows(x_NH: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    return _AllToAllRows.apply(x_NH, out_splits, in_splits, group)
+def all_to_all_rows(x_NH: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *,
+                    purpose: str = "token exchange", layer: str = "",
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
+    return _AllToAllRows.apply(x_NH, out_splits, in_splits, group, purpose, layer, timeout_s)
 
 
-def exchange_counts(counts_WE: torch.Tensor, group, world_size: int) -> torch.Tensor:
+def exchange_counts(counts_WE: torch.Tensor, group, world_size: int, *, layer: str = "",
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
     """Send row W=d of ``counts_WE`` to rank d; return what every source sent to us, ``[S, E]``."""
     if world_size == 1:
         return counts_WE
     out = torch.empty_like(counts_WE)
-    dist.all_to_all_single(out, counts_WE.contiguous(), group=group)
+    deadline.all_to_all_single(out, counts_WE.contiguous(), group=group, timeout_s=timeout_s,
+                               purpose="count exchange", layer=layer)
     return out
 
 
@@ -82,19 +97,23 @@ def dispatch_compute_combine(
     *,
     group=None,
     world_size: int = 1,
+    layer: str = "",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> torch.Tensor:
     """Serve every (token, k) pair on rank ``dest_TK`` and return the weighted combine ``[T, H]``.
 
     ``compute(rows_NH, counts_E)`` runs the experts on rows grouped by expert (``counts_E[e]`` rows of
-    expert e, in expert order) and returns their outputs in the same order.
+    expert e, in expert order) and returns their outputs in the same order. ``layer`` names the MoE layer
+    in errors; every exchange fails after ``timeout_s`` when a rank does not take part.
     """
     counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size)
     send_NH = kernels.permute(x_TH, dst_row_TK)
-    recv_counts_SE = exchange_counts(counts_WE, group, world_size)
+    recv_counts_SE = exchange_counts(counts_WE, group, world_size, layer=layer, timeout_s=timeout_s)
     if world_size > 1:
         send_splits = counts_WE.sum(1).tolist()
         recv_splits = recv_counts_SE.sum(1).tolist()
-        recv_NH = all_to_all_rows(send_NH, recv_splits, send_splits, group)
+        recv_NH = all_to_all_rows(send_NH, recv_splits, send_splits, group, purpose="token dispatch", layer=layer,
+                                  timeout_s=timeout_s)
     else:
         recv_NH = send_NH
     order = expert_major_order(recv_counts_SE)
@@ -102,7 +121,8 @@ def dispatch_compute_combine(
     y_NH = compute(rows_NH, recv_counts_SE.sum(0).tolist())
     y_recv_NH = y_NH.index_select(0, invert_permutation(order))
     if world_size > 1:
-        y_send_NH = all_to_all_rows(y_recv_NH, send_splits, recv_splits, group)
+        y_send_NH = all_to_all_rows(y_recv_NH, send_splits, recv_splits, group, purpose="token combine",
+                                    layer=layer, timeout_s=timeout_s)
     else:
         y_send_NH = y_recv_NH
     return kernels.unpermute_combine(y_send_NH, dst_row_TK, weights_TK)

@@ -57,6 +57,7 @@ from themis_compile.planner import (
     dispatch_rows,
     sparse_materialization,
 )
+from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
 from themis_compile.runtime.ep import ShardedExperts
 from themis_compile.runtime.exchange import dispatch_compute_combine
@@ -237,7 +238,7 @@ class FSSDPExperts(ShardedExperts):
                  layer_index: int, overlap_degree: int, materialization_budget: int,
                  cost: PlanCost, predictor_window: int = 5, layer: str = "") -> None:
         super().__init__(bank, experts, shard, rank=state.rank, world_size=state.world_size, group=state.group,
-                         layer=layer, scale_grads=False)
+                         layer=layer, scale_grads=False, timeout_s=state.timeout_s)
         self.state = state
         self.layer_index = layer_index
         self.overlap_degree = int(overlap_degree)
@@ -308,7 +309,8 @@ class FSSDPExperts(ShardedExperts):
         if self.world_size > 1:
             local = local.to(ids_TK.device)     # the group's device (NCCL needs CUDA tensors)
             parts = [torch.empty_like(local) for _ in range(self.world_size)]
-            dist.all_gather(parts, local, group=self.group)
+            deadline.all_gather(parts, local, group=self.group, timeout_s=self.timeout_s,
+                                purpose="tokens per expert and router flags", layer=self.layer)
             gathered = torch.stack(parts).cpu()
         else:
             gathered = local[None]
@@ -380,7 +382,7 @@ class FSSDPExperts(ShardedExperts):
         out_TH = dispatch_compute_combine(
             x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
             lambda rows, counts: self.run_experts(held, rows, counts),
-            group=self.group, world_size=self.world_size,
+            group=self.group, world_size=self.world_size, layer=self.layer, timeout_s=self.timeout_s,
         )
         # Global condition (ΔP is the same on every rank), so that every rank issues the re-gather. The
         # last layer keeps its replicas: its backward starts right away, so releasing them would only put
@@ -457,8 +459,8 @@ class FSSDPExperts(ShardedExperts):
         )
 
     def _check_plan_digest(self, placement: Placement) -> None:
-        digests: list[Any] = [None] * self.world_size
-        dist.all_gather_object(digests, placement.digest(), group=self.group)
+        digests = deadline.all_gather_object(placement.digest(), group=self.group, timeout_s=self.timeout_s,
+                                             purpose="plan digest", layer=self.layer)
         if len(set(digests)) != 1:
             raise RuntimeError(f"MoE layer {self.layer!r}: ranks disagree on the plan P' (digests {digests})")
 

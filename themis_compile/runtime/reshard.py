@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from themis_compile.planner import Placement, heterogeneous_sharding
+from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,8 @@ def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
         chunks = layer.local_chunks()
         if chunks:
             local[li] = _state_layout(optimizer, next(iter(chunks.values())))
-    gathered: list[Any] = [None] * state.world_size
-    dist.all_gather_object(gathered, local, group=state.group)
+    gathered = deadline.all_gather_object(local, group=state.group, timeout_s=state.timeout_s,
+                                          purpose="re-sharding: optimizer-state layouts")
     moved = 0
     for li, (layer, new_shard) in enumerate(zip(layers, new_shards)):
         layouts = [g[li] for g in gathered if li in g]
