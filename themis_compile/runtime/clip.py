@@ -74,11 +74,34 @@ def _expert_groups(params: list[torch.Tensor], model: nn.Module | None) -> list[
     return out
 
 
+def _upcast(norm: torch.Tensor) -> torch.Tensor:
+    return norm.to(torch.float32 if norm.dtype in (torch.float16, torch.bfloat16) else norm.dtype)
+
+
 def _local_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
     if isinstance(norm, DTensor):      # reduced over the DTensors' mesh
         norm = norm.full_tensor()
-    return norm.to(torch.float32 if norm.dtype in (torch.float16, torch.bfloat16) else norm.dtype)
+    return _upcast(norm)
+
+
+def _dtensor_norm(grads: list[DTensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
+    """The norm of DTensor gradients on one mesh. The inf-norm is each rank's largest magnitude, maxed
+    over the mesh (right for sharded and replicated placements alike): torch's foreach norm refuses it
+    on the empty shards FSDP2 leaves on some ranks when a tensor has fewer rows than the mesh has ranks."""
+    if not math.isinf(norm_type):
+        return _local_norm(grads, norm_type, foreach)
+    if any(p.is_partial() for g in grads for p in g.placements):
+        raise ValueError("clip_grad_norm_: the inf-norm of a DTensor gradient with a Partial placement")
+    mesh = grads[0].device_mesh
+    locals_ = [g.to_local() for g in grads]
+    local = torch.zeros((), dtype=torch.promote_types(torch.float32, grads[0].dtype), device=locals_[0].device)
+    for t in locals_:
+        if t.numel():
+            local = torch.maximum(local, t.detach().abs().amax().to(local.dtype))
+    for dim in range(mesh.ndim):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    return local
 
 
 def _reduced_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None, group) -> torch.Tensor:
@@ -147,7 +170,7 @@ def clip_grad_norm_(parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor
     device = with_grad[0].grad.device if with_grad else (collective_device(groups[0][0]) if groups else
                                                          torch.device("cpu"))
     norms = [_local_norm(grads(local), norm_type, foreach)]
-    norms += [_local_norm(grads(ps), norm_type, foreach) for ps in by_mesh.values()]
+    norms += [_dtensor_norm(grads(ps), norm_type, foreach) for ps in by_mesh.values()]
     norms += [_reduced_norm(grads(ps), norm_type, foreach, group) for ps, (group, _) in zip(experts, groups)]
     dtype = norms[0].dtype
     for n in norms[1:]:
