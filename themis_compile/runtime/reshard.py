@@ -149,9 +149,11 @@ class ReshardScheduler:
         return self._runtime()
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        ours = {id(p) for layer in self.runtime.layers.values() for c in layer.local_chunks().values() for p in c}
+        ours = {id(p) for layer in self.runtime.layers.values() for c in layer.local_chunks().values() for p in c
+                if p.requires_grad}
         if not ours:
-            # A rank without experts: recognise the optimizer by the dense parameters instead.
+            # A rank without trainable experts (an optimizer may leave frozen ones out): recognise the
+            # optimizer by the dense parameters instead.
             ours = self._dense_ids
         return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
 
