@@ -115,3 +115,24 @@ def test_global_norm_and_clipped_training_match_one_process(world_size, devices_
             (got, expected), raised = r[-1]
             assert got == pytest.approx(expected, rel=1e-6), f"rank {rank}: unrelated parameters' norm"
             assert raised, f"rank {rank} did not raise on a non-finite norm held by rank 0"
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("form", ["model", "generator", "tensor"])
+def test_outside_optimized_models_it_is_torchs(norm_type, form):
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(4, 3), nn.Linear(4, 3)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    if form == "tensor":
+        got = themis_compile.clip_grad_norm_(ours.weight, 0.1, norm_type)
+        want = torch.nn.utils.clip_grad_norm_(theirs.weight, 0.1, norm_type)
+    else:
+        got = themis_compile.clip_grad_norm_(ours if form == "model" else ours.parameters(), 0.1, norm_type)
+        want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1, norm_type)
+    torch.testing.assert_close(got, want)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    with pytest.raises(ValueError, match="norm_type"):
+        themis_compile.clip_grad_norm_(ours, 1.0, -1.0)
