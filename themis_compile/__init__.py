@@ -10,7 +10,7 @@ from themis_compile.config import ThemisConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["ThemisConfig", "optimize", "explain", "__version__"]
+__all__ = ["ThemisConfig", "optimize", "explain", "clip_grad_norm_", "__version__"]
 
 
 def __getattr__(name: str):
@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from themis_compile.api import explain
 
         return explain
+    if name == "clip_grad_norm_":
+        from themis_compile.runtime.clip import clip_grad_norm_
+
+        return clip_grad_norm_
     raise AttributeError(f"module 'themis_compile' has no attribute {name!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,10 @@ from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import collective_device
 
 logger = logging.getLogger(__name__)
+
+# The models `optimize` rewrote, for helpers handed only their parameters (`clip_grad_norm_`); an entry
+# lives as long as its model.
+_OPTIMIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 @dataclass
@@ -144,6 +149,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         dense = [p for p in model.parameters() if id(p) not in sharded_ids]
         runtime.reshard_scheduler = ReshardScheduler(runtime, config.reshard_interval, dense)
     model._themis_runtime = runtime
+    _OPTIMIZED.add(model)
     if fssdp:
         state.layers = list(sharded)
     if fssdp and (config.overlap_degree is None or config.materialization_budget is None):
@@ -285,6 +291,11 @@ def _make_uniform_route(route, num_experts: int):
         return weights_TK, uniform_ids(ids_TK, num_experts), probs_TE
 
     return uniform_route
+
+
+def optimized_models() -> list[nn.Module]:
+    """The live models ``optimize`` rewrote (in no particular order)."""
+    return list(_OPTIMIZED)
 
 
 def runtime_of(model: nn.Module) -> ThemisRuntime:

@@ -82,23 +82,38 @@ def make_optimizer(params, optimizer: str, lr: float = LR):
     return torch.optim.AdamW(params, lr=lr)
 
 
-def train_reference(model_kwargs: dict, steps: int, global_batch: int, seq_len: int, optimizer: str = "adamw"):
+def train_reference(model_kwargs: dict, steps: int, global_batch: int, seq_len: int, optimizer: str = "adamw",
+                    *, prepare=None, before_step=None, step_callback=None):
+    """One process on the whole global batch. ``prepare(model)`` runs once before the optimizer is built,
+    ``before_step(model, step)`` between backward and the optimizer step (clipping goes there), and
+    ``step_callback(model, opt, step)`` after the step, as in `train_distributed`."""
     model = make_model(model_kwargs)
+    if prepare is not None:
+        prepare(model)
     opt = make_optimizer(model.parameters(), optimizer, model_kwargs.get("lr", LR))
     losses = []
-    for tokens in _batches(steps, global_batch, seq_len, model.config.vocab_size):
+    for step, tokens in enumerate(_batches(steps, global_batch, seq_len, model.config.vocab_size)):
         loss = model_loss(model, tokens)
         loss.backward()
+        if before_step is not None:
+            before_step(model, step)
         opt.step()
         opt.zero_grad()
+        if step_callback is not None:
+            step_callback(model, opt, step)
         losses.append(loss.item())
     return losses, _dense_params(model), _expert_chunks_reference(model)
 
 
 def train_distributed(rank: int, world_size: int, model_kwargs: dict, config_kwargs: dict, steps: int,
-                      global_batch: int, seq_len: int, step_callback=None, optimizer: str = "adamw"):
-    """Runs on every rank; returns (global losses, dense params, owned expert chunks, extra)."""
+                      global_batch: int, seq_len: int, step_callback=None, optimizer: str = "adamw",
+                      *, prepare=None, before_step=None):
+    """Runs on every rank; returns (global losses, dense params, owned expert chunks, extra).
+    ``prepare(model)`` runs on the unmodified model before ``optimize``; ``before_step(model, step)``
+    between backward and the optimizer step."""
     model = make_model(model_kwargs)
+    if prepare is not None:
+        prepare(model)
     model = themis_compile.optimize(model, themis_compile.ThemisConfig(**config_kwargs))
     opt = make_optimizer(model.parameters(), optimizer, model_kwargs.get("lr", LR))
     runtime = themis_compile.api.runtime_of(model)
@@ -110,6 +125,8 @@ def train_distributed(rank: int, world_size: int, model_kwargs: dict, config_kwa
         tokens = tokens[rank * local:(rank + 1) * local]
         loss = model_loss(model, tokens)
         loss.backward()
+        if before_step is not None:
+            before_step(model, step)
         opt.step()
         opt.zero_grad()
         if step_callback is not None:

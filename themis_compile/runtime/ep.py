@@ -7,7 +7,9 @@ combine. Dropless, full autograd, world size 1 without communication.
 
 Gradient scaling: dense parameters are averaged over ranks by DDP. An expert's gradient already sums the
 contributions of every rank's tokens, so it is divided by the world size to equal the gradient of the
-global-batch mean loss that single-process training computes.
+global-batch mean loss that single-process training computes. The scale sits in the forward path
+(`scale_grad`), not in a hook on the parameter: a frozen expert (``requires_grad=False``) gets no gradient
+at all, and one unfrozen after ``optimize`` is scaled like the others.
 
 Shape suffixes: T tokens, K top-k, H d_model, E experts, N rows.
 """
@@ -27,6 +29,25 @@ from themis_compile.runtime.exchange import dispatch_compute_combine
 from themis_compile.runtime.experts import ExpertBank
 
 logger = logging.getLogger(__name__)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; the gradient times ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` itself for the forward pass, whose gradient is multiplied by ``scale`` (no graph if ``x`` needs no
+    gradient)."""
+    return _ScaleGrad.apply(x, scale) if x.requires_grad and scale != 1.0 else x
 
 
 class ShardedExperts(nn.Module):
@@ -64,10 +85,7 @@ class ShardedExperts(nn.Module):
         self.shard_placement = shard
         self.shards = nn.ModuleDict({str(e): bank.shard_of(experts, int(e)) for e in shard.experts_on(rank)})
         self.register_buffer("owner_E", torch.tensor(shard.owners().tolist(), dtype=torch.int64), persistent=False)
-        if world_size > 1 and scale_grads:
-            scale = 1.0 / world_size
-            for p in self.shards.parameters():
-                p.register_hook(lambda g: g * scale)
+        self.grad_scale = 1.0 / world_size if world_size > 1 and scale_grads else 1.0
 
     def set_shard_placement(self, shard: Placement) -> None:
         """Adopt a new shard placement after re-sharding moved the experts (``self.shards`` updated)."""
@@ -131,7 +149,7 @@ class ShardedExperts(nn.Module):
             from themis_compile.api import uniform_ids
 
             ids_TK = uniform_ids(ids_TK, self.num_experts)
-        chunks = self.local_chunks()
+        chunks = {e: [scale_grad(p, self.grad_scale) for p in c] for e, c in self.local_chunks().items()}
         return dispatch_compute_combine(
             x_TH, ids_TK, weights_TK, self.destinations(ids_TK), self.num_experts,
             lambda rows, counts: self.run_experts(chunks, rows, counts),

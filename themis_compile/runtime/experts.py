@@ -104,7 +104,10 @@ class ExpertBank:
         ``list(shard.parameters())`` is the chunk, in the order :meth:`run` takes."""
         if self.per_expert_modules:
             return experts[e]
-        return ExpertShard(self.names, self.chunk(experts, e))
+        shard = ExpertShard(self.names, self.chunk(experts, e))
+        for q, p in zip(shard.parameters(), experts.parameters()):
+            q.requires_grad_(p.requires_grad)     # a frozen stacked weight stays frozen in every shard
+        return shard
 
     def new_shard(self, tensors: Sequence[torch.Tensor]) -> nn.Module:
         """A module owning copies of ``tensors`` as one expert (an expert arriving at a new owner)."""

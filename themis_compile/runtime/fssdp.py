@@ -14,6 +14,9 @@ Backward of layer l:
      SpRS(P'_l, P_l), which sums each expert's copies into its owner
   9. at the end of the backward pass wait for every SpRS and accumulate into the owned parameters' .grad
      (scaled by 1/world size, like EP; dense parameters are averaged by DDP)
+Frozen expert tensors (``requires_grad=False`` on the owner, agreed by every rank through the count
+all-gather of step 3) get no gradient: their copies are no autograd leaves, the SpRS carries only
+trainable tensors, and an expert frozen whole has no replica in it (P restricted to it).
 Re-materialization (themis-rm): replicas' storage is released after step 6 and gathered again (same P')
 just before the layer's backward, prefetched when the next layer's backward finishes (§3.1).
 
@@ -120,6 +123,27 @@ class FSSDPState:
 
 
 _MAX_PENDING_FORWARDS = 64
+
+
+@dataclass(eq=False)
+class _TrainableReduction:
+    """A started SpRS of the trainable tensors only; ``wait()`` -> {owned expert: [gradient or None]} with
+    one entry per chunk tensor, None where the tensor is frozen."""
+
+    handle: Any
+    trainable_E: list[list[int]]     # per expert: indices of its trainable chunk tensors
+    owned: list[int]
+    num_tensors: int
+
+    def wait(self) -> dict[int, list[torch.Tensor | None]]:
+        reduced = self.handle.wait()
+        out = {}
+        for e in self.owned:
+            grads: list[torch.Tensor | None] = [None] * self.num_tensors
+            for i, g in zip(self.trainable_E[e], reduced[e] if self.trainable_E[e] else ()):
+                grads[i] = g
+            out[e] = grads
+        return out
 
 
 @dataclass(eq=False)
@@ -253,6 +277,11 @@ class FSSDPExperts(ShardedExperts):
         # Checkpoint frame -> the forwards its recomputation replays; an entry lives as long as the frame
         # (that is, as long as the autograd graph that may still recompute it).
         self._checkpointed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        if len(bank.spec) > 62:
+            raise ValueError(f"MoE layer {layer!r}: an expert of {len(bank.spec)} tensors; at most 62 are supported "
+                             "(their frozen flags travel as the bits of one int64)")
+        # Per expert, bit i set: chunk tensor i is frozen on the owner (agreed by the last count all-gather).
+        self._frozen_E = [0] * self.num_experts
 
     def set_shard_placement(self, shard: Placement) -> None:
         super().set_shard_placement(shard)
@@ -300,12 +329,14 @@ class FSSDPExperts(ShardedExperts):
         """All-gather each rank's tokens per expert into T[e, d]; raise on every rank if any router
         produced non-finite weights (so no rank is left waiting in a collective)."""
         E = self.num_experts
-        local = torch.zeros(E + 2, dtype=torch.int64)
+        local = torch.zeros(2 * E + 2, dtype=torch.int64)
         bad_ids = self._routing_error(ids_TK)
         if not bad_ids:
             local[:E].scatter_add_(0, ids_TK.reshape(-1).cpu(), torch.ones(ids_TK.numel(), dtype=torch.int64))
         local[E] = int(not bool(torch.isfinite(weights_TK).all()))
         local[E + 1] = int(bad_ids)
+        for e, params in self.local_chunks().items():     # the owner's frozen tensors, for every rank
+            local[E + 2 + e] = sum(1 << i for i, p in enumerate(params) if not p.requires_grad)
         if self.world_size > 1:
             local = local.to(ids_TK.device)     # the group's device (NCCL needs CUDA tensors)
             parts = [torch.empty_like(local) for _ in range(self.world_size)]
@@ -322,6 +353,7 @@ class FSSDPExperts(ShardedExperts):
         if bad:
             raise ValueError(f"MoE layer {self.layer!r}: router chose an expert id outside [0, {E}) on ranks "
                              f"{bad} (iteration {self.iteration})")
+        self._frozen_E = gathered[:, E + 2:].sum(0).tolist()    # only the owner's entry is non-zero
         return gathered[:, :E].t().numpy().copy()          # [E, D]
 
     # ------------------------------------------------------------------ forward (steps 3-7)
@@ -373,9 +405,9 @@ class FSSDPExperts(ShardedExperts):
         # layer after re-sharding) must still take part in the SpRS.
         track = torch.is_grad_enabled()
         if track:
-            held = {e: [p.detach().requires_grad_() for p in c] for e, c in owned.items()}
+            held = {e: [p.detach().requires_grad_(p.requires_grad) for p in c] for e, c in owned.items()}
             for e, c in replicas.items():
-                held[e] = [t.requires_grad_() for t in c]
+                held[e] = [t.requires_grad_(not self._frozen_E[e] >> i & 1) for i, t in enumerate(c)]
             self._register_reduction(held, placement)
         else:
             held = {**owned, **replicas}
@@ -478,25 +510,34 @@ class FSSDPExperts(ShardedExperts):
 
     # ------------------------------------------------------------------ backward (steps 8-9)
     def _register_reduction(self, held: dict[int, list[torch.Tensor]], placement: Placement) -> None:
-        if not held:
-            return        # holds nothing: this rank has no part in this layer's SpRS
-        experts = sorted(held)
-        leaves = [t for e in experts for t in held[e]]
-        sizes = [len(held[e]) for e in experts]
+        # Only trainable tensors are reduced; the frozen flags are the same on every rank, and so are the
+        # SpRS placement and chunk layouts derived from them.
+        n = len(self.bank.spec)
+        trainable_E = [[i for i in range(n) if not frozen >> i & 1] for frozen in self._frozen_E]
+        spec: Any = self.bank.spec
+        if any(self._frozen_E):
+            frozen_whole_E = np.array([not t for t in trainable_E])[:, None]
+            placement = Placement(np.where(frozen_whole_E, self.shard_placement.mask, placement.mask))
+            spec = {e: [self.bank.spec[i] for i in t] for e, t in enumerate(trainable_E)}
+        experts = sorted(e for e in held if trainable_E[e])
+        if not experts:
+            return        # holds nothing trainable: this rank has no part in this layer's SpRS
+        leaves = [held[e][i] for e in experts for i in trainable_E[e]]
+        owned = sorted(self.local_chunks())
         state = self.state
         scale = 1.0 / self.world_size
 
         def on_grads(grads: Sequence[torch.Tensor | None]) -> None:
             it = iter(grads)
             per_expert = {}
-            for e, n in zip(experts, sizes):
-                per_expert[e] = [(g if g is not None else torch.zeros_like(t)) * scale
-                                 for g, t in zip((next(it) for _ in range(n)), held[e])]
+            for e in experts:
+                per_expert[e] = [(g if g is not None else torch.zeros_like(held[e][i])) * scale
+                                 for i, g in zip(trainable_E[e], it)]
             with record_function("themis::sprs"):
                 handle = sparse_reduce_scatter(per_expert, placement, self.shard_placement, state.topology,
-                                               state.comm_group, spec=self.bank.spec, layer=self.layer,
+                                               state.comm_group, spec=spec, layer=self.layer,
                                                timeout_s=state.timeout_s)
-            state.pending.append((self, handle))
+            state.pending.append((self, _TrainableReduction(handle, trainable_E, owned, n)))
             state.queue_finish()
             self._prefetch_previous_layer()
 
@@ -507,7 +548,8 @@ class FSSDPExperts(ShardedExperts):
             reduced = handle.wait()
         for e, params in self.local_chunks().items():
             for p, g in zip(params, reduced[e]):
-                p.grad = g.clone() if p.grad is None else p.grad + g
+                if g is not None:
+                    p.grad = g.clone() if p.grad is None else p.grad + g
 
     def wait_reduction(self) -> None:
         """Wait for this layer's pending SpRS now (a scheduling pass may call this early)."""

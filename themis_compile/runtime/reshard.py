@@ -29,23 +29,18 @@ from themis_compile.runtime.collectives import sparse_all_gather
 logger = logging.getLogger(__name__)
 
 
-def _state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> dict | None:
-    """How one expert's optimizer state looks, for the ranks that receive experts: per parameter its
-    tensor state entries (key, shape, dtype, whether the tensor lives on the parameter's device — e.g.
-    Adam keeps ``step`` on the CPU for CUDA parameters; ``None`` when the optimizer keeps no state) and
-    the index of its param group."""
-    layout, groups = [], []
+def _state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> dict:
+    """How one expert's optimizer state looks, for the rank that receives it: per parameter its tensor
+    state entries (key, shape, dtype, whether the tensor lives on the parameter's device — e.g. Adam keeps
+    ``step`` on the CPU for CUDA parameters; none for a parameter without state: a stateless optimizer, or
+    a frozen parameter never stepped), the index of its param group (``None``: not in this optimizer) and
+    whether it requires grad (a frozen expert stays frozen at its new owner)."""
     group_of = {id(q): i for i, g in enumerate(optimizer.param_groups) for q in g["params"]}
-    stateless = False
-    for p in params:
-        groups.append(group_of.get(id(p), 0))
-        state = optimizer.state.get(p)
-        if not state:
-            stateless = True    # e.g. SGD without momentum: nothing to move but the param group
-            continue
-        layout.append([(k, tuple(v.shape), v.dtype, v.device == p.device)
-                       for k, v in sorted(state.items()) if torch.is_tensor(v)])
-    return {"state": None if stateless else layout, "groups": groups}
+    return {"state": [[(k, tuple(v.shape), v.dtype, v.device == p.device)
+                       for k, v in sorted(optimizer.state.get(p, {}).items()) if torch.is_tensor(v)]
+                      for p in params],
+            "groups": [group_of.get(id(p)) for p in params],
+            "requires_grad": [p.requires_grad for p in params]}
 
 
 def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
@@ -66,25 +61,25 @@ def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
     overlap_degree = max(layer.overlap_degree for layer in layers)
     new_shards = heterogeneous_sharding(load_LE, overlap_degree, state.topology)
 
-    # Step 1: agree on the optimizer-state layout of an expert chunk and the param groups of its
-    # parameters (a rank may own no expert of a layer).
+    # Step 1: agree on the optimizer-state layout, param groups and frozen flags of every moving expert
+    # (its old owner tells; experts differ: a frozen parameter has no state).
     local = {}
-    for li, layer in enumerate(layers):
+    for li, (layer, new_shard) in enumerate(zip(layers, new_shards)):
+        moving = np.flatnonzero(layer.shard_placement.owners() != new_shard.owners())
         chunks = layer.local_chunks()
-        if chunks:
-            local[li] = _state_layout(optimizer, next(iter(chunks.values())))
+        local[li] = {int(e): _state_layout(optimizer, chunks[int(e)]) for e in moving if int(e) in chunks}
     gathered = deadline.all_gather_object(local, group=state.group, timeout_s=state.timeout_s,
                                           purpose="re-sharding: optimizer-state layouts")
     moved = 0
     for li, (layer, new_shard) in enumerate(zip(layers, new_shards)):
-        layouts = [g[li] for g in gathered if li in g]
-        state_layout = layouts[0] if layouts else None
-        moved += _move_layer(layer, new_shard, optimizer, state_layout)
+        layouts = {e: layout for g in gathered for e, layout in g[li].items()}
+        moved += _move_layer(layer, new_shard, optimizer, layouts)
     logger.info("themis_compile: re-sharded %d MoE layers, %d experts changed owner", len(layers), moved)
     return moved
 
 
-def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimizer, layout: dict | None) -> int:
+def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimizer,
+                layouts: dict[int, dict]) -> int:
     old_shard: Placement = layer.shard_placement
     if new_shard == old_shard:
         return 0
@@ -93,26 +88,24 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
     old_owner_E, new_owner_E = old_shard.owners(), new_shard.owners()
     moving = [int(e) for e in np.flatnonzero(old_owner_E != new_owner_E)]
     param_spec = list(layer.bank.spec)
-    state_layout = None if layout is None else layout["state"]
-    state_spec = [(shape, dt) for per_param in (state_layout or []) for (_, shape, dt, _) in per_param]
+    spec = {e: param_spec + [(shape, dt) for per_param in layouts[e]["state"] for (_, shape, dt, _) in per_param]
+            if e in layouts else param_spec for e in range(layer.num_experts)}
 
     # Step 2: one chunk per expert = parameters + optimizer state tensors; SpAG delivers the movers.
     chunks = {}
     for e, params in layer.local_chunks().items():
-        extra = []
-        if state_layout is not None:
-            for p, per_param in zip(params, state_layout):
-                # Everything travels on the parameters' device (NCCL moves no CPU tensors).
-                extra += [optimizer.state[p][k].detach().to(p.device) for (k, _, _, _) in per_param]
+        if e not in layouts:
+            continue      # stays here
+        # Everything travels on the parameters' device (NCCL moves no CPU tensors).
+        extra = [optimizer.state[p][k].detach().to(p.device)
+                 for p, per_param in zip(params, layouts[e]["state"]) for (k, _, _, _) in per_param]
         chunks[e] = [p.detach() for p in params] + extra
     target = Placement(old_shard.mask | new_shard.mask)
     received = sparse_all_gather(chunks, old_shard, target, state.topology, state.comm_group,
-                                 spec=param_spec + state_spec, layer=layer.layer,
-                                 timeout_s=state.timeout_s).wait()
+                                 spec=spec, layer=layer.layer, timeout_s=state.timeout_s).wait()
 
     # Step 3: the new owner registers the arrivals (each parameter in the param group its counterpart is
-    # in on the sending rank); the old owner forgets the departures.
-    groups = [0] * len(param_spec) if layout is None else layout["groups"]
+    # in on the sending rank, frozen if it was); the old owner forgets the departures.
     for e in moving:
         if old_owner_E[e] == rank:
             module = layer.shards.pop(str(e))
@@ -122,14 +115,17 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
             for g in optimizer.param_groups:
                 g["params"] = [p for p in g["params"] if id(p) not in leaving]
         if new_owner_E[e] == rank:
-            tensors = received[e]
+            tensors, layout = received[e], layouts[e]
             n = len(param_spec)
             module = layer.bank.new_shard(tensors[:n])
             layer.shards[str(e)] = module
             it = iter(tensors[n:])
-            for i, (p, per_param) in enumerate(zip(module.parameters(), state_layout or [[] for _ in range(n)])):
-                optimizer.param_groups[min(groups[i], len(optimizer.param_groups) - 1)]["params"].append(p)
-                if state_layout is not None:
+            for p, per_param, group, requires_grad in zip(module.parameters(), layout["state"], layout["groups"],
+                                                          layout["requires_grad"]):
+                p.requires_grad_(requires_grad)
+                if group is not None:
+                    optimizer.param_groups[min(group, len(optimizer.param_groups) - 1)]["params"].append(p)
+                if per_param:
                     optimizer.state[p] = {k: next(it).to(p.device if on_param_device else "cpu").clone()
                                           for (k, _, _, on_param_device) in per_param}
     layer.set_shard_placement(new_shard)
@@ -154,9 +150,11 @@ class ReshardScheduler:
         return self._runtime()
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        ours = {id(p) for layer in self.runtime.layers.values() for c in layer.local_chunks().values() for p in c}
+        ours = {id(p) for layer in self.runtime.layers.values() for c in layer.local_chunks().values() for p in c
+                if p.requires_grad}
         if not ours:
-            # A rank without experts: recognise the optimizer by the dense parameters instead.
+            # A rank without trainable experts (an optimizer may leave frozen ones out): recognise the
+            # optimizer by the dense parameters instead.
             ours = self._dense_ids
         return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
 
