@@ -94,10 +94,10 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, warmup: int, steps: int, m
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    # CLIP: torch's own clip_grad_norm_ is a placeholder here; it raises on FSDP2's DTensor gradients and,
-    # under DDP, each rank sees only its own experts' gradients. Replace this one line with
-    # `return themis_compile.clip_grad_norm_(model, max_norm)` (global norm over dense and expert grads).
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # torch.nn.utils.clip_grad_norm_ cannot be used on an optimized model: it raises on FSDP2's DTensor
+    # gradients and, under DDP, each rank would see only the gradients of the experts it owns. The drop-in
+    # takes the global norm over dense and expert gradients, the same on every rank.
+    return themis_compile.clip_grad_norm_(model, max_norm)
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
