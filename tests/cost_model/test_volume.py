@@ -16,7 +16,8 @@ from themis_compile.cost_model.volume import (
     sparse_all_gather_volume,
     sparse_reduce_scatter_volume,
 )
-from themis_compile.planner import Placement, Topology
+from themis_compile.planner import PlanCost, Placement, Topology
+from themis_compile.planner.cost import sparse_transfer_time
 
 TWO_BY_TWO = Topology((2, 2), intra_node_bw=100.0, inter_node_bw=10.0)
 
@@ -66,6 +67,34 @@ def test_lower_bound_time() -> None:
     assert lower_bound_time(shard, shard, 10, TWO_BY_TWO) == 0.0
     with pytest.raises(ValueError):
         lower_bound_time(shard, placement, 10, TWO_BY_TWO, device_bw=0.0)
+
+
+def test_receive_side_time_is_the_planners_and_never_above_the_bound() -> None:
+    """`sparse_transfer_time` (calibration's and the simulator's charge) counts the receiving side only;
+    `lower_bound_time` adds the owners' side on the same `bottleneck_time` formula."""
+    shard, placement = _fig6()
+    # Receiving side alone: device 2 takes 20 B (0.2 s), node 1 takes in 10 B (1 s); the same as the
+    # full bound here (no owner sends more than the busiest receiver takes).
+    assert sparse_transfer_time(shard, placement, 10, TWO_BY_TWO) == pytest.approx(1.0)
+    # d0 owns three chunks that each gain one replica on another device: it must send 30 B, while each
+    # receiver takes 10 B. Only the full bound sees the owner.
+    one_node = Topology((4,), intra_node_bw=100.0)
+    hub = Placement.from_owners([0, 0, 0, 1], 4)
+    mask = hub.mask.copy()
+    mask[0, 1], mask[1, 2], mask[2, 3] = True, True, True
+    fanned = Placement(mask)
+    assert sparse_transfer_time(hub, fanned, 10, one_node) == pytest.approx(0.1)
+    assert lower_bound_time(hub, fanned, 10, one_node) == pytest.approx(0.3)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        topo = Topology(tuple(int(k) for k in rng.integers(1, 4, size=int(rng.integers(1, 4)))),
+                        intra_node_bw=float(rng.choice([10.0, 100.0])), inter_node_bw=float(rng.choice([1.0, 10.0])))
+        D, E = topo.num_devices, int(rng.integers(1, 8))
+        shard = Placement.from_owners(rng.integers(0, D, size=E).tolist(), D)
+        target = shard | Placement(rng.random((E, D)) < 0.3)
+        psi = int(rng.integers(1, 100))
+        assert sparse_transfer_time(shard, target, psi, topo) <= lower_bound_time(shard, target, psi, topo)
+        assert sparse_transfer_time(shard, target, psi, topo) == PlanCost(1e-6, psi, topo).transfer_time(shard, target)
 
 
 def test_per_expert_psi_and_chunk_bytes() -> None:

@@ -135,3 +135,38 @@ def test_backend_selection(monkeypatch):
     with kernels.use_backend("triton"), pytest.raises(AssertionError, match="triton path"):
         kernels.permute(x_TH, rows_TK)
     assert torch.equal(reference.permute(x_TH, rows_TK, 2), x_TH.flip(0))
+
+
+def test_backend_per_call_overrides_the_process_default(monkeypatch):
+    """``backend=`` picks the implementation of one call, forward and backward, whatever the process
+    default is: a model's runtime passes its ThemisConfig.kernels and needs no global setter."""
+    from themis_compile.kernels import triton_kernels
+
+    taken = []
+    for name in ("permute", "permute_backward", "unpermute_combine", "unpermute_combine_backward"):
+        def spy(*args, _name=name, _real=getattr(reference, name), **kwargs):
+            taken.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(triton_kernels, name, spy)
+    x_TH = torch.randn(3, 4, requires_grad=True)
+    rows_TK = torch.tensor([[1, 4], [0, 5], [2, 3]])
+    weights_TK = torch.rand(3, 2, requires_grad=True)
+
+    def run(**kw):
+        send_NH = kernels.permute(x_TH, rows_TK, **kw)
+        out_TH = kernels.unpermute_combine(torch.tanh(send_NH), rows_TK, weights_TK, **kw)
+        return torch.autograd.grad(out_TH.square().sum(), (x_TH, weights_TK))
+
+    want = run()                                            # "auto" on CPU: the reference
+    assert taken == []
+    got = run(backend="triton")                             # the triton path, both directions
+    assert sorted(taken) == ["permute", "permute_backward", "unpermute_combine", "unpermute_combine_backward"]
+    torch.testing.assert_close(got, want)
+    taken.clear()
+    with kernels.use_backend("triton"):                     # the call's choice wins over the default
+        run(backend="torch")
+    assert taken == []
+    with pytest.raises(ValueError, match="unknown"):
+        kernels.permute(x_TH, rows_TK, backend="cuda")
+    with pytest.raises(ValueError, match="unknown"):
+        kernels.set_backend(None)

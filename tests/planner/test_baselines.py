@@ -9,6 +9,7 @@ from themis_compile.planner import (
     BYTE_CATEGORIES, POLICY_NAMES, LoadPredictor, PlanCost, Placement, Topology, device_compute_load,
     make_policy, straggler_time, topology_aware_dispatch,
 )
+from themis_compile.planner.cost import all_to_all_time, sparse_transfer_time
 
 TOPO = Topology.uniform(2, 4)
 E, L = 16, 2
@@ -76,19 +77,30 @@ def test_policy_bad_input():
 
 def test_cost_interface():
     topo = Topology.uniform(2, 2)
-    cost = PlanCost(time_per_token_s=2e-6, expert_bytes=1e6, topology=topo, token_bytes=1e3)
+    cost = PlanCost(time_per_token_s=2e-6, expert_bytes=1e6, topology=topo)
     shard = Placement.contiguous(4, 4)
     mask = shard.mask.copy()
     mask[0, :] = True
     placement = Placement(mask)
     # Device 1, 2 and 3 each receive one chunk (1 MB at 5 GB/s); node 1 is entered by one chunk (1 GB/s).
     assert cost.transfer_time(shard, placement) == pytest.approx(1e6 / 1e9)
-    assert cost.volume_bytes(shard, placement) == 3_000_000
+    assert cost.transfer_time(shard, placement) == sparse_transfer_time(shard, placement, 1e6, topo)
     tokens = np.full((4, 4), 10)
     R = topology_aware_dispatch(placement, tokens, topo)
     # Every device keeps its own tokens of expert 0 (local first) and computes its owned expert's 40 tokens.
     assert device_compute_load(R).tolist() == [10, 50, 50, 50]
     assert cost.compute_time(R) == pytest.approx(50 * 2e-6) == straggler_time(device_compute_load(R), 2e-6)
-    assert cost.a2a_time(R) > 0
+    # The all-to-all bound recomputed from its definition: device links inside a node, node networks across.
+    flow_DD = R.sum(axis=0)
+    np.fill_diagonal(flow_DD, 0)
+    same = topo.same_node
+    intra = max(np.where(same, flow_DD, 0).sum(0).max(), np.where(same, flow_DD, 0).sum(1).max())
+    inter_DD = np.where(same, 0, flow_DD)
+    node_in = [inter_DD[:, 2 * n:2 * n + 2].sum() for n in range(2)]
+    node_out = [inter_DD[2 * n:2 * n + 2, :].sum() for n in range(2)]
+    want = max(intra * 1e3 / topo.intra_node_bw, max(node_in + node_out) * 1e3 / topo.inter_node_bw)
+    assert all_to_all_time(R, 1e3, topo) == pytest.approx(want) and want > 0
+    assert all_to_all_time(R, 1e3, Topology.uniform(1, 4)) == pytest.approx(
+        max(flow_DD.sum(0).max(), flow_DD.sum(1).max()) * 1e3 / Topology.uniform(1, 4).intra_node_bw)
     with pytest.raises(ValueError):
         PlanCost(time_per_token_s=-1.0, expert_bytes=1.0, topology=topo)

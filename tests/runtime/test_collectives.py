@@ -612,3 +612,63 @@ def test_collective_device_follows_the_backend_for_cuda(monkeypatch) -> None:
     for config, device in [("cuda:nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cuda:3"), ("cpu:gloo,cuda:gloo", "cpu")]:
         monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=config: c)
         assert collectives.collective_device() == torch.device(device), config
+
+
+def test_plan_caches_are_keyed_by_content_and_bounded(monkeypatch) -> None:
+    """Equal placements built afresh find the cached plans (SpAG and its SpRS mirror); other contents get
+    other plans, never a stale one; the cache never holds more than its bound."""
+    from themis_compile.runtime import collectives
+
+    layout = ChunkLayout.from_spec(SPECS["swiglu"])
+    topo = Topology([2, 2])
+
+    def fresh(owners: list[int], extra: tuple[int, int]) -> tuple[Placement, Placement]:
+        shard = Placement.from_owners(owners, 4)
+        mask = shard.mask.copy()
+        mask[extra] = True
+        return shard, Placement(mask)
+
+    spag = plan_sparse_all_gather(*fresh([0, 1, 2, 3], (0, 3)), topo, layout)
+    sprs = plan_sparse_reduce_scatter(*reversed(fresh([0, 1, 2, 3], (0, 3))), topo, layout)
+    assert plan_sparse_all_gather(*fresh([0, 1, 2, 3], (0, 3)), topo, layout) is spag
+    assert plan_sparse_reduce_scatter(*reversed(fresh([0, 1, 2, 3], (0, 3))), topo, layout) is sprs
+    other = plan_sparse_reduce_scatter(*reversed(fresh([0, 1, 2, 3], (1, 3))), topo, layout)
+    # The replica of expert e on device 3 sends its gradient to e's owner e: each plan its own content.
+    assert {(t.src, t.dst, t.expert) for stage in sprs.stages for t in stage} == {(3, 0, 0)}
+    assert {(t.src, t.dst, t.expert) for stage in other.stages for t in stage} == {(3, 1, 1)}
+    monkeypatch.setattr(collectives, "_PLAN_CACHE", collectives._BoundedCache(3))
+    for d in range(4):
+        plan_sparse_all_gather(*fresh([0, 1, 2, 3], (0, d)), topo, layout)
+    assert len(collectives._PLAN_CACHE) == 3
+    assert collectives._PLAN_CACHE.get(collectives._plan_key(
+        "SparseAllGather", *fresh([0, 1, 2, 3], (0, 0)), topo, [layout] * 4)) is None    # the oldest went
+
+
+def test_worker_thread_stops_with_its_group_and_at_shutdown() -> None:
+    """The gloo jobs' thread belongs to its process group: destroying the group stops it; so does
+    `shutdown_workers` for the live ones."""
+    import gc
+
+    from themis_compile.runtime import collectives
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ran = []
+        world = collectives._worker_for(dist.group.WORLD)
+        world.submit(lambda: ran.append("world"))
+        sub_group = dist.new_group([0])
+        sub = collectives._worker_for(sub_group)
+        assert sub is not world and collectives._worker_for(sub_group) is sub
+        assert collectives.shutdown_workers(timeout_s=10.0)
+        assert not world.alive and not sub.alive and ran == ["world"]
+        fresh = collectives._worker_for(dist.group.WORLD)            # a later collective gets a new thread
+        assert fresh is not world and fresh.alive
+    finally:
+        dist.destroy_process_group()
+    del sub_group
+    gc.collect()
+    deadline = time.monotonic() + 10.0
+    while fresh.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not fresh.alive and len(collectives._WORKERS) == 0

@@ -33,8 +33,9 @@ from themis_compile.cost_model.simulate import (
     resolve_model_config,
 )
 from themis_compile.cost_model.traces import synthetic_trace
-from themis_compile.cost_model.volume import lower_bound_time, sparse_all_gather_volume
+from themis_compile.cost_model.volume import sparse_all_gather_volume
 from themis_compile.planner import Placement, sparse_materialization, topology_aware_dispatch
+from themis_compile.planner.cost import sparse_transfer_time
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ def inspect_model(setup: SimSetup, *, profile: dict[str, Any] | None = None, ske
         t = analytic.overlap_degree(t_attn, bw, setup.psi)
         if t not in plans:   # one sample plan per distinct t (layers of one model share shapes)
             shard, placement, _, _ = sample_plan(setup, skew=skew, seed=seed, overlap_degree=t)
-            plans[t] = (lower_bound_time(shard, placement, setup.psi, topo),
-                        lower_bound_time(shard, placement, grad_psi, topo))
+            plans[t] = (sparse_transfer_time(shard, placement, setup.psi, topo),
+                        sparse_transfer_time(shard, placement, grad_psi, topo))
         spag_s, sprs_s = plans[t]
         layers.append({
             "layer": layer, "psi_bytes": setup.psi,

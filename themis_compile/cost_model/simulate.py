@@ -5,12 +5,12 @@ it calls); this module only charges time and memory for the plans the policies r
 
 * expert compute from FLOPs at the cluster's stated efficiency, per device from the dispatch plan R
   (forward; backward costs twice the forward);
-* token all-to-all from R: every device's intra-node ingress/egress over its NVSwitch link and every
-  node's inter-node ingress/egress over the node's network, the slower of the two, plus a start-up
-  latency; four per MoE layer (dispatch and combine, forward and backward);
-* SparseAllGather / SparseReduceScatter at the §3.3 lower bound (`cost_model.volume.lower_bound_time`),
-  issued on a communication stream and overlapped with the preceding attention window (§4.2);
-  calibration transfers are on the critical path;
+* token all-to-all from R (`planner.cost.all_to_all_time`): every device's intra-node ingress/egress
+  over its NVSwitch link and every node's inter-node ingress/egress over the node's network, the slower
+  of the two, plus a start-up latency; four per MoE layer (dispatch and combine, forward and backward);
+* SparseAllGather / SparseReduceScatter at the §3.3 lower bound the planner weighs calibration with
+  (`planner.cost.sparse_transfer_time`), issued on a communication stream and overlapped with the
+  preceding attention window (§4.2); calibration transfers are on the critical path;
 * the baselines' rearrangement: FasterMoE's shadow broadcast and gradient reduce, parameter and
   optimizer-state migration (SmartMoE swaps, FlexMoE and EPLB replicas, Themis's re-sharding), and the
   per-iteration AllReduce of persistent replicas (Eq. 5, overlapped with backward like data parallelism);
@@ -48,10 +48,10 @@ from themis_compile.cost_model import analytic
 from themis_compile.cost_model.analytic import Precision
 from themis_compile.cost_model.cluster import Cluster, get_cluster
 from themis_compile.cost_model.traces import RoutingTrace, load_skew, read_jsonl, synthetic_trace
-from themis_compile.cost_model.volume import lower_bound_time
 from themis_compile.models.gpt_moe import MoEModelConfig
 from themis_compile.models.presets import PAPER_PRESETS, preset
 from themis_compile.planner import LoadPredictor, Policy, PolicyStep, make_policy, sparse_materialization
+from themis_compile.planner.cost import all_to_all_time, sparse_transfer_time
 from themis_compile.planner.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -295,26 +295,9 @@ class _Coster:
         self.topo = setup.topology()
         self.intra_bw = setup.cluster.effective_intra_bw
         self.inter_bw = setup.cluster.effective_inter_bw
-        self.same_DD = self.topo.same_node
         self.offsets = self.topo.node_offsets[:-1]
         self.multi_node = self.topo.num_nodes > 1
         self.grad_psi = setup.expert_params * setup.precision.grad_bytes
-
-    def a2a_time(self, R_EDD: np.ndarray) -> tuple[float, int, int]:
-        """One all-to-all of plan R: (seconds, bytes off-device, bytes across nodes)."""
-        flow_DD = R_EDD.sum(axis=0)
-        np.fill_diagonal(flow_DD, 0)
-        tb = self.setup.token_bytes
-        intra_DD = np.where(self.same_DD, flow_DD, 0)
-        t = max(intra_DD.sum(0).max(initial=0), intra_DD.sum(1).max(initial=0)) * tb / self.intra_bw
-        inter_bytes = 0
-        if self.multi_node:
-            inter_DD = np.where(self.same_DD, 0, flow_DD)
-            node_in = np.add.reduceat(inter_DD.sum(0), self.offsets)
-            node_out = np.add.reduceat(inter_DD.sum(1), self.offsets)
-            t = max(t, max(node_in.max(), node_out.max()) * tb / self.inter_bw)
-            inter_bytes = int(inter_DD.sum()) * int(tb)
-        return t + self.setup.cluster.collective_latency_s, int(flow_DD.sum()) * int(tb), inter_bytes
 
     def replica_allreduce_time(self, placement_mask_ED: np.ndarray) -> float:
         """Bottleneck device time of the per-iteration AllReduce of replicated experts (Eq. 5)."""
@@ -343,7 +326,9 @@ class _Coster:
     def layer_cost(self, name: str, policy: Policy, step: PolicyStep, predicted_E: np.ndarray) -> _LayerCost:
         s = self.setup
         lc = _LayerCost()
-        lc.a2a_s, lc.a2a_bytes, lc.a2a_inter_bytes = self.a2a_time(step.R)
+        # The planner's all-to-all model; the bytes are the policy's own count of the same flows.
+        lc.a2a_s = all_to_all_time(step.R, s.token_bytes, self.topo) + s.cluster.collective_latency_s
+        lc.a2a_bytes, lc.a2a_inter_bytes = step.bytes_moved["a2a"], step.bytes_moved["a2a_inter"]
         load_D = step.R.sum(axis=(0, 1))
         lc.comp_mean_s = float(load_D.mean()) * s.time_per_token_s
         lc.comp_max_s = float(load_D.max()) * s.time_per_token_s
@@ -353,15 +338,15 @@ class _Coster:
                 # The same pure Alg. 1 call the policy made before calibration (deterministic).
                 materialized = sparse_materialization(step.shard, predicted_E, policy.overlap_degree,
                                                       policy.materialization_budget, self.topo)
-                lc.calib_s = policy.cost.transfer_time(materialized, step.placement)
+                lc.calib_s = sparse_transfer_time(materialized, step.placement, s.psi, self.topo)
             if materialized != step.shard:
-                lc.spag_s = lower_bound_time(step.shard, materialized, s.psi, self.topo)
+                lc.spag_s = sparse_transfer_time(step.shard, materialized, s.psi, self.topo)
             if step.placement != step.shard:
-                lc.sprs_s = lower_bound_time(step.shard, step.placement, self.grad_psi, self.topo)
+                lc.sprs_s = sparse_transfer_time(step.shard, step.placement, self.grad_psi, self.topo)
                 if step.bytes_moved["spag_remat"]:
-                    lc.remat_s = lower_bound_time(step.shard, step.placement, s.psi, self.topo)
+                    lc.remat_s = sparse_transfer_time(step.shard, step.placement, s.psi, self.topo)
         elif name == "fastermoe" and step.bytes_moved["broadcast"]:
-            lc.bcast_s = policy.cost.transfer_time(step.shard, step.placement)
+            lc.bcast_s = sparse_transfer_time(step.shard, step.placement, s.psi, self.topo)
             lc.reduce_s = lc.bcast_s * s.precision.grad_bytes / max(s.precision.param_bytes, 1)
         if name in _PERSISTENT_REPLICAS:
             lc.replica_ar_s = self.replica_allreduce_time(step.placement.mask)

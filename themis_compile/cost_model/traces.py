@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,11 +127,6 @@ class RoutingTrace:
             return self._index[(step, layer)]
         except KeyError:
             raise ValueError(f"the trace has no record for step {step}, layer {layer}") from None
-
-    def iter_steps(self) -> Iterator[tuple[int, list[RoutingRecord]]]:
-        """(step, records of layers 0..L-1) in step order; ValueError when a layer is missing."""
-        for step in self.steps:
-            yield step, [self.record(step, layer) for layer in range(self.num_layers)]
 
     def skew(self) -> float:
         """Mean over records of `load_skew` (top-k from the header, else 1)."""

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from themis_compile.planner.cost import bottleneck_time
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
 
@@ -179,17 +180,14 @@ def lower_bound_time(shard: Placement, placement: Placement, psi: int | Sequence
 
     ``max(max_d vol_d / device_bw, max_n vol_n / inter_node_bw)`` where ``vol_d`` is the larger of device
     d's fixed side (|ΔP_d|·Ψ) and its minimum other side (Ψ per owned replicated chunk), and ``vol_n`` the
-    larger of node n's ingress (Ψ per chunk newly reaching n) and minimum egress. The node term applies
-    only with more than one node. Bandwidths (bytes/s) default to the topology's.
+    larger of node n's ingress (Ψ per chunk newly reaching n) and minimum egress (on one node both are
+    zero). Bandwidths (bytes/s) default to the topology's.
+
+    The time formula is the planner's `bottleneck_time`; this bound adds the owners' side to the
+    receiving side that `planner.cost.sparse_transfer_time` (what calibration weighs and the simulator
+    charges) counts, so it is never below that one. Measured collectives are rated against it.
     """
     vol = sparse_all_gather_volume(shard, placement, psi, topology)
-    device_bw = topology.intra_node_bw if device_bw is None else float(device_bw)
-    inter_node_bw = topology.inter_node_bw if inter_node_bw is None else float(inter_node_bw)
-    if not (device_bw > 0 and inter_node_bw > 0):
-        raise ValueError(f"bandwidths must be > 0, got device_bw={device_bw}, inter_node_bw={inter_node_bw}")
-    per_device = max((max(r, s) for r, s in zip(vol.recv_bytes_D, vol.send_bytes_D)), default=0)
-    bound = per_device / device_bw
-    if topology.num_nodes > 1:
-        per_node = max(max(i, o) for i, o in zip(vol.node_ingress_bytes_N, vol.node_egress_bytes_N))
-        bound = max(bound, per_node / inter_node_bw)
-    return float(bound)
+    device_D = np.maximum(vol.recv_bytes_D, vol.send_bytes_D)
+    node_N = np.maximum(vol.node_ingress_bytes_N, vol.node_egress_bytes_N)
+    return bottleneck_time(device_D, node_N, topology, device_bw=device_bw, inter_node_bw=inter_node_bw)

@@ -6,7 +6,8 @@ the baseline policies. Pure Python/numpy, deterministic, shared by the runtime a
 * `heterogeneous_sharding` (Alg. 2, §4.3) — shard placements of all MoE layers.
 * `topology_aware_dispatch` (Alg. 3, §4.4) — the integer token plan R[e, d, d2].
 * `LoadPredictor` — sliding-window load prediction (w = 5).
-* `PlanCost`, `device_compute_load`, `straggler_time` — the small cost interface.
+* `PlanCost`, `device_compute_load`, `straggler_time` — the small cost interface; `planner.cost` also holds
+  the one SpAG/SpRS time (`sparse_transfer_time`) and all-to-all time (`all_to_all_time`) formulas.
 * `Policy` and its implementations — Themis and the baselines of §5.1.
 """
 

@@ -103,7 +103,7 @@ class Policy:
         self.optimizer_state_bytes = 2.0 * self.expert_bytes if optimizer_state_bytes is None \
             else float(optimizer_state_bytes)
         self.token_bytes = float(token_bytes)
-        self.cost = PlanCost(time_per_token_s, self.expert_bytes, topology, token_bytes=self.token_bytes)
+        self.cost = PlanCost(time_per_token_s, self.expert_bytes, topology)
         self._iteration_L = [0] * self.num_layers
 
     # ----------------------------------------------------------------------------------- interface
@@ -163,7 +163,7 @@ class ThemisPolicy(Policy):
         self.calibration = calibration
         self.rematerialize = rematerialize
         self.cost = PlanCost(self.cost.time_per_token_s, self.expert_bytes, topology,
-                             calibration_budget_s=calibration_budget_s, token_bytes=self.token_bytes)
+                             calibration_budget_s=calibration_budget_s)
         self.shards = homogeneous_sharding(self.num_layers, self.num_experts, self.num_devices)
         self._last_load_LE = np.ones((self.num_layers, self.num_experts), dtype=np.float64)
         if rematerialize:

@@ -1,10 +1,15 @@
-"""A small, pure cost interface for planning (§3.3): compute time of a dispatch plan and transfer time
-of a sparse collective.
+"""A small, pure cost interface for planning (§3.3): compute time of a dispatch plan, transfer time of a
+sparse collective and time of the token all-to-all.
 
 The planner needs only a handful of numbers to weigh a placement: the time one expert takes per token,
 Ψ (one expert's parameter bytes) and the link bandwidths of the `Topology`. The full, profiled cost
 model with the paper's symbolic forms lives in ``themis_compile.cost_model``; it can hand the planner a
 `PlanCost` built from its measurements.
+
+This module is the one home of the two communication-time formulas: `sparse_transfer_time` (SpAG /
+SpRS) and `all_to_all_time` (the token all-to-all of a dispatch plan). The planner's calibration (§4.2)
+weighs its transfers with the first, and the simulator charges both collectives with the same functions,
+so what the planner trades off is what the simulator bills.
 
 Legend: E experts, D devices (d = source, d2 = destination), N nodes.
 """
@@ -23,7 +28,8 @@ from themis_compile.planner.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlanCost", "device_compute_load", "fluid_device_load", "straggler_time"]
+__all__ = ["PlanCost", "all_to_all_time", "bottleneck_time", "device_compute_load", "fluid_device_load",
+           "sparse_transfer_time", "straggler_time"]
 
 
 def _check_plan(R_EDD: np.ndarray) -> np.ndarray:
@@ -112,6 +118,70 @@ def straggler_time(device_load_D: np.ndarray, time_per_token_s: float) -> float:
     return float(device_load_D.max()) * float(time_per_token_s)
 
 
+def bottleneck_time(device_bytes_D: np.ndarray, node_bytes_N: np.ndarray, topology: Topology, *,
+                    device_bw: float | None = None, inter_node_bw: float | None = None) -> float:
+    """Seconds no realization of a collective can beat (§3.3): it finishes no sooner than its busiest
+    device link or node link, ``max(max_d bytes_d / device_bw, max_n bytes_n / inter_node_bw)``.
+
+    ``device_bytes_D`` are what each device's link must carry, ``node_bytes_N`` what each node's network
+    must carry. Bandwidths (bytes/s) default to the topology's.
+    """
+    device_bw = topology.intra_node_bw if device_bw is None else float(device_bw)
+    inter_node_bw = topology.inter_node_bw if inter_node_bw is None else float(inter_node_bw)
+    if not (device_bw > 0 and inter_node_bw > 0):
+        raise ValueError(f"bandwidths must be > 0, got device_bw={device_bw}, inter_node_bw={inter_node_bw}")
+    device_s = float(np.max(device_bytes_D, initial=0)) / device_bw
+    node_s = float(np.max(node_bytes_N, initial=0)) / inter_node_bw
+    return max(device_s, node_s)
+
+
+def sparse_transfer_time(base: Placement, target: Placement, psi: float, topology: Topology, *,
+                         device_bw: float | None = None, inter_node_bw: float | None = None) -> float:
+    """Lower-bound time of SpAG(base, target) (and of the mirror SpRS(target, base)), §3.3.
+
+    A device that receives r chunks needs r·Ψ/bw_intra; a node that a chunk newly enters needs one
+    inter-node transfer per such chunk, Ψ/bw_inter each (then a broadcast inside the node). The
+    collective finishes no sooner than its bottleneck device or node (`bottleneck_time`). ``base`` may be
+    any placement contained in ``target`` (a shard placement, or a materialized one that calibration
+    extends): only the receiving side is fixed by the two placements, since any holder may send.
+    """
+    topology.validate(target.num_devices)
+    if not base.issubset(target):
+        raise ValueError("transfer_time: the base placement is not a subset of the target placement")
+    # What receive_counts and new_node_entries give, counted directly (one subset check, no
+    # intermediate placements).
+    recv_D = np.count_nonzero(target.mask & ~base.mask, axis=0)
+    if not recv_D.any():
+        return 0.0
+    entries_N = np.count_nonzero(target.node_mask(topology) & ~base.node_mask(topology), axis=0)
+    psi = float(psi)
+    return bottleneck_time(recv_D * psi, entries_N * psi, topology, device_bw=device_bw,
+                           inter_node_bw=inter_node_bw)
+
+
+def all_to_all_time(R_EDD: np.ndarray, token_bytes: float, topology: Topology) -> float:
+    """Lower-bound time of the token all-to-all of plan R (dispatch direction; combine mirrors it).
+
+    Every device's intra-node ingress and egress over its link (``intra_node_bw``), and with several
+    nodes every node's inter-node ingress and egress over the node's network (``inter_node_bw``); the
+    slower of the two. Tokens a device routes to itself do not move.
+    """
+    R_EDD = _check_plan(R_EDD)
+    topology.validate(R_EDD.shape[1])
+    flow_DD = R_EDD.sum(axis=0)
+    np.fill_diagonal(flow_DD, 0)
+    same_DD = topology.same_node
+    intra_DD = np.where(same_DD, flow_DD, 0)
+    t = max(intra_DD.sum(0).max(initial=0), intra_DD.sum(1).max(initial=0)) * token_bytes / topology.intra_node_bw
+    if topology.num_nodes > 1:
+        offsets = topology.node_offsets[:-1]
+        inter_DD = np.where(same_DD, 0, flow_DD)
+        node_in_N = np.add.reduceat(inter_DD.sum(0), offsets)
+        node_out_N = np.add.reduceat(inter_DD.sum(1), offsets)
+        t = max(t, max(node_in_N.max(), node_out_N.max()) * token_bytes / topology.inter_node_bw)
+    return float(t)
+
+
 @dataclass(frozen=True)
 class PlanCost:
     """What planning decisions cost, in seconds (§3.3).
@@ -123,18 +193,15 @@ class PlanCost:
         topology: devices, nodes and bandwidths.
         calibration_budget_s: profiled latency budget that a calibration transfer (§4.2) may add to the
             critical path; ``inf`` means no limit beyond "gain must exceed cost".
-        token_bytes: bytes of one token's hidden state in the all-to-all (0 when the caller does not model
-            the all-to-all).
     """
 
     time_per_token_s: float
     expert_bytes: float
     topology: Topology
     calibration_budget_s: float = math.inf
-    token_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("time_per_token_s", "expert_bytes", "token_bytes"):
+        for name in ("time_per_token_s", "expert_bytes"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"PlanCost.{name} must be a finite number >= 0, got {value}")
@@ -142,10 +209,6 @@ class PlanCost:
             raise ValueError(f"PlanCost.calibration_budget_s must be >= 0, got {self.calibration_budget_s}")
 
     # ----------------------------------------------------------------------------------- compute
-    def device_compute_time(self, R_EDD: np.ndarray) -> np.ndarray:
-        """[D] seconds each device spends in expert compute under plan R."""
-        return device_compute_load(R_EDD) * self.time_per_token_s
-
     def compute_time(self, R_EDD: np.ndarray) -> float:
         """Straggler compute time of plan R (the slowest device)."""
         return straggler_time(device_compute_load(R_EDD), self.time_per_token_s)
@@ -156,41 +219,5 @@ class PlanCost:
 
     # ----------------------------------------------------------------------------------- transfers
     def transfer_time(self, shard: Placement, placement: Placement) -> float:
-        """Lower-bound time of SpAG(shard, placement) (and of the symmetric SpRS), §3.3.
-
-        A device that receives r chunks needs r·Ψ/bw_intra; a node that a chunk newly enters needs one
-        inter-node transfer per such chunk, Ψ/bw_inter each (then a broadcast inside the node). The
-        collective finishes no sooner than its bottleneck device or node.
-        """
-        self.topology.validate(placement.num_devices)
-        if not shard.issubset(placement):
-            raise ValueError("transfer_time: the base placement is not a subset of the target placement")
-        # What receive_counts and new_node_entries give, counted directly (one subset check, no
-        # intermediate placements).
-        recv_D = np.count_nonzero(placement.mask & ~shard.mask, axis=0)
-        if not recv_D.any():
-            return 0.0
-        device_s = float(recv_D.max()) * self.expert_bytes / self.topology.intra_node_bw
-        node_entries_N = np.count_nonzero(placement.node_mask(self.topology) & ~shard.node_mask(self.topology),
-                                          axis=0)
-        node_s = float(node_entries_N.max()) * self.expert_bytes / self.topology.inter_node_bw
-        return max(device_s, node_s)
-
-    def volume_bytes(self, shard: Placement, placement: Placement) -> int:
-        """Vol(SpAG) = Vol(SpRS) = |ΔP|·Ψ (Eq. 4)."""
-        return int(round(placement.delta(shard).num_pairs() * self.expert_bytes))
-
-    def a2a_time(self, R_EDD: np.ndarray) -> float:
-        """Lower-bound time of the token all-to-all of plan R (dispatch direction): each device's
-        intra-node and inter-node ingress and egress bytes over the matching bandwidth."""
-        R_EDD = _check_plan(R_EDD)
-        self.topology.validate(R_EDD.shape[1])
-        if self.token_bytes == 0:
-            return 0.0
-        flow_DD = R_EDD.sum(axis=0).astype(np.float64)
-        np.fill_diagonal(flow_DD, 0.0)
-        same_DD = self.topology.same_node
-        intra_DD, inter_DD = np.where(same_DD, flow_DD, 0.0), np.where(same_DD, 0.0, flow_DD)
-        intra = max(intra_DD.sum(0).max(), intra_DD.sum(1).max()) / self.topology.intra_node_bw
-        inter = max(inter_DD.sum(0).max(), inter_DD.sum(1).max()) / self.topology.inter_node_bw
-        return float(max(intra, inter) * self.token_bytes)
+        """`sparse_transfer_time` of SpAG(shard, placement) with this cost's Ψ and topology."""
+        return sparse_transfer_time(shard, placement, self.expert_bytes, self.topology)

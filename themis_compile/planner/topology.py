@@ -33,7 +33,9 @@ class Topology:
         devices_per_node: number of devices on each node, possibly uneven, e.g. ``(4, 4)`` or ``(3, 2)``.
             Device ids run ``0 .. D-1``; node 0 holds the first ``devices_per_node[0]`` of them, and so on.
         intra_node_bw: bytes/s of one device's link inside its node (NVLink-class).
-        inter_node_bw: bytes/s of one device's link into or out of its node (NIC-class).
+        inter_node_bw: bytes/s, each way, of one node's network into or out of the node (NIC-class; its
+            devices share it): the planner's transfer and all-to-all times charge a node's ingress and
+            egress against it, as the simulator's cluster specs and the emulated nodes state it.
     """
 
     devices_per_node: tuple[int, ...]
@@ -180,10 +182,6 @@ class Topology:
         if int(num_devices) != self.num_devices:
             raise ValueError(f"topology {self.devices_per_node} has {self.num_devices} devices "
                              f"but the placement/world has {num_devices}")
-
-    def link_bw(self, src: int, dst: int) -> float:
-        """Bandwidth (bytes/s) of the bottleneck link a transfer from ``src`` to ``dst`` uses."""
-        return self.intra_node_bw if self.node_of(src) == self.node_of(dst) else self.inter_node_bw
 
     def to_networkx(self) -> "networkx.Graph":
         """A complete graph over devices for inspection: node attribute ``node`` (the node id); edge

@@ -49,13 +49,17 @@ Legend: E experts, D devices (ranks of the group), N nodes.
 
 from __future__ import annotations
 
+import atexit
 import bisect
+import collections
 import datetime
+import functools
 import logging
 import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +86,7 @@ __all__ = [
     "plan_sparse_reduce_scatter",
     "sparse_all_gather",
     "sparse_reduce_scatter",
+    "shutdown_workers",
 ]
 
 ChunkSpec = Sequence[tuple[Sequence[int], torch.dtype]]
@@ -332,9 +337,49 @@ def _check_placements(shard: Placement, placement: Placement, topology: Topology
     topology.validate(shard.num_devices)
 
 
-_PLAN_CACHE: dict[tuple, CommPlan] = {}
-_SPRS_PLANS: dict[int, tuple[CommPlan, CommPlan]] = {}     # id(SpAG plan) -> (SpAG plan, its mirror)
+class _BoundedCache:
+    """A least-recently-used map of at most ``maxsize`` entries, keyed by value (placement digests,
+    placements, topologies): an entry can never be found for another object that happens to reuse a
+    freed object's ``id()``. Safe to use from several threads."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = int(maxsize)
+        self._data: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+
+# Plans are pure functions of their key, so a process-wide cache is exact; bounded so that a long run
+# of distinct placements (re-sharding every 100 iterations, calibration every iteration) cannot grow it.
 _PLAN_CACHE_SIZE = 256
+_PLAN_CACHE = _BoundedCache(_PLAN_CACHE_SIZE)
+
+
+def _plan_key(collective: str, shard: Placement, placement: Placement, topology: Topology,
+              layout_E: Sequence[ChunkLayout]) -> tuple:
+    # The cutting constants are part of the wire format (every rank must cut alike): part of the key.
+    return (collective, shard.digest(), placement.digest(), topology.devices_per_node, tuple(layout_E),
+            _SLICE_BYTES, _MAX_SLICES)
 
 
 def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Topology,
@@ -349,9 +394,7 @@ def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Top
     layout_E = [layouts] * E if isinstance(layouts, ChunkLayout) else list(layouts)
     if len(layout_E) != E:
         raise ValueError(f"need one chunk layout per expert ({E}), got {len(layout_E)}")
-    # The cutting constants are part of the wire format (every rank must cut alike): part of the key.
-    key = (SPAG, shard.digest(), placement.digest(), topology.devices_per_node, tuple(layout_E),
-           _SLICE_BYTES, _MAX_SLICES)
+    key = _plan_key(SPAG, shard, placement, topology, layout_E)
     cached = _PLAN_CACHE.get(key)
     if cached is not None:                         # validated when it was planned
         return cached
@@ -386,25 +429,24 @@ def plan_sparse_all_gather(shard: Placement, placement: Placement, topology: Top
                     stage1.extend(Transfer(d, d2, e, lo, hi, i) for d2 in members if d2 != d)  # all-gather
     stages = tuple(tuple(sorted(s)) for s in (stage0, stage1) if s)
     plan = CommPlan(SPAG, stages, tuple(int(n) for n in node_ids), topology.num_nodes)
-    if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
-        _PLAN_CACHE.clear()
-    _PLAN_CACHE[key] = plan
+    _PLAN_CACHE.put(key, plan)
     return plan
 
 
 def plan_sparse_reduce_scatter(placement: Placement, shard: Placement, topology: Topology,
                                layouts: ChunkLayout | Sequence[ChunkLayout]) -> CommPlan:
     """The plan of SpRS(P'=placement, P=shard): the SpAG plan run backwards with src and dst swapped."""
-    spag = plan_sparse_all_gather(shard, placement, topology, layouts)
-    cached = _SPRS_PLANS.get(id(spag))
-    if cached is not None and cached[0] is spag:
-        return cached[1]
+    spag = plan_sparse_all_gather(shard, placement, topology, layouts)    # validates the inputs
+    E = shard.shape[0]
+    layout_E = [layouts] * E if isinstance(layouts, ChunkLayout) else list(layouts)
+    key = _plan_key(SPRS, shard, placement, topology, layout_E)
+    cached = _PLAN_CACHE.get(key)
+    if cached is not None:
+        return cached
     stages = tuple(tuple(sorted(Transfer(t.dst, t.src, t.expert, t.start, t.stop, t.slice) for t in stage))
                    for stage in reversed(spag.stages))
     plan = CommPlan(SPRS, stages, spag.node_ids, spag.num_nodes)
-    if len(_SPRS_PLANS) >= _PLAN_CACHE_SIZE:
-        _SPRS_PLANS.clear()
-    _SPRS_PLANS[id(spag)] = (spag, plan)      # the SpAG plan is kept alive with it: its id stays unique
+    _PLAN_CACHE.put(key, plan)
     return plan
 
 
@@ -535,33 +577,74 @@ def _schedule(plan: CommPlan, layouts: ChunkLayout | list[ChunkLayout], rank: in
 
 
 class _GroupWorker:
-    """One daemon thread per process group running collective jobs in issue order."""
+    """The thread that runs one process group's CPU (gloo) collective jobs, in issue order.
+
+    Lifetime: it stops when its group is garbage collected (after ``dist.destroy_process_group``, or
+    when the last reference to a sub-group goes), at `shutdown_workers`, and at interpreter exit; a job
+    already queued runs to completion (or to its collective timeout) first. The thread is a daemon only
+    so that a job stuck past its timeout cannot hang the interpreter's exit.
+    """
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:                    # stop(): every job queued before it has run
+                return
             job()
+            job = None                         # hold no finished job (and its group) while waiting
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Ask the thread to finish after the jobs already queued; with ``timeout_s``, wait that long for
+        it. Returns whether the thread has ended."""
+        self._jobs.put(None)
+        if timeout_s is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
-_WORKERS: dict[int, _GroupWorker] = {}
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+# Weakly keyed by the group object itself: a destroyed group's entry goes with it (its finalizer stops
+# the thread), and a new group can never inherit an old group's worker through a reused id().
+_WORKERS: weakref.WeakKeyDictionary[Any, _GroupWorker] = weakref.WeakKeyDictionary()
 _WORKERS_LOCK = threading.Lock()
+_AT_EXIT_REGISTERED = False
 
 
 def _worker_for(group: Any) -> _GroupWorker:
-    key = id(group)
+    global _AT_EXIT_REGISTERED
     with _WORKERS_LOCK:
-        worker = _WORKERS.get(key)
-        if worker is None:
-            worker = _WORKERS[key] = _GroupWorker(f"themis-sparse-collectives-{key:x}")
+        worker = _WORKERS.get(group)
+        if worker is None or not worker.alive:
+            worker = _WORKERS[group] = _GroupWorker(f"themis-sparse-collectives-{id(group):x}")
+            weakref.finalize(group, worker.stop)
+            if not _AT_EXIT_REGISTERED:
+                atexit.register(shutdown_workers)
+                _AT_EXIT_REGISTERED = True
         return worker
+
+
+def shutdown_workers(timeout_s: float = 5.0) -> bool:
+    """Stop the background threads of every process group's CPU collectives and wait up to
+    ``timeout_s`` seconds for each (the jobs already issued run first). Returns whether all ended.
+
+    Called at interpreter exit; a later CPU collective starts a fresh thread for its group.
+    """
+    with _WORKERS_LOCK:
+        workers = list(_WORKERS.values())
+        _WORKERS.clear()
+    deadline = time.monotonic() + timeout_s
+    return all([w.stop(max(0.0, deadline - time.monotonic())) for w in workers])
 
 
 class SparseCollectiveHandle:
@@ -854,7 +937,7 @@ class _Local:
     holds_E: frozenset[int]
 
 
-_LOCAL_CACHE: dict[tuple, _Local] = {}
+_LOCAL_CACHE = _BoundedCache(_PLAN_CACHE_SIZE)
 
 
 def _common(shard: Placement, placement: Placement, topology: Topology | None, group: Any, what: str
@@ -877,21 +960,14 @@ def _common(shard: Placement, placement: Placement, topology: Topology | None, g
     local = _Local(owners_E, tuple(int(e) for e in np.flatnonzero(delta_ED[:, rank])),
                    tuple(int(e) for e in np.flatnonzero(delta_ED.any(axis=1)) if owners_E[e] == rank),
                    frozenset(int(e) for e in np.flatnonzero(placement.mask[:, rank])))
-    if len(_LOCAL_CACHE) >= _PLAN_CACHE_SIZE:
-        _LOCAL_CACHE.clear()
-    _LOCAL_CACHE[key] = local
+    _LOCAL_CACHE.put(key, local)
     return topology, rank, local
 
 
-_SINGLE_NODE: dict[int, Topology] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def _single_node(num_devices: int) -> Topology:
     """The default topology (one node), made once per size."""
-    topology = _SINGLE_NODE.get(num_devices)
-    if topology is None:
-        topology = _SINGLE_NODE[num_devices] = Topology.single_node(num_devices)
-    return topology
+    return Topology.single_node(num_devices)
 
 
 # ============================================================================================ SpAG
