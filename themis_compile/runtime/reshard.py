@@ -12,6 +12,7 @@ continues exactly as without re-sharding (the test holds it to the single-proces
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any
@@ -64,7 +65,19 @@ def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
     load_LE = np.stack([layer.predictor.predict(0) for layer in layers])
     overlap_degree = max(layer.overlap_degree for layer in layers)
     new_shards = heterogeneous_sharding(load_LE, overlap_degree, state.topology)
+    moved = move_experts(runtime, optimizer, dict(zip(runtime.layers, new_shards)))
+    logger.info("themis_compile: re-sharded %d MoE layers, %d experts changed owner", len(layers), moved)
+    return moved
 
+
+def move_experts(runtime: Any, optimizer: torch.optim.Optimizer, new_shards: dict[str, Placement]) -> int:
+    """Move the experts of the named FSSDP layers, with their optimizer state, to the owners of
+    ``new_shards`` (layer name -> shard placement); returns how many experts changed owner.
+
+    Collective: every rank of the model's group must call it with the same placements.
+    """
+    state = runtime.fssdp
+    layers = [runtime.layers[name] for name in new_shards]
     # Step 1: agree on the optimizer-state layout of an expert chunk and the param groups of its
     # parameters (a rank may own no expert of a layer).
     local = {}
@@ -75,11 +88,10 @@ def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
     gathered: list[Any] = [None] * state.world_size
     dist.all_gather_object(gathered, local, group=state.group)
     moved = 0
-    for li, (layer, new_shard) in enumerate(zip(layers, new_shards)):
+    for li, (layer, new_shard) in enumerate(zip(layers, new_shards.values())):
         layouts = [g[li] for g in gathered if li in g]
         state_layout = layouts[0] if layouts else None
         moved += _move_layer(layer, new_shard, optimizer, state_layout)
-    logger.info("themis_compile: re-sharded %d MoE layers, %d experts changed owner", len(layers), moved)
     return moved
 
 
@@ -114,7 +126,7 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
     groups = [0] * len(param_spec) if layout is None else layout["groups"]
     for e in moving:
         if old_owner_E[e] == rank:
-            module = layer.shards.pop(str(e))
+            module = layer.remove_expert(e)
             leaving = {id(p) for p in module.parameters()}
             for p in module.parameters():
                 optimizer.state.pop(p, None)
@@ -124,7 +136,7 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
             tensors = received[e]
             n = len(param_spec)
             module = layer.bank.new_shard(tensors[:n])
-            layer.shards[str(e)] = module
+            layer.add_expert(e, module)
             it = iter(tensors[n:])
             for i, (p, per_param) in enumerate(zip(module.parameters(), state_layout or [[] for _ in range(n)])):
                 optimizer.param_groups[min(groups[i], len(optimizer.param_groups) - 1)]["params"].append(p)
@@ -146,23 +158,43 @@ class ReshardScheduler:
         self.steps = 0
         self.reshards = 0
         self.moved = 0
+        self._paused = 0
         self._handle = register_optimizer_step_post_hook(self._on_step)
 
     @property
     def runtime(self) -> Any:
         return self._runtime()
 
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` is the one holding this model's owned experts (on a rank without
+        experts: its dense parameters)."""
         ours = {id(p) for layer in self.runtime.layers.values() for c in layer.local_chunks().values() for p in c}
         if not ours:
             # A rank without experts: recognise the optimizer by the dense parameters instead.
             ours = self._dense_ids
         return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Optimizer steps inside do not count (torch's state-dict functions take a zero-lr step to
+        create missing optimizer state)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the schedule stands: optimizer steps counted, re-shardings done, experts moved."""
+        return {"steps": self.steps, "reshards": self.reshards, "moved": self.moved}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps, self.reshards, self.moved = int(state["steps"]), int(state["reshards"]), int(state["moved"])
+
     def _on_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if self.runtime is None:    # the model is gone (the hook cannot unregister itself mid-iteration)
             return
-        if not self._owns(optimizer):
+        if self._paused or not self.owns(optimizer):
             return
         self.steps += 1
         if self.interval and self.steps % self.interval == 0:
