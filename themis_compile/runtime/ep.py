@@ -81,12 +81,12 @@ def expert_slice(value, e: int, num_experts: int, name: str = "") -> torch.Tenso
     """Expert e's ``[...]`` slice of a stacked ``[E, ...]`` value: a plain tensor (the unmodified model's),
     or a ``ShardedTensor`` holding e's chunk on this rank."""
     if isinstance(value, ShardedTensor):
-        if value.size(0) != num_experts:
-            raise RuntimeError(f"{name}: a stacked tensor of {value.size(0)} experts, the layer has {num_experts}")
+        size = list(value.metadata().size)      # (not value.size(): torch functions on it warn)
+        if size[0] != num_experts:
+            raise RuntimeError(f"{name}: a stacked tensor of {size[0]} experts, the layer has {num_experts}")
         for s in value.local_shards():
             offsets, sizes = s.metadata.shard_offsets, s.metadata.shard_sizes
-            if offsets[0] <= e < offsets[0] + sizes[0] and not any(offsets[1:]) and \
-                    list(sizes[1:]) == list(value.size()[1:]):
+            if offsets[0] <= e < offsets[0] + sizes[0] and not any(offsets[1:]) and list(sizes[1:]) == size[1:]:
                 return s.tensor[e - offsets[0]]
         raise RuntimeError(f"{name}: expert {e} is not among this rank's chunks of the sharded tensor")
     if hasattr(value, "full_tensor"):      # a DTensor
