@@ -89,12 +89,22 @@ def _save(path: str, options, record: dict | None = None):
         model_sd, optim_sd = get_state_dict(model, opt, options=options)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         if record is not None:
+            # torch's own functions: the same model keys; the same optimizer keys for ModuleList
+            # experts (stacked experts' optimizer state needs themis_compile.checkpoint).
+            torch_model_sd, torch_optim_sd = torch_get_state_dict(model, opt, options=options)
+            record["torch_same_keys"] = (set(torch_model_sd) == set(model_sd),
+                                         _optim_keys(torch_optim_sd) == _optim_keys(optim_sd))
             runtime = themis_compile.api.runtime_of(model)
             record["placements"] = {n: layer.shard_placement.owners().tolist() for n, layer in runtime.layers.items()}
             record["moved"] = 0 if runtime.reshard_scheduler is None else runtime.reshard_scheduler.moved
             # What model.state_dict() holds on this rank: keys and (global) shapes.
             record["state_dict"] = {k: _shape(v) for k, v in model.state_dict().items()}
     return save
+
+
+def _optim_keys(optim_sd: dict) -> set[str]:
+    keys = set(optim_sd["state"]) if "state" in optim_sd else set(optim_sd)
+    return keys - {RUNTIME_STATE_KEY}
 
 
 def _shape(v) -> tuple[int, ...]:
@@ -205,6 +215,8 @@ def test_state_dict_has_unmodified_keys_and_shapes(two_rank_run, name):
         else:
             assert holders == [0, 1], key
     assert results[0][name]["moved"] > 0
+    stacked = MODELS[name].get("experts_form") == "stacked" or "hf" in MODELS[name]
+    assert all(r[name]["torch_same_keys"] == (True, not stacked) for r in results)
     # The checkpoint itself: the unmodified keys and full shapes, each expert chunk written by its owner.
     metadata = dcp.FileSystemReader(os.path.join(dirs["ckpt2"], name)).read_metadata()
     saved = {k[len("model."):]: tuple(md.size) for k, md in metadata.state_dict_metadata.items()
