@@ -179,7 +179,7 @@ def _unmodified_checkpoints(root: str) -> dict[str, list[float]]:
 
         def save(model, opt, path=os.path.join(root, name)):
             model_sd, optim_sd = torch_get_state_dict(model, opt, options=options)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=True)
 
         losses[name] = _train(model, opt, 0, STEPS, save=save)
     return losses

@@ -107,13 +107,12 @@ def _expose_stacked_names(module: nn.Module, names) -> None:
     for name in names:
         *path, last = name.split(".")
         obj = module
-        for part in path:
-            if not isinstance(obj.__dict__.get(part, _Namespace()), _Namespace) or hasattr(type(obj), part):
+        for part in path + [last]:
+            existing = obj.__dict__.get(part)
+            if (existing is None and hasattr(obj, part)) or (existing is not None and (
+                    part == last or not isinstance(existing, _Namespace))):
                 raise ValueError(f"stacked expert weight {name!r} shadows an attribute of {type(module).__name__}")
-            obj = obj.__dict__.setdefault(part, _Namespace())
-        if hasattr(obj, last):
-            raise ValueError(f"stacked expert weight {name!r} shadows an attribute of {type(module).__name__}")
-        obj.__dict__[last] = StackedWeight(name)
+            obj = obj.__dict__.setdefault(part, _Namespace() if part != last else StackedWeight(name))
 
 
 class _Namespace:
