@@ -338,6 +338,16 @@ def test_one_process_optimized_model_speaks_unmodified_keys(name, tmp_path):
         torch.testing.assert_close(value, unmodified.state_dict()[key], rtol=0, atol=0, msg=key)
     tokens = _batches(1, 2, SEQ, model.config.vocab_size)[0]
     torch.testing.assert_close(model_loss(model, tokens), model_loss(unmodified, tokens))
+    # One step each, then torch's functions on the unmodified model and ours on the optimized one (also
+    # through torch.compile's wrapper) name the same model and optimizer entries with the same shapes.
+    unmodified_opt = make_optimizer(unmodified.parameters(), "adamw")
+    for m, o in ((model, opt), (unmodified, unmodified_opt)):
+        model_loss(m, tokens).backward()
+        o.step()
+    expected = _entries(*torch_get_state_dict(unmodified, unmodified_opt, options=FLAT))
+    assert _entries(*get_state_dict(model, opt, options=FLAT)) == expected
+    if name == "ref-stacked":   # stacked weights are found by module path, here under _orig_mod
+        assert _entries(*get_state_dict(torch.compile(model), opt, options=FLAT)) == expected
     # A state dict of another expert count, or without one expert, is refused by name.
     if name == "ref-stacked":
         bad = {k: v[:3] if k.endswith("experts.w1_EFH") else v for k, v in unmodified.state_dict().items()}
@@ -347,3 +357,10 @@ def test_one_process_optimized_model_speaks_unmodified_keys(name, tmp_path):
         match = r"Missing key\(s\).*experts\.5\.w1\.weight"
     with pytest.raises(RuntimeError, match=match):
         model.load_state_dict(bad)
+
+
+def _entries(model_sd: dict, optim_sd: dict) -> dict[str, tuple]:
+    out = {f"model.{k}": _shape(v) for k, v in model_sd.items()}
+    out.update({f"optim.{k}": _shape(v) if torch.is_tensor(v) or hasattr(v, "local_shards") else v
+                for k, v in optim_sd.items() if k != RUNTIME_STATE_KEY})
+    return out
