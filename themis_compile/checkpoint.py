@@ -40,6 +40,7 @@ loads at M ranks, under another policy, or into the unmodified model (``dcp_to_t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from typing import Any, Iterable
@@ -96,9 +97,10 @@ def set_state_dict(
     options: _dsd.StateDictOptions | None = None,
 ):
     """``torch.distributed.checkpoint.state_dict.set_state_dict`` for optimized models: loads state dicts
-    in the unmodified model's keys (this module's ``get_state_dict``, torch's on the unmodified model, or
-    a ``torch.load``-ed full one) into the experts this rank owns, then restores the runtime's state when
-    ``optim_state_dict`` carries it (see the module docstring)."""
+    in the unmodified model's keys (what this module's ``get_state_dict`` gave and ``dcp.load`` filled,
+    from a checkpoint of any world size and policy or of the unmodified model) into the experts this rank
+    owns, then restores the runtime's state when ``optim_state_dict`` carries it (see the module
+    docstring)."""
     runtime = getattr(model, "_themis_runtime", None)
     if runtime is None:
         return _dsd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
@@ -350,19 +352,9 @@ def _check_options(runtime: ThemisRuntime, options: _dsd.StateDictOptions | None
             "with torch.distributed.checkpoint.format_utils.dcp_to_torch_save")
 
 
-class _schedule_paused:
-    def __init__(self, runtime: ThemisRuntime) -> None:
-        scheduler = runtime.reshard_scheduler
-        self._ctx = scheduler.paused() if scheduler is not None else None
-
-    def __enter__(self):
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            return self._ctx.__exit__(*exc)
-        return False
+def _schedule_paused(runtime: ThemisRuntime):
+    scheduler = runtime.reshard_scheduler
+    return scheduler.paused() if scheduler is not None else contextlib.nullcontext()
 
 
 def _shallow_copy(optim_sd: dict) -> dict:

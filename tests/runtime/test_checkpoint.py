@@ -124,7 +124,8 @@ def _load(model, opt, path: str, options, *, runtime_state: bool = True) -> None
 
 
 def _placements(model) -> dict[str, list[int]]:
-    return {n: layer.shard_placement.owners().tolist() for n, layer in themis_compile.api.runtime_of(model).layers.items()}
+    layers = themis_compile.api.runtime_of(model).layers
+    return {n: layer.shard_placement.owners().tolist() for n, layer in layers.items()}
 
 
 def _runtime_view(model) -> dict:
