@@ -287,8 +287,17 @@ def _four_ranks(rank, world_size, dirs):
         del model, opt
     for name in FOUR_SAVES:
         options = FLAT if CASES[name][-1] else NESTED
+        path = os.path.join(dirs["ckpt4"], name)
+        record: dict = {}
         model, opt = _build(name, "themis")
-        out[name]["full"] = _train(model, opt, 0, STEPS, save=_save(os.path.join(dirs["ckpt4"], name), options))
+        out[name]["full"] = _train(model, opt, 0, STEPS, save=_save(path, options, record))
+        out[name]["end"] = _runtime_view(model)
+        del model, opt
+        model, opt = _build(name, "themis")
+        _load(model, opt, path, options)
+        out[name]["adopted"] = _placements(model) == record["placements"]
+        out[name]["resumed"] = _train(model, opt, SAVE_AT, STEPS)
+        out[name]["resumed_end"] = _runtime_view(model)
     return out
 
 
@@ -302,6 +311,15 @@ def four_rank_run(two_rank_run):
 def test_two_to_four(two_rank_run, four_rank_run, name):
     _, _, results = two_rank_run
     assert _rel(four_rank_run[0][name]["loaded"], results[0][name]["full"][SAVE_AT:]) < 1e-6
+
+
+def test_resume_is_exact_on_two_nodes(four_rank_run):
+    for r in four_rank_run:
+        for name in FOUR_SAVES:
+            res = r[name]
+            assert res["adopted"]
+            assert res["resumed"] == res["full"][SAVE_AT:]
+            assert res["resumed_end"] == res["end"]
 
 
 def _four_to_two(rank, world_size, dirs):
