@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.state_dict import set_state_dict as torch_set_
 
 import themis_compile
 from themis_compile.checkpoint import RUNTIME_STATE_KEY, get_state_dict, set_state_dict
+from themis_compile.planner import Placement
+from themis_compile.runtime.ep import expert_sharded_tensor
 from themis_compile.testing import run_multirank
 from tests.runtime.equivalence import _batches, make_model, make_optimizer, model_loss
 
@@ -324,6 +326,12 @@ def test_resume_is_exact_on_two_nodes(four_rank_run):
 
 
 def _four_to_two(rank, world_size, dirs):
+    # A rank that owns no expert of a layer holds no chunk of its stacked weights (and builds the sharded
+    # tensor without communicating).
+    shard = Placement.from_owners([0, 0, 0], world_size)
+    tensors_E = {e: torch.full((2,), float(e)) for e in range(3)} if rank == 0 else {}
+    weight = expert_sharded_tensor(tensors_E, shard, ((2,), torch.float32), dist.group.WORLD)
+    dcp.save({"w": weight}, checkpoint_id=os.path.join(dirs["ckpt4"], "one-owner"))
     out = {}
     for name in FOUR_SAVES:
         policy = CASES[name][0]
@@ -334,11 +342,14 @@ def _four_to_two(rank, world_size, dirs):
     return out
 
 
-def test_four_to_two(two_rank_run, four_rank_run):
+def test_four_to_two(two_rank_run, four_rank_run, tmp_path):
     dirs, _, _ = two_rank_run
     results = run_multirank(_four_to_two, 2, args=(dirs,), timeout_s=240)
     for name in FOUR_SAVES:
         assert _rel(results[0][name], four_rank_run[0][name]["full"][SAVE_AT:]) < 1e-6
+    dcp_to_torch_save(os.path.join(dirs["ckpt4"], "one-owner"), tmp_path / "one-owner.pt")
+    torch.testing.assert_close(torch.load(tmp_path / "one-owner.pt")["w"],
+                               torch.arange(3.0)[:, None].expand(3, 2), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------- one process
