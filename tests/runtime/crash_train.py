@@ -8,7 +8,7 @@ every ``--every`` steps into ``DIR/step_<n>`` and at the end into ``DIR/final``.
 the newest complete checkpoint (one whose ``.metadata`` DCP has written). With ``--wait-at s``, rank 1
 of the first attempt stops before step s, writes its pid to ``DIR/waiting`` and waits to be killed
 (bounded: it exits with an error after 120 s). Every attempt writes ``DIR/attempt<k>.rank<r>`` with the
-step it started from.
+step it started from, and ``DIR/pid<k>.rank<r>`` with its pid.
 """
 
 from __future__ import annotations
@@ -49,9 +49,11 @@ def main() -> None:
     parser.add_argument("--wait-at", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    with open(os.path.join(args.dir, f"pid{attempt}.rank{os.environ['RANK']}"), "w") as f:
+        f.write(str(os.getpid()))     # so that the test can stop a worker torchrun left behind
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     model = themis_compile.optimize(make_model(MODEL), themis_compile.ThemisConfig(
         policy="themis", reshard_interval=2, overlap_degree=8, materialization_budget=2))

@@ -40,10 +40,23 @@ def _launch(directory: Path, *extra: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, directory: Path) -> None:
+    """Stop a launch that is still running: torchrun first (it stops its workers), then any worker left
+    (torchrun starts each in a session of its own), found by the pid files the script writes."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    for pid_file in directory.glob("pid*"):
+        pid = int(pid_file.read_text())
+        try:
+            if "crash_train.py" in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
 
 
 def test_training_survives_a_killed_rank(tmp_path):
@@ -51,6 +64,7 @@ def test_training_survives_a_killed_rank(tmp_path):
     crash.mkdir()
     reference.mkdir()
     deadline = time.monotonic() + DEADLINE_S
+    dirs = {"crash": crash, "reference": reference}
     procs = {"crash": _launch(crash, "--wait-at", "5"), "reference": _launch(reference)}
     outputs = {}
     try:
@@ -63,8 +77,8 @@ def test_training_survives_a_killed_rank(tmp_path):
         for name, proc in procs.items():
             outputs[name] = proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0]
     finally:
-        for proc in procs.values():
-            _kill(proc)
+        for name, proc in procs.items():
+            _kill(proc, dirs[name])
     for name, proc in procs.items():
         assert proc.returncode == 0, f"{name} run failed:\n{outputs.get(name, '')[-6000:]}"
 
