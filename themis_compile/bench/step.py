@@ -97,7 +97,7 @@ class _PolicyRun:
                     self.imbalance.append(s.imbalance)
                     held = sum(1 for row in s.placement if row[rank])
                     layer = self.runtime.layers[s.layer]
-                    self.replica_bytes = max(self.replica_bytes, (held - len(layer.shards)) * layer.bank.chunk_bytes)
+                    self.replica_bytes = max(self.replica_bytes, (held - len(layer.owned_experts())) * layer.bank.chunk_bytes)
 
     def result(self) -> dict:
         import torch

@@ -19,9 +19,13 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from themis_compile.planner.placement import Placement
 from themis_compile.runtime import deadline
@@ -50,11 +54,163 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return _ScaleGrad.apply(x, scale) if x.requires_grad and scale != 1.0 else x
 
 
+# ---------------------------------------------------------------------- state dicts in the unmodified keys
+def expert_sharded_tensor(tensors_E: dict[int, torch.Tensor], shard: Placement, spec: tuple, group, *,
+                          name: str = ""):
+    """One ``[E, ...]`` tensor from per-expert ``[...]`` tensors of the experts this rank owns.
+
+    A ``ShardedTensor`` whose chunk of expert e is ``tensors_E[e].unsqueeze(0)`` (a view: loading into the
+    sharded tensor writes into ``tensors_E``) at offset ``[e, 0, ...]``, placed on e's owner in
+    ``shard``. Every rank builds the same global metadata from the shard placement, so no collective
+    runs. Without a process group (one process holds every expert) a plain stacked copy.
+    """
+    shape, dtype = spec
+    E = shard.num_experts
+    if group is None:
+        if sorted(tensors_E) != list(range(E)):
+            raise RuntimeError(f"{name}: one process must hold every expert to stack them")
+        return torch.stack([tensors_E[e] for e in range(E)])
+    if tensors_E:
+        first = next(iter(tensors_E.values()))
+        shape, dtype, device = tuple(first.shape), first.dtype, first.device
+    else:
+        device = torch.device("cpu")
+    owners_E = shard.owners()
+    local_rank = dist.get_rank(group)
+    if sorted(tensors_E) != [int(e) for e in np.flatnonzero(owners_E == local_rank)]:
+        raise RuntimeError(f"{name}: tensors of experts {sorted(tensors_E)} given on rank {local_rank}, which owns "
+                           f"{np.flatnonzero(owners_E == local_rank).tolist()}")
+    global_ranks = dist.get_process_group_ranks(group)
+    shards_md, local = [], []
+    for e in range(E):
+        md = ShardMetadata(shard_offsets=[e] + [0] * len(shape), shard_sizes=[1, *shape],
+                           placement=f"rank:{global_ranks[int(owners_E[e])]}/{device}")
+        shards_md.append(md)
+        if e in tensors_E:
+            t = tensors_E[e]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise RuntimeError(f"{name}: expert {e}'s tensor is {tuple(t.shape)} {t.dtype}, expected "
+                                   f"{tuple(shape)} {dtype}")
+            local.append(Shard(t.detach().contiguous().unsqueeze(0), md))
+    properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
+                                  memory_format=torch.contiguous_format, pin_memory=False)
+    metadata = ShardedTensorMetadata(shards_metadata=shards_md, size=torch.Size([E, *shape]),
+                                     tensor_properties=properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
+
+
+def expert_slice(value, e: int, num_experts: int, name: str = "") -> torch.Tensor:
+    """Expert e's ``[...]`` slice of a stacked ``[E, ...]`` value: a plain tensor (the unmodified model's),
+    or a ``ShardedTensor`` holding e's chunk on this rank."""
+    if isinstance(value, ShardedTensor):
+        size = list(value.metadata().size)      # (not value.size(): torch functions on it warn)
+        if size[0] != num_experts:
+            raise RuntimeError(f"{name}: a stacked tensor of {size[0]} experts, the layer has {num_experts}")
+        for s in value.local_shards():
+            offsets, sizes = s.metadata.shard_offsets, s.metadata.shard_sizes
+            if offsets[0] <= e < offsets[0] + sizes[0] and not any(offsets[1:]) and list(sizes[1:]) == size[1:]:
+                return s.tensor[e - offsets[0]]
+        raise RuntimeError(f"{name}: expert {e} is not among this rank's chunks of the sharded tensor")
+    if hasattr(value, "full_tensor"):      # a DTensor
+        value = value.full_tensor()
+    if not torch.is_tensor(value) or value.dim() < 1 or value.shape[0] != num_experts:
+        shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise RuntimeError(f"{name}: expected a stacked tensor of {num_experts} experts, got {shape}")
+    return value[e]
+
+
+def _child_name(name: str) -> str:
+    return name.replace(".", "__")     # ExpertShard's parameter name for a stacked weight's name
+
+
+def _expose_stacked_names(module: nn.Module, names) -> None:
+    """Make ``module.<name>`` resolve for the stacked weights' names (torch's distributed state-dict
+    functions resolve every key by attribute): to the :class:`StackedWeight` describing it."""
+    for name in names:
+        *path, last = name.split(".")
+        obj = module
+        for part in path + [last]:
+            existing = obj.__dict__.get(part)
+            if (existing is None and hasattr(obj, part)) or (existing is not None and (
+                    part == last or not isinstance(existing, _Namespace))):
+                raise ValueError(f"stacked expert weight {name!r} shadows an attribute of {type(module).__name__}")
+            obj = obj.__dict__.setdefault(part, _Namespace() if part != last else StackedWeight(name))
+
+
+class _Namespace:
+    pass
+
+
+class StackedWeight:
+    """Names one stacked ``[E, ...]`` weight of the unmodified experts module; the sharded experts hold
+    its per-expert slices. ``experts.stacked_weight(name)`` gives the weight as this rank holds it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StackedWeight({self.name!r})"
+
+
+def _state_dict_in_unmodified_keys(module: "ShardedExperts", state_dict, prefix: str, local_metadata) -> None:
+    # ModuleList form: the children's keys already are the unmodified ones. Stacked form: the owned
+    # experts' slices become one sharded [E, ...] tensor under the stacked weight's own key.
+    if module.bank.form != "stacked":
+        return
+    owned = module.owned_experts()
+    for i, name in enumerate(module.bank.names):
+        tensors_E = {e: state_dict.pop(f"{prefix}{e}.{_child_name(name)}") for e in owned}
+        state_dict[prefix + name] = module.stacked_weight(name, tensors_E)
+
+
+def _load_state_dict_in_unmodified_keys(module: "ShardedExperts", state_dict, prefix: str, local_metadata,
+                                        strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    owned = set(module.owned_experts())
+    E = module.num_experts
+    if module.bank.form != "stacked":
+        # A full state dict (the unmodified model's, on every rank): keep the experts this rank owns.
+        for key in list(state_dict):
+            if key.startswith(prefix):
+                head = key[len(prefix):].split(".", 1)[0]
+                if head.isdigit() and int(head) < E and int(head) not in owned:
+                    del state_dict[key]
+        return
+    for name in module.bank.names:
+        value = state_dict.pop(prefix + name, None)
+        if value is None:
+            if owned:
+                missing_keys.append(prefix + name)
+            continue
+        try:
+            for e in sorted(owned):
+                state_dict[f"{prefix}{e}.{_child_name(name)}"] = expert_slice(value, e, E, prefix + name)
+        except RuntimeError as err:
+            error_msgs.append(str(err))
+    module._load_prefix = prefix
+
+
+def _report_in_unmodified_keys(module: "ShardedExperts", incompatible_keys) -> None:
+    # The owned experts' own "missing" slices were reported under the stacked key already.
+    prefix = module.__dict__.pop("_load_prefix", None)
+    if prefix is None or module.bank.form != "stacked":
+        return
+    internal = {f"{prefix}{e}.{_child_name(n)}" for e in module.owned_experts() for n in module.bank.names}
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in internal]
+
+
 class ShardedExperts(nn.Module):
     """Stands in for a layer's experts module: ``(x_TH, ids_TK, weights_TK) -> out_TH``.
 
-    Holds only the experts this rank owns, as ``self.shards[str(e)]`` (global expert ids), so that an
-    optimizer built from ``model.parameters()`` sees exactly the owned experts.
+    Holds only the experts this rank owns, each as a child module named by its global expert id
+    (``self.<e>``, as in the user's ``nn.ModuleList``), so that an optimizer built from
+    ``model.parameters()`` sees exactly the owned experts, and their parameter names are the unmodified
+    model's (``...experts.4.w1.weight``). The owned experts are the only children.
+
+    State dicts speak the unmodified model's keys and shapes (see ``docs/architecture.md``,
+    Checkpointing): a rank's ``state_dict()`` holds its owned experts; for stacked ``[E, ...]`` weights
+    each weight is one ``ShardedTensor`` of the global shape with one ``[1, ...]`` chunk per owned expert
+    at its global offset. ``load_state_dict`` takes such state dicts, or the unmodified model's full one,
+    keeping the experts this rank owns.
     """
 
     def __init__(
@@ -83,23 +239,56 @@ class ShardedExperts(nn.Module):
         self.timeout_s = float(timeout_s)      # deadline of every collective of this layer (runtime/deadline.py)
         self.num_experts = bank.num_experts
         self.shard_placement = shard
-        self.shards = nn.ModuleDict({str(e): bank.shard_of(experts, int(e)) for e in shard.experts_on(rank)})
+        for e in shard.experts_on(rank):
+            self.add_expert(int(e), bank.shard_of(experts, int(e)))
         self.register_buffer("owner_E", torch.tensor(shard.owners().tolist(), dtype=torch.int64), persistent=False)
         self.grad_scale = 1.0 / world_size if world_size > 1 and scale_grads else 1.0
+        if bank.form == "stacked":
+            _expose_stacked_names(self, bank.names)
+        self.register_state_dict_post_hook(_state_dict_in_unmodified_keys)
+        self.register_load_state_dict_pre_hook(_load_state_dict_in_unmodified_keys)
+        self.register_load_state_dict_post_hook(_report_in_unmodified_keys)
 
     def set_shard_placement(self, shard: Placement) -> None:
-        """Adopt a new shard placement after re-sharding moved the experts (``self.shards`` updated)."""
-        if sorted(int(e) for e in self.shards.keys()) != [int(e) for e in shard.experts_on(self.rank)]:
+        """Adopt a new shard placement after re-sharding moved the experts (owned experts updated)."""
+        if self.owned_experts() != [int(e) for e in shard.experts_on(self.rank)]:
             raise RuntimeError(f"MoE layer {self.layer!r}: held experts do not match the new shard placement")
         self.shard_placement = shard
         self.owner_E.copy_(torch.tensor(shard.owners().tolist(), dtype=torch.int64))
 
+    # ------------------------------------------------------------------ owned experts (the only children)
     def owned_experts(self) -> list[int]:
-        return [int(e) for e in self.shards.keys()]
+        """Global ids of the experts this rank holds, ascending."""
+        return sorted(int(name) for name in self._modules)
+
+    def expert(self, e: int) -> nn.Module:
+        """The module holding owned expert ``e``'s parameters."""
+        return self._modules[str(e)]
+
+    def add_expert(self, e: int, module: nn.Module) -> None:
+        """Hold expert ``e`` (it arrived at this rank, or this rank owns it from the start)."""
+        if str(e) in self._modules:
+            raise RuntimeError(f"MoE layer {self.layer!r}: expert {e} is already held on rank {self.rank}")
+        self.add_module(str(e), module)
+
+    def remove_expert(self, e: int) -> nn.Module:
+        """Stop holding expert ``e`` (it left for another owner); returns its module."""
+        return self._modules.pop(str(e))
 
     def local_chunks(self) -> dict[int, list[torch.Tensor]]:
         """Owned experts' parameters, by global expert id (ascending)."""
-        return {int(e): list(self.shards[e].parameters()) for e in sorted(self.shards.keys(), key=int)}
+        return {e: list(self._modules[str(e)].parameters()) for e in self.owned_experts()}
+
+    def stacked_weight(self, name: str, tensors_E: dict[int, torch.Tensor] | None = None):
+        """Stacked weight ``name`` of the unmodified model, ``[E, ...]``, as this rank holds it: a
+        ``ShardedTensor`` with one ``[1, ...]`` chunk per owned expert at its global offset (views of the
+        owned parameters, or of ``tensors_E`` — e.g. their optimizer state — when given); a plain stacked
+        copy without a process group (one process holds every expert)."""
+        i = self.bank.names.index(name)
+        if tensors_E is None:
+            tensors_E = {e: params[i].detach() for e, params in self.local_chunks().items()}
+        return expert_sharded_tensor(tensors_E, self.shard_placement, self.bank.spec[i], self.group,
+                                     name=f"{self.layer}.{name}")
 
     def _routing_error(self, ids_TK: torch.Tensor) -> bool:
         return bool(ids_TK.numel()) and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= self.num_experts)

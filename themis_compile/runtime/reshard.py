@@ -12,6 +12,7 @@ continues exactly as without re-sharding (the test holds it to the single-proces
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any
@@ -60,21 +61,32 @@ def reshard(runtime: Any, optimizer: torch.optim.Optimizer) -> int:
     load_LE = np.stack([layer.predictor.predict(0) for layer in layers])
     overlap_degree = max(layer.overlap_degree for layer in layers)
     new_shards = heterogeneous_sharding(load_LE, overlap_degree, state.topology)
+    moved = move_experts(runtime, optimizer, dict(zip(runtime.layers, new_shards)))
+    logger.info("themis_compile: re-sharded %d MoE layers, %d experts changed owner", len(layers), moved)
+    return moved
 
+
+def move_experts(runtime: Any, optimizer: torch.optim.Optimizer, new_shards: dict[str, Placement]) -> int:
+    """Move the experts of the named FSSDP layers, with their optimizer state, to the owners of
+    ``new_shards`` (layer name -> shard placement); returns how many experts changed owner.
+
+    Collective: every rank of the model's group must call it with the same placements.
+    """
+    state = runtime.fssdp
+    layers = [runtime.layers[name] for name in new_shards]
     # Step 1: agree on the optimizer-state layout, param groups and frozen flags of every moving expert
     # (its old owner tells; experts differ: a frozen parameter has no state).
     local = {}
-    for li, (layer, new_shard) in enumerate(zip(layers, new_shards)):
+    for li, (layer, new_shard) in enumerate(zip(layers, new_shards.values())):
         moving = np.flatnonzero(layer.shard_placement.owners() != new_shard.owners())
         chunks = layer.local_chunks()
         local[li] = {int(e): _state_layout(optimizer, chunks[int(e)]) for e in moving if int(e) in chunks}
     gathered = deadline.all_gather_object(local, group=state.group, timeout_s=state.timeout_s,
                                           purpose="re-sharding: optimizer-state layouts")
     moved = 0
-    for li, (layer, new_shard) in enumerate(zip(layers, new_shards)):
+    for li, (layer, new_shard) in enumerate(zip(layers, new_shards.values())):
         layouts = {e: layout for g in gathered for e, layout in g[li].items()}
         moved += _move_layer(layer, new_shard, optimizer, layouts)
-    logger.info("themis_compile: re-sharded %d MoE layers, %d experts changed owner", len(layers), moved)
     return moved
 
 
@@ -108,7 +120,7 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
     # in on the sending rank, frozen if it was); the old owner forgets the departures.
     for e in moving:
         if old_owner_E[e] == rank:
-            module = layer.shards.pop(str(e))
+            module = layer.remove_expert(e)
             leaving = {id(p) for p in module.parameters()}
             for p in module.parameters():
                 optimizer.state.pop(p, None)
@@ -118,7 +130,7 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
             tensors, layout = received[e], layouts[e]
             n = len(param_spec)
             module = layer.bank.new_shard(tensors[:n])
-            layer.shards[str(e)] = module
+            layer.add_expert(e, module)
             it = iter(tensors[n:])
             for p, per_param, group, requires_grad in zip(module.parameters(), layout["state"], layout["groups"],
                                                           layout["requires_grad"]):
@@ -143,13 +155,16 @@ class ReshardScheduler:
         self.steps = 0
         self.reshards = 0
         self.moved = 0
+        self._paused = 0
         self._handle = register_optimizer_step_post_hook(self._on_step)
 
     @property
     def runtime(self) -> Any:
         return self._runtime()
 
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` is the one holding this model's owned experts (on a rank without
+        experts: its dense parameters)."""
         ours = {id(p) for layer in self.runtime.layers.values() for c in layer.local_chunks().values() for p in c
                 if p.requires_grad}
         if not ours:
@@ -158,10 +173,27 @@ class ReshardScheduler:
             ours = self._dense_ids
         return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Optimizer steps inside do not count (torch's state-dict functions take a zero-lr step to
+        create missing optimizer state)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the schedule stands: optimizer steps counted, re-shardings done, experts moved."""
+        return {"steps": self.steps, "reshards": self.reshards, "moved": self.moved}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps, self.reshards, self.moved = int(state["steps"]), int(state["reshards"]), int(state["moved"])
+
     def _on_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if self.runtime is None:    # the model is gone (the hook cannot unregister itself mid-iteration)
             return
-        if not self._owns(optimizer):
+        if self._paused or not self.owns(optimizer):
             return
         self.steps += 1
         if self.interval and self.steps % self.interval == 0:

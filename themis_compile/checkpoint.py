@@ -1,0 +1,381 @@
+"""Checkpoints of optimized models in the unmodified model's keys and shapes, through
+``torch.distributed.checkpoint`` (DCP).
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from themis_compile.checkpoint import get_state_dict, set_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)           # save
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)           # resume
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+``get_state_dict`` / ``set_state_dict`` have the signatures of torch's
+``torch.distributed.checkpoint.state_dict`` functions and call them; on a model that ``optimize`` did not
+touch they are torch's. On an optimized model they add what torch's cannot do:
+
+- *Stacked experts' optimizer state.* A stacked ``[E, ...]`` weight (``gate_up_proj`` of HF transformers
+  v5) is held as per-expert parameters, so torch's functions see one optimizer state per owned expert
+  under internal names. They are merged here into the unmodified weight's entry: each tensor of the
+  parameter's shape becomes a ``ShardedTensor`` of the global shape with one chunk per owned expert at its
+  global offset (the model state dict already does this for the weights themselves), shared scalars
+  (Adam's ``step``) stay one value. Experts given as an ``nn.ModuleList`` need nothing: their parameters
+  already carry the unmodified names, so torch's own functions give the same result.
+- *The runtime's state* under :data:`RUNTIME_STATE_KEY` of the optimizer state dict (one JSON string):
+  per FSSDP layer the load-predictor window, the iteration counter and the shard placement, and the
+  re-sharding schedule. ``set_state_dict`` restores them after the tensors: at the same world size the
+  experts then move (parameters and optimizer state, as re-sharding moves them) to the saved placement,
+  so that a resumed run is the uninterrupted one bit for bit; at another world size the tensors stay in
+  the loading run's own placement and the predictor windows and the schedule still carry over.
+- *No re-sharding inside the state-dict calls.* torch's functions create missing optimizer state with a
+  zero-lr ``step()``; the re-sharding schedule does not count it.
+
+Every expert's parameters and optimizer state are written once, by their current owner, whatever
+placement re-sharding produced; DCP re-shards on load by chunk offsets, so a checkpoint saved at N ranks
+loads at M ranks, under another policy, or into the unmodified model (``dcp_to_torch_save``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import state_dict as _dsd
+
+from themis_compile.api import ThemisRuntime
+from themis_compile.planner import Placement
+from themis_compile.runtime.ep import ShardedExperts, expert_sharded_tensor, expert_slice
+from themis_compile.runtime.fssdp import FSSDPExperts
+from themis_compile.runtime.reshard import move_experts
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["get_state_dict", "set_state_dict", "runtime_state_dict", "load_runtime_state_dict",
+           "RUNTIME_STATE_KEY"]
+
+RUNTIME_STATE_KEY = "themis_runtime"
+_STATE, _PG, _PARAMS = "state", "param_groups", "params"
+
+
+def get_state_dict(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    *,
+    submodules: set[nn.Module] | None = None,
+    options: _dsd.StateDictOptions | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``torch.distributed.checkpoint.state_dict.get_state_dict`` for optimized models: the model and
+    optimizer state dicts in the unmodified model's keys and full shapes, plus the runtime's state."""
+    runtime = getattr(model, "_themis_runtime", None)
+    if runtime is None:
+        return _dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
+    _check_options(runtime, options)
+    optimizers = _as_tuple(optimizers)
+    with _schedule_paused(runtime):
+        model_sd, optim_sd = _dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
+    if optimizers:
+        _stack_optimizer_state(optim_sd, _stacked_layers(model, runtime))
+        optim_sd[RUNTIME_STATE_KEY] = json.dumps(runtime_state_dict(model))
+    return model_sd, optim_sd
+
+
+def set_state_dict(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    *,
+    model_state_dict: dict[str, Any],
+    optim_state_dict: dict[str, Any],
+    options: _dsd.StateDictOptions | None = None,
+):
+    """``torch.distributed.checkpoint.state_dict.set_state_dict`` for optimized models: loads state dicts
+    in the unmodified model's keys (what this module's ``get_state_dict`` gave and ``dcp.load`` filled,
+    from a checkpoint of any world size and policy or of the unmodified model) into the experts this rank
+    owns, then restores the runtime's state when ``optim_state_dict`` carries it (see the module
+    docstring)."""
+    runtime = getattr(model, "_themis_runtime", None)
+    if runtime is None:
+        return _dsd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
+                                   optim_state_dict=optim_state_dict, options=options)
+    _check_options(runtime, options)
+    optimizers = _as_tuple(optimizers)
+    runtime_state = None
+    if optim_state_dict:
+        optim_state_dict = _shallow_copy(optim_state_dict)
+        runtime_state = optim_state_dict.pop(RUNTIME_STATE_KEY, None)
+        _unstack_optimizer_state(optim_state_dict, _stacked_layers(model, runtime))
+    with _schedule_paused(runtime):
+        result = _dsd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
+                                     optim_state_dict=optim_state_dict, options=options)
+    if runtime_state is not None:
+        load_runtime_state_dict(model, optimizers, runtime_state)
+    return result
+
+
+# ---------------------------------------------------------------------------------- the runtime's state
+def runtime_state_dict(model: nn.Module) -> dict[str, Any]:
+    """What a resumed run needs to continue exactly (plain Python values, the same on every rank): per
+    FSSDP layer its iteration counter, load-predictor window (oldest first) and shard placement [E][D];
+    the re-sharding schedule; the world size and policy they belong to."""
+    runtime = _runtime(model)
+    layers = {}
+    for name, layer in runtime.layers.items():
+        if isinstance(layer, FSSDPExperts):
+            layers[name] = {
+                "iteration": int(layer.iteration),
+                "load_history": layer.predictor.history(0).tolist(),
+                "shard_placement": layer.shard_placement.mask.astype(int).tolist(),
+            }
+    scheduler = runtime.reshard_scheduler
+    return {"world_size": runtime.world_size, "policy": runtime.config.policy, "layers": layers,
+            "reshard_schedule": None if scheduler is None else scheduler.state_dict()}
+
+
+def load_runtime_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                            state: dict[str, Any] | str) -> int:
+    """Restore :func:`runtime_state_dict` after the model's and optimizers' tensors are loaded; returns
+    how many experts moved to adopt the saved shard placement (same world size only).
+
+    Collective: every rank calls it with the same ``state``.
+    """
+    runtime = _runtime(model)
+    if isinstance(state, str):
+        state = json.loads(state)
+    same_world = int(state["world_size"]) == runtime.world_size
+    targets: dict[str, Placement] = {}
+    for name, saved in state["layers"].items():
+        layer = runtime.layers.get(name)
+        if layer is None:
+            raise ValueError(f"the checkpoint's runtime state names MoE layer {name!r}, which this model does "
+                             f"not have (its MoE layers: {list(runtime.layers)})")
+        if not isinstance(layer, FSSDPExperts):
+            continue     # ep: static contiguous owners, no predictor
+        # The predictor's window, replayed oldest first: its predictions depend only on the window.
+        layer.predictor.reset()
+        for load_E in saved["load_history"]:
+            layer.predictor.update(0, np.asarray(load_E, dtype=np.float64))
+        layer.iteration = int(saved["iteration"])
+        if same_world:
+            shard = Placement(np.asarray(saved["shard_placement"], dtype=bool))
+            if shard.shape != layer.shard_placement.shape or not shard.is_shard_placement():
+                raise ValueError(f"MoE layer {name!r}: the checkpoint's shard placement {shard.shape} does not "
+                                 f"fit this layer ({layer.shard_placement.shape})")
+            if shard != layer.shard_placement:
+                targets[name] = shard
+    moved = 0
+    if targets:
+        # Every rank holds the same saved state and the same current placements: the same targets.
+        moved = move_experts(runtime, _expert_optimizer(runtime, _as_tuple(optimizers)), targets)
+        logger.info("themis_compile: adopted the checkpoint's shard placement of %d MoE layers (%d experts "
+                    "moved)", len(targets), moved)
+    scheduler = runtime.reshard_scheduler
+    if scheduler is not None and state.get("reshard_schedule") is not None:
+        scheduler.load_state_dict(state["reshard_schedule"])
+    return moved
+
+
+# ---------------------------------------------------------------------------------- stacked experts
+class _StackedLayer:
+    """One stacked-form sharded experts module and the canonical names of its weights."""
+
+    def __init__(self, prefix: str, module: ShardedExperts) -> None:
+        self.module = module
+        self.prefix = prefix                      # canonical FQN of the experts module
+
+    def stacked_fqn(self, name: str) -> str:
+        return f"{self.prefix}.{name}"
+
+    def internal_fqn(self, e: int, name: str) -> str:
+        # The owned expert's parameter as torch's functions name it (ExpertShard under child "e").
+        return f"{self.prefix}.{e}.{name.replace('.', '__')}"
+
+
+def _stacked_layers(model: nn.Module, runtime: ThemisRuntime) -> list[_StackedLayer]:
+    ours = {id(m) for m in runtime.layers.values()}
+    out = []
+    for path, module in model.named_modules():
+        if id(module) in ours and module.bank.form == "stacked":
+            fqns = _dsd._get_fqns(model, path)     # without wrapper prefixes (torch.compile's _orig_mod)
+            out.append(_StackedLayer(next(iter(fqns)), module))
+    return out
+
+
+def _is_flat(optim_sd: dict) -> bool:
+    return not (_STATE in optim_sd and _PG in optim_sd)
+
+
+def _pop_prefixed(d: dict, prefix: str) -> dict[str, Any]:
+    return {k[len(prefix):]: d.pop(k) for k in [k for k in d if k.startswith(prefix)]}
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    return a == b
+
+
+def _stack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer]) -> None:
+    """Per-expert optimizer entries of stacked weights -> one entry per unmodified weight (in place)."""
+    flat = _is_flat(optim_sd)
+    for layer in layers:
+        m = layer.module
+        owned = m.owned_experts()
+        if not owned:
+            continue       # the owners write this layer's entries
+        for i, name in enumerate(m.bank.names):
+            stacked = layer.stacked_fqn(name)
+            internal = {e: layer.internal_fqn(e, name) for e in owned}
+            # Step 1: the state entries, merged.
+            if flat:
+                per_expert = {e: _pop_prefixed(optim_sd, f"{_STATE}.{internal[e]}.") for e in owned}
+            else:
+                per_expert = {e: optim_sd[_STATE].pop(internal[e], None) or {} for e in owned}
+            merged = _merge_expert_state(m, stacked, per_expert, tuple(m.bank.spec[i][0]))
+            if merged:
+                if flat:
+                    optim_sd.update({f"{_STATE}.{stacked}.{k}": v for k, v in merged.items()})
+                else:
+                    optim_sd[_STATE][stacked] = merged
+            # Step 2: the param groups name the stacked weight once.
+            if flat:
+                hyper = {e: _pop_prefixed(optim_sd, f"{_PG}.{internal[e]}.") for e in owned}
+                first = hyper[owned[0]]
+                for e in owned:
+                    if hyper[e].keys() != first.keys() or not all(_same(hyper[e][k], v) for k, v in first.items()):
+                        raise RuntimeError(f"{stacked}: experts {owned[0]} and {e} are in param groups with "
+                                           "different settings; a stacked weight has one param group")
+                optim_sd.update({f"{_PG}.{stacked}.{k}": v for k, v in first.items()})
+            else:
+                names = set(internal.values())
+                groups = [g for g in optim_sd[_PG] if names & set(g[_PARAMS])]
+                if len(groups) > 1:
+                    raise RuntimeError(f"{stacked}: owned experts are in {len(groups)} param groups; a stacked "
+                                       "weight has one param group")
+                for g in groups:
+                    params = [p for p in g[_PARAMS] if p not in names]
+                    params.insert([j for j, p in enumerate(g[_PARAMS]) if p in names][0], stacked)
+                    g[_PARAMS] = params
+
+
+def _merge_expert_state(m: ShardedExperts, stacked: str, per_expert: dict[int, dict], shape: tuple) -> dict:
+    owned = sorted(per_expert)
+    with_state = [e for e in owned if per_expert[e]]
+    if not with_state:
+        return {}      # a stateless optimizer (SGD without momentum)
+    if len(with_state) != len(owned):
+        raise RuntimeError(f"{stacked}: experts {sorted(set(owned) - set(with_state))} have no optimizer state "
+                           f"while experts {with_state} have; a stacked weight's experts step together")
+    keys = per_expert[owned[0]].keys()
+    merged = {}
+    for k in keys:
+        values = {}
+        for e in owned:
+            if per_expert[e].keys() != keys:
+                raise RuntimeError(f"{stacked}: experts {owned[0]} and {e} have different optimizer state entries")
+            values[e] = per_expert[e][k]
+        v0 = values[owned[0]]
+        if torch.is_tensor(v0) and tuple(v0.shape) == shape and v0.dim() > 0:
+            merged[k] = expert_sharded_tensor(values, m.shard_placement, (shape, v0.dtype), m.group,
+                                              name=f"{stacked}.{k}")
+        else:
+            # Shared by the stacked weight (Adam's step): one value, equal for every expert.
+            for e in owned:
+                if not _same(values[e], v0):
+                    raise RuntimeError(f"{stacked}: optimizer state {k!r} differs between experts {owned[0]} and "
+                                       f"{e} ({v0} vs {values[e]}); a stacked weight holds one value")
+            merged[k] = v0
+    return merged
+
+
+def _expert_value(value, e: int, m: ShardedExperts, shape: tuple, name: str):
+    if isinstance(value, ShardedTensor) or (torch.is_tensor(value) and tuple(value.shape[1:]) == shape
+                                            and value.dim() == len(shape) + 1 and value.dim() > 1):
+        return expert_slice(value, e, m.num_experts, name)
+    # A shared scalar: each expert's parameter gets its own copy (Adam increments step in place).
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _unstack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer]) -> None:
+    """The inverse of :func:`_stack_optimizer_state` for the experts this rank owns (in place)."""
+    flat = _is_flat(optim_sd)
+    for layer in layers:
+        m = layer.module
+        owned = m.owned_experts()
+        for i, name in enumerate(m.bank.names):
+            stacked = layer.stacked_fqn(name)
+            shape = tuple(m.bank.spec[i][0])
+            internal = {e: layer.internal_fqn(e, name) for e in owned}
+            if flat:
+                state = _pop_prefixed(optim_sd, f"{_STATE}.{stacked}.")
+                hyper = _pop_prefixed(optim_sd, f"{_PG}.{stacked}.")
+                for e in owned:
+                    optim_sd.update({f"{_STATE}.{internal[e]}.{k}": _expert_value(v, e, m, shape, f"{stacked}.{k}")
+                                     for k, v in state.items()})
+                    optim_sd.update({f"{_PG}.{internal[e]}.{k}": v for k, v in hyper.items()})
+                continue
+            state = optim_sd[_STATE].pop(stacked, None)
+            if state is not None:
+                for e in owned:
+                    optim_sd[_STATE][internal[e]] = {k: _expert_value(v, e, m, shape, f"{stacked}.{k}")
+                                                     for k, v in state.items()}
+            for g in optim_sd[_PG]:
+                if stacked in g[_PARAMS]:
+                    j = g[_PARAMS].index(stacked)
+                    g[_PARAMS] = g[_PARAMS][:j] + [internal[e] for e in owned] + g[_PARAMS][j + 1:]
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _runtime(model: nn.Module) -> ThemisRuntime:
+    runtime = getattr(model, "_themis_runtime", None)
+    if runtime is None:
+        raise ValueError("this model was not optimized by themis_compile.optimize")
+    return runtime
+
+
+def _as_tuple(optimizers) -> tuple[torch.optim.Optimizer, ...]:
+    return (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
+
+
+def _check_options(runtime: ThemisRuntime, options: _dsd.StateDictOptions | None) -> None:
+    if options is not None and (options.full_state_dict or options.broadcast_from_rank0) and runtime.world_size > 1:
+        raise NotImplementedError(
+            "themis_compile.checkpoint: full_state_dict / broadcast_from_rank0 are not supported for optimized "
+            "models (each rank holds only the experts it owns); save with dcp.save and convert the checkpoint "
+            "with torch.distributed.checkpoint.format_utils.dcp_to_torch_save")
+
+
+def _schedule_paused(runtime: ThemisRuntime):
+    scheduler = runtime.reshard_scheduler
+    return scheduler.paused() if scheduler is not None else contextlib.nullcontext()
+
+
+def _shallow_copy(optim_sd: dict) -> dict:
+    # set_state_dict rewrites entries; the caller's dict stays as it was.
+    out = dict(optim_sd)
+    if not _is_flat(out):
+        out[_STATE] = dict(out[_STATE])
+        out[_PG] = [dict(g, **{_PARAMS: list(g[_PARAMS])}) for g in out[_PG]]
+    return out
+
+
+def _expert_optimizer(runtime: ThemisRuntime, optimizers: tuple[torch.optim.Optimizer, ...]) -> torch.optim.Optimizer:
+    """The optimizer holding the owned experts (the one re-sharding moves state in)."""
+    owned = {id(p) for layer in runtime.layers.values() for c in layer.local_chunks().values() for p in c}
+    if runtime.reshard_scheduler is not None:
+        found = [o for o in optimizers if runtime.reshard_scheduler.owns(o)]
+    else:
+        found = [o for o in optimizers if any(id(p) in owned for g in o.param_groups for p in g[_PARAMS])]
+        if not found and not owned and len(optimizers) == 1:
+            found = list(optimizers)
+    if len(found) != 1:
+        raise RuntimeError(f"themis_compile.checkpoint: {len(found)} of the {len(optimizers)} optimizers given hold "
+                           "this rank's experts; adopting the saved shard placement needs exactly one")
+    return found[0]
