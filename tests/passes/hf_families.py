@@ -42,7 +42,8 @@ _SIZES = {
     "mamba_chunk_size": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
     "linear_value_head_dim": 8, "sliding_window": 16, "kv_channels": 8, "ffn_hidden": 32,
     "moe_num_shared_experts": 1, "n_shared_experts": 1, "num_shared_experts": 1,
-    "zero_expert_num": 2, "num_experts_per_token": 2, "num_dense_layers": 1, "index_kpool": 2, "global_head_dim": 8, "hidden_size_per_layer_input": 8,
+    "zero_expert_num": 2, "share_expert_dim": 32, "num_expert_group": 2, "encoder_sparse_step": 2,
+    "decoder_sparse_step": 2, "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1, "num_experts_per_token": 2, "num_dense_layers": 1, "index_kpool": 2, "global_head_dim": 8, "hidden_size_per_layer_input": 8,
 }
 
 # Sizes some configs leave None by default (the model then fails to build without them).
@@ -52,6 +53,9 @@ _UNSET_SIZES = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_siz
 # Families whose validators need more than sizes (the field the validator names).
 _FAMILY = {
     "zaya": {"num_experts_per_tok": 1},
+    "doge": {"is_moe": True},
+    "gemma4": {"enable_moe_block": True},
+    "flint": {"mlp_only_layers": [0]},
     "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0}},
     "glm5_next": {"qk_rope_head_dim": 0, "q_lora_rank": 16},
     "lfm2_moe": {"layer_types": ["full_attention", "conv"]},
@@ -114,7 +118,8 @@ def _shrink_dict(d: dict) -> dict:
             sub.pop("per_layer_config", None)   # re-derived from the shrunk layer types
             over[k] = sub
         elif isinstance(v, list) and n_layers and len(v) == n_layers and n_layers > 2:
-            over[k] = v[:2]
+            # Two layers of different kinds where the default has several ("dense" then "sparse").
+            over[k] = [v[0], next((u for u in v if u != v[0]), v[1])]
         elif isinstance(v, dict) and v and all(isinstance(i, int) for i in v):   # per-layer overrides
             over[k] = {i: o for i, o in v.items() if i < 2}
         elif k.endswith("_token_id") and isinstance(v, int) and v >= _SIZES["vocab_size"]:
