@@ -1,7 +1,7 @@
 """The MoE families of the installed ``transformers``, each as a tiny random model (no download).
 
-A family is MoE when its ``modeling_*.py`` defines experts: it assigns ``self.experts`` or reads an
-experts-count config field. The list is derived from the installed package, never written down, so a
+A family is MoE when its ``modeling_*.py`` defines experts: it assigns ``self.experts`` or defines a
+class named like ``*Experts*`` / ``*MoE*``. The list is derived from the installed package, never written down, so a
 new transformers release is measured as it is.
 
 ``tiny_model(family)`` starts from the family's own config class defaults and shrinks only sizes
@@ -12,6 +12,7 @@ sharded run then see the same routing on any split of the batch).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -20,12 +21,12 @@ import re
 
 import torch
 
-_MOE_SOURCE = re.compile(r"self\.experts\s*=|num_experts|num_local_experts|n_routed_experts")
+_MOE_SOURCE = re.compile(r"self\.experts\s*=|^class \w*(Expert|MoE|Moe)\w*\(", re.MULTILINE)
 
 # Size fields and their tiny values; a field is shrunk only when the config has it.
 _SIZES = {
     "hidden_size": 32, "d_model": 32, "n_embd": 32, "dim": 32, "embed_dim": 32, "model_dim": 32,
-    "intermediate_size": 32, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+    "intermediate_size": 32, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "expert_ffn_hidden_size": 16,
     "ffn_dim": 32, "d_ff": 32, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "ffn_hidden_size": 32,
     "expert_intermediate_size": 16, "moe_ffn_hidden_size": 16, "ffn_config_hidden": 32,
     "num_hidden_layers": 2, "n_layers": 2, "num_layers": 2, "n_layer": 2, "num_decoder_layers": 2,
@@ -74,6 +75,7 @@ _FAMILY = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def moe_families() -> dict[str, str]:
     """family -> modeling module name, for every family whose modeling code defines experts."""
     import transformers.models as models
@@ -84,7 +86,9 @@ def moe_families() -> dict[str, str]:
         for fname in sorted(os.listdir(folder)) if info.ispkg else ():
             if fname.startswith("modeling_") and fname.endswith(".py"):
                 with open(os.path.join(folder, fname), encoding="utf-8") as f:
-                    if _MOE_SOURCE.search(f.read()):
+                    text = f.read()
+                    if ("experts" in text or "Expert" in text or "MoE" in text or "Moe" in text) and \
+                            _MOE_SOURCE.search(text):
                         out[info.name] = f"transformers.models.{info.name}.{fname[:-3]}"
                         break
     return out

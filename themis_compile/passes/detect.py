@@ -456,24 +456,43 @@ def _topk_k(node: fx.Node, meta: dict) -> int | None:
     return m[0].shape[-1] if m else None
 
 
+_SELECTIONS = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax",
+               torch.sort: "sort", torch.Tensor.sort: "sort", torch.argsort: "argsort",
+               torch.Tensor.argsort: "argsort"}
+
+
 class _CallRecorder(TorchFunctionMode):
-    """Records, in order, the top-k and score functions a forward calls (at the torch-function level)."""
+    """Records, in order, the top-k, other selections (max, argmax, sort) and score functions a forward
+    calls (at the torch-function level)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ks: list[int] = []
         self.scores: list[str] = []
+        self.selections: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _TOPK:
             k = args[1] if len(args) > 1 else kwargs.get("k")
             self.ks.append(int(k))
+            self.selections.append(f"topk(k={int(k)})")
         elif func in _SOFTMAX:
             self.scores.append("softmax")
         elif func in _SIGMOID:
             self.scores.append("sigmoid")
+        elif func in _SELECTIONS and (len(args) > 1 or "dim" in kwargs):
+            self.selections.append(_SELECTIONS[func])
         return func(*args, **kwargs)
+
+
+def record_calls(module: nn.Module, x: torch.Tensor) -> _CallRecorder:
+    """The selections and score functions ``module(x)`` calls on a probe, in call order."""
+    rec = _CallRecorder()
+    with preserved_state(module), torch.no_grad(), rec:
+        torch.manual_seed(PROBE_SEED)
+        module(x.clone())
+    return rec
 
 
 def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
@@ -522,9 +541,50 @@ def _outputs_close(a: Any, b: Any) -> bool:
     return True
 
 
-def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int) -> tuple[str, str]:
+def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
+                     ) -> str | None:
+    """Why the sharded runtime would not compute what ``experts(x_TH, ids_TK, weights_TK)`` computes, or
+    None when it does. The runtime computes ``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``
+    with each expert run alone (:class:`~themis_compile.runtime.experts.ExpertBank`); a module that
+    gives some ids another meaning (zero or identity experts, dropped tokens) or weighs inside the
+    expert differs, and is rejected instead of trained differently."""
+    from themis_compile.runtime.experts import ExpertBank
+
+    with torch.no_grad():
+        try:
+            bank = ExpertBank(experts)
+        except ValueError as exc:
+            return f"its experts cannot be cut into equal chunks: {exc}"
+        E = bank.num_experts
+        if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= E):
+            return (f"it routes tokens to ids outside [0, {E}) (ids {int(ids_TK.min())}..{int(ids_TK.max())}: "
+                    f"zero/identity experts or dropped tokens); make every routed id name one of the {E} "
+                    "experts, or run the extra ids outside the experts module")
+        expected = experts(x_TH, ids_TK, weights_TK) if not isinstance(experts, nn.ModuleList) else None
+        if expected is None:
+            return None   # a ModuleList's combine is the runtime's loop by construction
+        out = torch.zeros(x_TH.shape, dtype=torch.float64, device=x_TH.device)
+        for e in range(E):
+            token_N, k_N = torch.where(ids_TK == e)
+            if token_N.numel():
+                y_NH = bank.run(bank.chunk(experts, e), x_TH[token_N])
+                out.index_add_(0, token_N, y_NH.double() * weights_TK[token_N, k_N, None].double())
+        if not isinstance(expected, torch.Tensor) or expected.shape != x_TH.shape:
+            return (f"{type(experts).__name__}(x, ids, weights) returns "
+                    f"{getattr(expected, 'shape', type(expected).__name__)}, not [T, H]")
+        if not torch.allclose(expected.double(), out, rtol=1e-4, atol=1e-5):
+            err = float((expected.double() - out).abs().max())
+            return (f"{type(experts).__name__}(x, ids, weights) is not sum_k weights * expert_ids(x) with each "
+                    f"expert run alone (differs by {err:.3g}); the sharded runtime would train a different "
+                    "model. Make its forward that sum, or give the module expert_forward(params, x)")
+    return None
+
+
+def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int | None = None
+                      ) -> tuple[str, str]:
     """("none" | "inline-loop" | "unsupported", detail): can the experts child be swapped for a module
-    with the interface experts(x_TH, ids_TK, weights_TK)? Decided on a probe, not by reading code."""
+    with the interface experts(x_TH, ids_TK, weights_TK)? Decided on a probe, not by reading code; with
+    that interface, the module must also compute what the runtime computes (:func:`combine_mismatch`)."""
     experts = getattr(module, attr)
     expected = run_probe(module, x)
     stand_in = _ExpertsStandIn(experts)
@@ -540,10 +600,13 @@ def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int)
     if error is None and len(calls) == 1 and len(calls[0]) == 3:
         x_TH, ids_TK, weights_TK = calls[0]
         ok = (isinstance(x_TH, torch.Tensor) and x_TH.dim() == 2
-              and isinstance(ids_TK, torch.Tensor) and not ids_TK.is_floating_point()
+              and isinstance(ids_TK, torch.Tensor) and not ids_TK.is_floating_point() and ids_TK.dim() == 2
               and isinstance(weights_TK, torch.Tensor) and weights_TK.is_floating_point()
-              and ids_TK.shape == weights_TK.shape == (x_TH.shape[0], top_k))
+              and ids_TK.shape == weights_TK.shape and ids_TK.shape[0] == x_TH.shape[0]
+              and (top_k is None or ids_TK.shape[1] == top_k))
         if ok and _outputs_close(expected, got):
+            if (why := combine_mismatch(experts, x_TH, ids_TK, weights_TK)) is not None:
+                return "unsupported", why
             return "none", f"calls {attr}(x_TH, ids_TK, weights_TK)"
     if isinstance(experts, nn.ModuleList):
         counts = [0] * len(experts)
@@ -665,7 +728,84 @@ class _Reject(Exception):
 
 
 def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
-    """The layer ``module`` is, None when it does not look MoE-like; raises _Reject with the reason."""
+    """The layer ``module`` is, None when it does not look MoE-like; raises _Reject with the reason.
+
+    The routing analysis (FX graph or recorded top-k) comes first, as it describes the router best;
+    when it does not find a layer, the behaviour decides (:func:`_inspect_by_behaviour`)."""
+    try:
+        info = _inspect_routing(name, module)
+    except _Reject as why:
+        info, reject = None, why
+    else:
+        reject = None
+    if info is not None:
+        return info
+    found = _inspect_by_behaviour(name, module)
+    if found is not None:
+        return found
+    if reject is not None:
+        raise reject
+    return None
+
+
+def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """An MoE layer recognised by what it does, whatever its routing code looks like (``max``, sorts,
+    masks, group limits, bias corrections ...): its experts child, swapped for a stand-in, is called once
+    as ``experts(x_TH, ids_TK, weights_TK)`` with integer ids and floating weights [T, K], the layer's
+    output is unchanged, and that call computes what the sharded runtime computes. The router is
+    described from the calls recorded on the probe. Raises _Reject when the call is seen but the
+    experts cannot be sharded as they compute; None when the layer does not behave like that."""
+    children = _experts_children(module)
+    for child in children:
+        routers = _router_widths(module, child.module)
+        H = _hidden_size(child, routers)
+        if H is None:
+            continue
+        for flat in (False, True):
+            x = probe_input(module, H, flat=flat)
+            try:
+                run_probe(module, x)
+            except Exception:
+                continue
+            stand_in = _ExpertsStandIn(child.module)
+            setattr(module, child.attr, stand_in)
+            try:
+                run_probe(module, x)
+            except Exception:
+                continue
+            finally:
+                setattr(module, child.attr, child.module)
+            calls = stand_in.calls
+            if not (len(calls) == 1 and len(calls[0]) == 3 and all(isinstance(a, torch.Tensor) for a in calls[0])):
+                continue
+            x_TH, ids_TK, weights_TK = calls[0]
+            if ids_TK.is_floating_point() or not weights_TK.is_floating_point() or ids_TK.dim() != 2:
+                continue
+            if child.form == "modulelist" and (why := _non_identical_reason(child.module)):
+                raise _Reject(why)
+            form, detail = experts_call_form(module, child.attr, x, ids_TK.shape[1])
+            if form != "none":
+                raise _Reject(detail)
+            rec = record_calls(module, x)
+            E, K = child.num_experts, int(ids_TK.shape[1])
+            router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+            scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+            selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+            router_text = (f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
+                           f"top-{K} ids seen at the experts call (behaviour)")
+            expert0 = child.module[0] if child.form == "modulelist" else child.module
+            return MoELayerInfo(
+                name=name, module=module, num_experts=E, top_k=K, experts_form=child.form, router=router_text,
+                activation=describe_activation(expert0), shared_experts=False, experts_attr=child.attr,
+                rewrite="none", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+                hidden_size=H, probe_flat=flat)
+    return None
+
+
+def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """The layer found from its routing code: a top-k over a learned router's scores (FX graph, or the
+    calls recorded on a probe when FX fails), the experts called as experts(x, ids, weights) or looped
+    over inline."""
     # Step 1: an experts-like child, preferably the one a router of its width scores.
     children = _experts_children(module)
     if not children:
