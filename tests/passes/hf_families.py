@@ -27,6 +27,7 @@ _MOE_SOURCE = re.compile(r"self\.experts\s*=|^class \w*(Expert|MoE|Moe)\w*\(", r
 _SIZES = {
     "hidden_size": 32, "d_model": 32, "n_embd": 32, "dim": 32, "embed_dim": 32, "model_dim": 32,
     "intermediate_size": 32, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "expert_ffn_hidden_size": 16,
+    "shared_experts_intermediate_size": 32, "linear_head_dim": 8, "linear_num_heads": 4,
     "ffn_dim": 32, "d_ff": 32, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "ffn_hidden_size": 32,
     "expert_intermediate_size": 16, "moe_ffn_hidden_size": 16, "ffn_config_hidden": 32,
     "num_hidden_layers": 2, "n_layers": 2, "num_layers": 2, "n_layer": 2, "num_decoder_layers": 2,
@@ -55,6 +56,8 @@ _UNSET_SIZES = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_siz
 _FAMILY = {
     "zaya": {"num_experts_per_tok": 1},
     "doge": {"is_moe": True},
+    "qwen4_exp": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+                  "indexer_compress_ratio": 2},
     "gemma4": {"enable_moe_block": True},
     "flint": {"mlp_only_layers": [0]},
     "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0}},

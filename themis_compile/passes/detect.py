@@ -554,7 +554,8 @@ def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tenso
         try:
             bank = ExpertBank(experts)
         except ValueError as exc:
-            return f"its experts cannot be cut into equal chunks: {exc}"
+            return (f"its experts cannot be cut into equal per-expert chunks ({str(exc).split(': ', 1)[-1]}); "
+                    "hold them as a ModuleList of identical modules or as parameters all stacked [E, ...]")
         E = bank.num_experts
         if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= E):
             return (f"it routes tokens to ids outside [0, {E}) (ids {int(ids_TK.min())}..{int(ids_TK.max())}: "
@@ -740,7 +741,12 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         reject = None
     if info is not None:
         return info
-    found = _inspect_by_behaviour(name, module)
+    try:
+        found = _inspect_by_behaviour(name, module)
+    except _Reject:
+        if reject is not None:
+            raise reject   # the routing analysis saw the layer first and says best what it found
+        raise
     if found is not None:
         return found
     if reject is not None:
@@ -748,17 +754,63 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     return None
 
 
+def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
+    """Children that may hold the experts: the structural ones (Step 1), then any other child with
+    parameters whose attribute names experts (``experts``, ``moe_experts`` ...), E read from it."""
+    found = _experts_children(module)
+    seen = {c.attr for c in found}
+    for attr, child in module.named_children():
+        if attr in seen or _is_sharded(child) or "expert" not in attr.lower() or "shared" in attr.lower():
+            continue
+        if isinstance(child, (nn.Linear, nn.Embedding)) or not any(True for _ in child.parameters()):
+            continue
+        E = next((v for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                  if isinstance(v := getattr(child, k, None), int)), None)
+        if E is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            E = len(child)
+        found.append(_ExpertsChild(attr, child, E or 0, "modulelist" if isinstance(child, nn.ModuleList)
+                                   else "stacked"))
+    return found
+
+
+def _describe_call(args: tuple) -> str:
+    return ", ".join(f"{'int' if not a.is_floating_point() else 'float'}{list(a.shape)}"
+                     if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
+
+
+def _unsupported_call(attr: str, calls: list[tuple], T: int) -> str:
+    """Why a recorded experts call is not experts(x_TH, ids_TK, weights_TK), and what would make it so."""
+    if not calls:
+        return f"the forward never calls '{attr}' on the probe"
+    if len(calls) > 1:
+        return (f"the forward calls '{attr}' {len(calls)} times per forward ({_describe_call(calls[0])} first); "
+                f"call it once as {attr}(x_TH, ids_TK, weights_TK)")
+    args = calls[0]
+    if len(args) == 3 and isinstance(args[1], torch.Tensor) and args[1].dim() == 3:
+        return (f"'{attr}' is called with a dispatch mask ({_describe_call(args)}: one-hot [T, K, E] masks, "
+                f"Switch/NLLB style); the runtime needs integer ids [T, K]: call {attr}(x, mask.argmax(-1), "
+                "weights) with dropped tokens weighted 0")
+    if len(args) == 1:
+        return (f"'{attr}' is called on hidden states alone ({_describe_call(args)}), so every expert sees "
+                f"every row (routing folded into the input, e.g. Llama-4's scores * x repeated over experts); "
+                f"call {attr}(x_TH, ids_TK, weights_TK) with the top-k ids and weights instead")
+    return (f"'{attr}' is called as {attr}({_describe_call(args)}), not as {attr}(x_TH, ids_TK, weights_TK) "
+            f"(x [T, H], integer ids [T, K], floating weights [T, K], T = {T} probe tokens)")
+
+
 def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
     """An MoE layer recognised by what it does, whatever its routing code looks like (``max``, sorts,
     masks, group limits, bias corrections ...): its experts child, swapped for a stand-in, is called once
     as ``experts(x_TH, ids_TK, weights_TK)`` with integer ids and floating weights [T, K], the layer's
     output is unchanged, and that call computes what the sharded runtime computes. The router is
-    described from the calls recorded on the probe. Raises _Reject when the call is seen but the
-    experts cannot be sharded as they compute; None when the layer does not behave like that."""
-    children = _experts_children(module)
-    for child in children:
+    described from the calls recorded on the probe. Raises _Reject (the call seen and what would make
+    it work) when an experts child is called otherwise; None when the module does not call one."""
+    reject = None
+    for child in _behaviour_candidates(module):
         routers = _router_widths(module, child.module)
-        H = _hidden_size(child, routers)
+        H = _hidden_size(child, routers) if child.num_experts else next(
+            (h for _, _, h in routers), None) or next((p.shape[-1] for p in child.module.parameters()
+                                                       if p.dim() >= 2), None)
         if H is None:
             continue
         for flat in (False, True):
@@ -776,18 +828,23 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             finally:
                 setattr(module, child.attr, child.module)
             calls = stand_in.calls
-            if not (len(calls) == 1 and len(calls[0]) == 3 and all(isinstance(a, torch.Tensor) for a in calls[0])):
-                continue
+            T = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
+            ok = (len(calls) == 1 and len(calls[0]) == 3 and all(isinstance(a, torch.Tensor) for a in calls[0])
+                  and not calls[0][1].is_floating_point() and calls[0][2].is_floating_point()
+                  and calls[0][1].dim() == 2)
+            if not ok:
+                reject = reject or _Reject(_unsupported_call(child.attr, calls, T))
+                break
             x_TH, ids_TK, weights_TK = calls[0]
-            if ids_TK.is_floating_point() or not weights_TK.is_floating_point() or ids_TK.dim() != 2:
-                continue
             if child.form == "modulelist" and (why := _non_identical_reason(child.module)):
                 raise _Reject(why)
             form, detail = experts_call_form(module, child.attr, x, ids_TK.shape[1])
             if form != "none":
                 raise _Reject(detail)
+            from themis_compile.runtime.experts import ExpertBank
+
             rec = record_calls(module, x)
-            E, K = child.num_experts, int(ids_TK.shape[1])
+            E, K = ExpertBank(child.module).num_experts, int(ids_TK.shape[1])
             router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
             scores = "+".join(dict.fromkeys(rec.scores)) or "none"
             selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
@@ -799,6 +856,8 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                 activation=describe_activation(expert0), shared_experts=False, experts_attr=child.attr,
                 rewrite="none", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
                 hidden_size=H, probe_flat=flat)
+    if reject is not None:
+        raise reject
     return None
 
 
