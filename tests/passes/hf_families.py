@@ -146,7 +146,7 @@ def _shrunk(config_class, extra: dict | None = None):
         if isinstance(v, float) and ("dropout" in k or "jitter" in k or k.endswith("_pdrop")):
             over[k] = 0.0
         if "capacity" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
-            over[k] = 64 if isinstance(v, int) else 64.0
+            over[k] = 1024 if isinstance(v, int) else 1024.0   # no token dropped on any split of the batch
     if "num_key_value_heads" in over and d.get("num_key_value_heads") is None:
         over.pop("num_key_value_heads")
     over.update(extra or {})

@@ -49,6 +49,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from themis_compile.runtime.experts import ExpertBank, loop_combine
+
 logger = logging.getLogger(__name__)
 
 PROBE_SEED = 1234
@@ -520,8 +522,6 @@ class _ExpertsStandIn(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls.append(tuple(args) + tuple(kwargs.values()))
         if isinstance(self.inner, nn.ModuleList):
-            from themis_compile.passes.shard import loop_combine
-
             return loop_combine(self.inner, *args, *kwargs.values())
         return self.inner(*args, **kwargs)
 
@@ -548,8 +548,6 @@ def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tenso
     with each expert run alone (:class:`~themis_compile.runtime.experts.ExpertBank`); a module that
     gives some ids another meaning (zero or identity experts, dropped tokens) or weighs inside the
     expert differs, and is rejected instead of trained differently."""
-    from themis_compile.runtime.experts import ExpertBank
-
     with torch.no_grad():
         try:
             bank = ExpertBank(experts)
@@ -627,6 +625,51 @@ def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int 
                        for a in (calls[0] if calls else ()))
     return "unsupported", (f"stacked experts '{attr}' are called as {attr}({shapes}), not as "
                            f"{attr}(x_TH, ids_TK, weights_TK)")
+
+
+# --- The combined value of inline expert calls (used by the description and by passes.shard) -----------
+
+def expert_index(node: fx.Node, attr: str) -> str | None:
+    """The expert a node belongs to (``experts.3`` or ``experts.3.w1.weight`` -> "3"), else None."""
+    if node.op in ("call_module", "get_attr") and isinstance(node.target, str) and node.target.startswith(attr + "."):
+        return node.target[len(attr) + 1:].split(".")[0]
+    return None
+
+
+def expert_nodes(graph: fx.Graph, attr: str) -> list[fx.Node]:
+    return [n for n in graph.nodes if expert_index(n, attr) is not None]
+
+
+def output_node(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def reach_by_expert(calls: list[fx.Node], attr: str, succ: dict[fx.Node, list[fx.Node]]
+                     ) -> dict[str, set[fx.Node]]:
+    groups: dict[str, list[fx.Node]] = {}
+    for c in calls:
+        groups.setdefault(expert_index(c, attr), []).append(c)
+    return {e: reachable(cs, lambda n: succ[n]) for e, cs in groups.items()}
+
+
+def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
+    """Y: the nearest node every expert's output flows through on its way to the output (the combined
+    value), following in-place updates as versions. None when there is none besides the output."""
+    graph = traced.gm.graph
+    calls = expert_nodes(graph, attr)
+    if not calls:
+        return None
+    succ = effective_users(graph)
+    out = output_node(graph)
+    reach = reach_by_expert(calls, attr, succ)
+    common = set.intersection(*reach.values())
+    if out not in common:
+        return None
+    for y in graph.nodes:  # topological order: the first post-dominator is the nearest
+        if y in common and y not in calls and y is not out:
+            if out not in reachable(calls, lambda n: succ[n], avoid=y):
+                return y
+    return None
 
 
 # --- Step 5: description -----------------------------------------------------------------------------
@@ -833,7 +876,11 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                   and not calls[0][1].is_floating_point() and calls[0][2].is_floating_point()
                   and calls[0][1].dim() == 2)
             if not ok:
-                reject = reject or _Reject(_unsupported_call(child.attr, calls, T))
+                # Only a child that names experts, or is called with integer ids, is an experts
+                # container used otherwise; a parent of a whole MoE block is not.
+                ids_like = any(isinstance(a, torch.Tensor) and not a.is_floating_point() for c in calls for a in c)
+                if "expert" in child.attr.lower() or ids_like:
+                    reject = reject or _Reject(_unsupported_call(child.attr, calls, T))
                 break
             x_TH, ids_TK, weights_TK = calls[0]
             if child.form == "modulelist" and (why := _non_identical_reason(child.module)):
@@ -841,8 +888,6 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             form, detail = experts_call_form(module, child.attr, x, ids_TK.shape[1])
             if form != "none":
                 raise _Reject(detail)
-            from themis_compile.runtime.experts import ExpertBank
-
             rec = record_calls(module, x)
             E, K = ExpertBank(child.module).num_experts, int(ids_TK.shape[1])
             router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
@@ -965,8 +1010,6 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     if traced is not None:
         combined = [n for n in traced.gm.graph.nodes if n.op == "call_module" and n.target == child.attr]
         if not combined:
-            from themis_compile.passes.shard import combine_node
-
             y = combine_node(traced, child.attr)
             combined = [y] if y is not None else []
     shared = _shared_experts(traced, module, combined, child.attr) if traced is not None else ()

@@ -46,7 +46,10 @@ from themis_compile.passes.detect import (
     MoELayerInfo,
     TensorMeta,
     TracedBlock,
+    expert_nodes,
+    reach_by_expert,
     check_layer,
+    combine_node,
     effective_users,
     find_moe_layers,
     is_inplace,
@@ -58,21 +61,11 @@ from themis_compile.passes.detect import (
     topk_outputs,
     trace_block,
 )
+from themis_compile.runtime.experts import loop_combine
 
 logger = logging.getLogger(__name__)
 
 SELF_PLACEHOLDER = "_themis_self"
-
-
-def loop_combine(experts: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
-                 weights_TK: torch.Tensor) -> torch.Tensor:
-    """sum_k weights_TK[t, k] * experts[ids_TK[t, k]](x_TH[t]): one expert at a time, HF-Mixtral style."""
-    out_TH = torch.zeros_like(x_TH)
-    for e, expert in enumerate(experts):
-        token_N, k_N = torch.where(ids_TK == e)
-        y_NH = expert(x_TH[token_N]) * weights_TK[token_N, k_N, None]
-        out_TH.index_add_(0, token_N, y_NH.to(out_TH.dtype))
-    return out_TH
 
 
 class ExpertLoop(nn.ModuleList):
@@ -90,49 +83,6 @@ def _store_attribute(owner: nn.Module, path: str, name: str, value: Any) -> None
 
 
 # --- Step 1: the expert computation in the graph ------------------------------------------------------
-
-def _expert_index(node: fx.Node, attr: str) -> str | None:
-    """The expert a node belongs to (``experts.3`` or ``experts.3.w1.weight`` -> "3"), else None."""
-    if node.op in ("call_module", "get_attr") and isinstance(node.target, str) and node.target.startswith(attr + "."):
-        return node.target[len(attr) + 1:].split(".")[0]
-    return None
-
-
-def _expert_nodes(graph: fx.Graph, attr: str) -> list[fx.Node]:
-    return [n for n in graph.nodes if _expert_index(n, attr) is not None]
-
-
-def _output_node(graph: fx.Graph) -> fx.Node:
-    return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
-def _reach_by_expert(calls: list[fx.Node], attr: str, succ: dict[fx.Node, list[fx.Node]]
-                     ) -> dict[str, set[fx.Node]]:
-    groups: dict[str, list[fx.Node]] = {}
-    for c in calls:
-        groups.setdefault(_expert_index(c, attr), []).append(c)
-    return {e: reachable(cs, lambda n: succ[n]) for e, cs in groups.items()}
-
-
-def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
-    """Y: the nearest node every expert's output flows through on its way to the output (the combined
-    value), following in-place updates as versions. None when there is none besides the output."""
-    graph = traced.gm.graph
-    calls = _expert_nodes(graph, attr)
-    if not calls:
-        return None
-    succ = effective_users(graph)
-    out = _output_node(graph)
-    reach = _reach_by_expert(calls, attr, succ)
-    common = set.intersection(*reach.values())
-    if out not in common:
-        return None
-    for y in graph.nodes:  # topological order: the first post-dominator is the nearest
-        if y in common and y not in calls and y is not out:
-            if out not in reachable(calls, lambda n: succ[n], avoid=y):
-                return y
-    return None
-
 
 def _base(node: fx.Node) -> fx.Node:
     while is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
@@ -168,7 +118,7 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     branch_ancestries = _remove_dead_branches(graph, traced.branch_nodes)
 
     # Step 1: the expert calls C, the combined value Y, and the inputs x, ids, weights feeding every expert.
-    calls = _expert_nodes(graph, attr)
+    calls = expert_nodes(graph, attr)
     y = combine_node(traced, attr)
     if y is None:
         raise RewriteError(f"MoE layer {layer!r}: the experts' outputs do not merge into one combined value")
@@ -182,7 +132,7 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     before_calls = reachable(calls, lambda n: pred[n])
     # Nodes only one expert's output reaches: a weights/ids/x candidate must feed all of them.
     times_reached: dict[fx.Node, int] = {}
-    reach = _reach_by_expert(calls, attr, succ)
+    reach = reach_by_expert(calls, attr, succ)
     for nodes in reach.values():
         for n in nodes:
             times_reached[n] = times_reached.get(n, 0) + 1

@@ -144,3 +144,14 @@ class ExpertBank:
         weights_N1 = torch.ones((n, 1), dtype=x_NH.dtype, device=x_NH.device)
         stacked = {name: p.unsqueeze(0) for name, p in zip(self.names, params)}
         return torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
+
+
+def loop_combine(experts: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                 weights_TK: torch.Tensor) -> torch.Tensor:
+    """sum_k weights_TK[t, k] * experts[ids_TK[t, k]](x_TH[t]): one expert at a time, HF-Mixtral style."""
+    out_TH = torch.zeros_like(x_TH)
+    for e, expert in enumerate(experts):
+        token_N, k_N = torch.where(ids_TK == e)
+        y_NH = expert(x_TH[token_N]) * weights_TK[token_N, k_N, None]
+        out_TH.index_add_(0, token_N, y_NH.to(out_TH.dtype))
+    return out_TH
