@@ -2,7 +2,7 @@
 under ``themis`` exactly as one process trains it on the whole batch.
 
 The families are derived from the installed package (:func:`tests.passes.hf_families.moe_families`);
-a family that cannot be sharded is listed in ``UNSHARDABLE`` with the reason ``explain`` gives, and
+a family that is not sharded is listed in ``NOT_SHARDED`` with the reason ``explain`` gives, and
 the test checks that ``explain`` gives it. The quick test checks detection of every family; the sweep
 (``-m hf_sweep``) trains them all in one spawned process group.
 """
@@ -22,11 +22,21 @@ from tests.passes import hf_families as hf
 
 pytest.importorskip("transformers")
 
-# family -> a phrase the reason given by explain() contains. Each is a property of the family's code,
-# documented in docs/detection.md.
-UNSHARDABLE = {
-    "doge": None,                      # product-key experts (embeddings), routing mixes tokens: not found
-    "vitpose_backbone": None,          # experts per dataset index of an image backbone: no text model
+# family -> a phrase of the reason explain() gives for it: not sharded (the model then stays data
+# parallel), each for a property of the family's code documented in docs/detection.md. None: the family
+# has no module the detector can probe (no text model, or no experts child).
+NOT_SHARDED = {
+    "dbrx": "are called as experts(Tensor[2, 4, 32], Tensor[8, 2], Tensor[8, 2])",   # x not flattened
+    "diffusion_gemma": "the forward fails on probe hidden states",   # MoE inside the decoder layer itself
+    "gemma4": "the forward fails on probe hidden states",            # MoE inside the decoder layer itself
+    "jetmoe": "called as input_linear(Tensor[16, 32], list)",        # sort + split by counts
+    "llama4": "are called as experts(Tensor[32, 32])",                # every expert on every row
+    "longcat_flash": "cannot be cut into equal per-expert chunks",    # zero experts stacked with real ones
+    "muse_spark": "cannot be cut into equal per-expert chunks",       # a norm shared by all experts
+    "nllb_moe": "runs only the experts that receive tokens",          # None vs zero gradients
+    "switch_transformers": "is called with a dispatch mask",          # one-hot [T, K, E] masks
+    "doge": None,               # product-key experts held as embeddings: no experts child
+    "vitpose_backbone": None,   # experts per dataset index in an image backbone: no text model
 }
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 4, 8
@@ -56,11 +66,36 @@ def _detect(family: str) -> tuple[list[str], list[str], str]:
 
 
 @pytest.mark.hf_sweep
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in UNSHARDABLE])
-def test_explain_lists_the_moe_layers(family):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_explain_lists_the_moe_layers_or_says_why_not(family):
+    if family in NOT_SHARDED and NOT_SHARDED[family] is None:
+        if family == "vitpose_backbone":
+            with pytest.raises(LookupError):
+                hf.tiny_model(family)
+        else:
+            expected, found, report = _detect(family)
+            assert not expected and report.startswith("0 MoE layer(s) found"), report
+        return
     expected, found, report = _detect(family)
     assert expected, f"{family}: the tiny config built no MoE layer"
+    if family in NOT_SHARDED:
+        assert report.startswith("0 MoE layer(s) found"), report
+        rejected = [line for line in report.splitlines() if line.strip().startswith("rejected")]
+        assert rejected and all(NOT_SHARDED[family] in line for line in rejected if
+                                line.split()[1].rstrip(":") in expected), report
+        return
     assert set(expected) <= set(found), f"{family}: expected {expected}\n{report}"
+
+
+def test_explain_lists_or_rejects_families_of_each_kind():
+    """The quick run: a family found by its routing code, one found by behaviour, an encoder-decoder
+    with its reason, one whose experts are called otherwise with its reason."""
+    for family in ("qwen3_moe", "phimoe", "deepseek_v3"):
+        expected, found, report = _detect(family)
+        assert expected and set(expected) <= set(found), report
+    for family in ("switch_transformers", "llama4"):
+        expected, found, report = _detect(family)
+        assert expected and not set(expected) & set(found) and NOT_SHARDED[family] in report, report
 
 
 # --- training equivalence, one process group for every family ----------------------------------------
@@ -154,7 +189,7 @@ def test_two_ranks_train_like_one_process_quick():
 
 @pytest.mark.hf_sweep
 def test_every_found_family_trains_like_one_process():
-    families = [f for f in FAMILIES if f not in UNSHARDABLE]
+    families = [f for f in FAMILIES if f not in NOT_SHARDED]
     verdict = sweep(families)
     for family, v in sorted(verdict.items()):
         print(f"{family:24s} {v}")

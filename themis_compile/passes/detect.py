@@ -576,6 +576,39 @@ def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tenso
             return (f"{type(experts).__name__}(x, ids, weights) is not sum_k weights * expert_ids(x) with each "
                     f"expert run alone (differs by {err:.3g}); the sharded runtime would train a different "
                     "model. Make its forward that sum, or give the module expert_forward(params, x)")
+    if bank.per_expert_modules:
+        return _skipped_expert_gradient(experts, x_TH, ids_TK, weights_TK, E)
+    return None
+
+
+def _skipped_expert_gradient(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                             weights_TK: torch.Tensor, E: int) -> str | None:
+    """Why an experts module that skips experts without tokens would train differently, or None.
+
+    The runtime runs every expert it holds every step, so an expert without tokens gets a zero
+    gradient; a module that runs only the experts it routes to leaves that gradient None. AdamW skips a
+    None gradient but moves a zero-gradient parameter by its momentum, so the two train differently."""
+    from themis_compile.runtime.experts import expert_modules
+
+    modules = expert_modules(experts)
+    ids_TK = torch.where(ids_TK == 0, torch.ones_like(ids_TK), ids_TK) if E > 1 else ids_TK
+    params = list(modules[0].parameters())
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        with torch.enable_grad(), preserved_state(experts):
+            out = experts(x_TH.detach(), ids_TK, weights_TK.detach())
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.sum().backward()
+        skipped = any(p.grad is None for p in params)
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    if skipped:
+        return (f"{type(experts).__name__} runs only the experts that receive tokens: an expert without tokens "
+                "gets no gradient there but a zero gradient from the sharded runtime, and AdamW moves a "
+                "zero-gradient parameter by its momentum; run every expert (an empty batch of rows) each step")
     return None
 
 
@@ -624,7 +657,8 @@ def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int 
     shapes = ", ".join(f"{type(a).__name__}{list(a.shape) if isinstance(a, torch.Tensor) else ''}"
                        for a in (calls[0] if calls else ()))
     return "unsupported", (f"stacked experts '{attr}' are called as {attr}({shapes}), not as "
-                           f"{attr}(x_TH, ids_TK, weights_TK)")
+                           f"{attr}(x_TH, ids_TK, weights_TK); call them once that way (x [T, H], integer "
+                           "top-k ids and floating weights [T, K]) and let them return the weighted sum")
 
 
 # --- The combined value of inline expert calls (used by the description and by passes.shard) -----------
