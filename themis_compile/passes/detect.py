@@ -967,11 +967,14 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     if child.form == "modulelist" and (why := _non_identical_reason(child.module)):
         raise _Reject(why)
     if H is None:
-        raise _Reject(f"no router weight [E, H] next to its {E} experts and no Linear to tell the hidden size")
+        raise _Reject(f"no router weight [E, H] next to its {E} experts and no Linear to tell the hidden size; "
+                      "give the block its router as an nn.Linear(H, E) or a weight [E, H]")
     router = None
     if traced is not None:
         if not topks:
-            raise _Reject("no top-k selection (torch.topk) in the traced forward of the block or its router")
+            raise _Reject("no top-k selection (torch.topk) in the traced forward of the block or its router, and "
+                          "its experts are not called once as experts(x, ids, weights); select with topk, or "
+                          "call the experts that way (integer ids [T, K], weights [T, K])")
         router = _router_of(traced.gm, topks[-1])
         if router is None:
             raise _Reject("the top-k does not select over scores of a learned router (no Linear or weight [E, H] "
@@ -997,7 +1000,8 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
             errors.append(f"{list(x.shape)}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
             x = None
     if x is None:
-        raise _Reject(f"the forward fails on probe hidden states ({'; '.join(errors)})")
+        raise _Reject(f"the forward fails on probe hidden states ({'; '.join(errors)}); detection runs a "
+                      "block on hidden states alone: keep the MoE in a module called as moe(hidden_states)")
 
     if traced is not None:
         try:
@@ -1012,11 +1016,13 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
         after = {_score_kind(n) for n in _descendants(values)} - {None}
         succ = effective_users(traced.gm.graph)
         if not any(n.op == "output" for n in reachable(values + indices, lambda n: succ[n])):
-            raise _Reject("the top-k weights and ids never reach the output (no weighted combine)")
+            raise _Reject("the top-k weights and ids never reach the output (no weighted combine); the output must "
+                          "combine the selected experts' outputs with the top-k weights")
     else:
         ks, scores = _recorded_topk(module, x)
         if not ks:
-            raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and none ran on a probe")
+            raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and none ran on a probe; select "
+                          "with torch.topk, or call the experts once as experts(x, ids, weights)")
         top_k = ks[-1]
         router_path, width, H_router = next((r for r in routers if r[1] == E), None) or (None, None, H)
         if router_path is None:
@@ -1032,7 +1038,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     if form == "unsupported":
         raise _Reject(detail)
     if form == "inline-loop" and traced is None:
-        raise _Reject(f"its forward loops over the experts inline and cannot be traced to rewrite it ({fx_error})")
+        raise _Reject(f"its forward loops over the experts inline and cannot be traced to rewrite it ({fx_error}); "
+                      "call the experts once as experts(x, ids, weights) (an nn.Module doing the loop), or "
+                      "keep the loop free of Python control flow on tensor values (.tolist(), .numpy(), int())")
 
     # Step 5: description.
     score = sorted(before)[0] if before else (sorted(after)[0] if after else "none")
