@@ -35,9 +35,14 @@ NOT_SHARDED = {
     "muse_spark": "cannot be cut into equal per-expert chunks",       # a norm shared by all experts
     "nllb_moe": "runs only the experts that receive tokens",          # None vs zero gradients
     "switch_transformers": "is called with a dispatch mask",          # one-hot [T, K, E] masks
+    "deepseek_v4": "the forward fails on probe hidden states",      # layer 0 only: hash routing by input_ids
     "doge": None,               # product-key experts held as embeddings: no experts child
     "vitpose_backbone": None,   # experts per dataset index in an image backbone: no text model
 }
+
+# Families of which some MoE layers are sharded and the others (NOT_SHARDED's reason) stay data parallel;
+# the sweep trains them too.
+PARTLY_SHARDED = {"deepseek_v4"}
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 4, 8
 
@@ -79,10 +84,11 @@ def test_explain_lists_the_moe_layers_or_says_why_not(family):
     expected, found, report = _detect(family)
     assert expected, f"{family}: the tiny config built no MoE layer"
     if family in NOT_SHARDED:
-        assert report.startswith("0 MoE layer(s) found"), report
-        rejected = [line for line in report.splitlines() if line.strip().startswith("rejected")]
-        assert rejected and all(NOT_SHARDED[family] in line for line in rejected if
-                                line.split()[1].rstrip(":") in expected), report
+        rejected = {line.split()[1].rstrip(":"): line for line in report.splitlines()
+                    if line.strip().startswith("rejected")}
+        missing = [name for name in expected if name not in found]
+        assert missing and all(NOT_SHARDED[family] in rejected.get(name, "") for name in missing), report
+        assert family in PARTLY_SHARDED or not set(expected) & set(found), report
         return
     assert set(expected) <= set(found), f"{family}: expected {expected}\n{report}"
 
@@ -189,7 +195,7 @@ def test_two_ranks_train_like_one_process_quick():
 
 @pytest.mark.hf_sweep
 def test_every_found_family_trains_like_one_process():
-    families = [f for f in FAMILIES if f not in NOT_SHARDED]
+    families = [f for f in FAMILIES if f not in NOT_SHARDED or f in PARTLY_SHARDED]
     verdict = sweep(families)
     for family, v in sorted(verdict.items()):
         print(f"{family:24s} {v}")

@@ -820,10 +820,12 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         return info
     try:
         found = _inspect_by_behaviour(name, module)
-    except _Reject:
-        if reject is not None:
-            raise reject   # the routing analysis saw the layer first and says best what it found
-        raise
+    except _Reject as behaviour:
+        # The routing analysis saw the layer first and says best what it found, unless all it says is
+        # that it found no top-k: then what the experts call (or the probe) showed is the reason.
+        if reject is not None and not str(reject).startswith("no top-k selection"):
+            raise reject
+        raise behaviour
     if found is not None:
         return found
     if reject is not None:
@@ -882,7 +884,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
     output is unchanged, and that call computes what the sharded runtime computes. The router is
     described from the calls recorded on the probe. Raises _Reject (the call seen and what would make
     it work) when an experts child is called otherwise; None when the module does not call one."""
-    reject = None
+    reject, probe_errors = None, []
     for child in _behaviour_candidates(module):
         routers = _router_widths(module, child.module)
         H = _hidden_size(child, routers) if child.num_experts else next(
@@ -894,7 +896,9 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             x = probe_input(module, H, flat=flat)
             try:
                 run_probe(module, x)
-            except Exception:
+            except Exception as exc:
+                if "expert" in child.attr.lower():
+                    probe_errors.append(f"{list(x.shape)}: {type(exc).__name__}: {exc}".splitlines()[0][:160])
                 continue
             stand_in = _ExpertsStandIn(child.module)
             setattr(module, child.attr, stand_in)
@@ -937,6 +941,10 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                 hidden_size=H, probe_flat=flat)
     if reject is not None:
         raise reject
+    if probe_errors:
+        raise _Reject(f"the forward fails on probe hidden states ({'; '.join(probe_errors)}); detection runs a "
+                      "block on hidden states alone: keep the MoE in a module called as moe(hidden_states), "
+                      "with any other input (token ids for hash routing, masks) optional")
     return None
 
 
