@@ -884,7 +884,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
     output is unchanged, and that call computes what the sharded runtime computes. The router is
     described from the calls recorded on the probe. Raises _Reject (the call seen and what would make
     it work) when an experts child is called otherwise; None when the module does not call one."""
-    reject, probe_errors = None, []
+    reject, probe_errors, probe_ran = None, [], False
     for child in _behaviour_candidates(module):
         routers = _router_widths(module, child.module)
         H = _hidden_size(child, routers) if child.num_experts else next(
@@ -900,6 +900,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                 if "expert" in child.attr.lower():
                     probe_errors.append(f"{list(x.shape)}: {type(exc).__name__}: {exc}".splitlines()[0][:160])
                 continue
+            probe_ran = True
             stand_in = _ExpertsStandIn(child.module)
             setattr(module, child.attr, stand_in)
             try:
@@ -941,7 +942,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                 hidden_size=H, probe_flat=flat)
     if reject is not None:
         raise reject
-    if probe_errors:
+    if probe_errors and not probe_ran:
         raise _Reject(f"the forward fails on probe hidden states ({'; '.join(probe_errors)}); detection runs a "
                       "block on hidden states alone: keep the MoE in a module called as moe(hidden_states), "
                       "with any other input (token ids for hash routing, masks) optional")
