@@ -70,7 +70,7 @@ class MoELayerInfo:
     activation: str
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
-    rewrite: str = "none"                      # "none" | "inline-loop" (see module docstring)
+    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" (see module docstring)
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -87,7 +87,8 @@ class MoELayerInfo:
     def describe(self) -> str:
         shared = ", ".join(self.shared_expert_names) if self.shared_expert_names else "no"
         call = {"none": f"calls {self.experts_attr}(x, ids, weights)",
-                "inline-loop": "loops over its experts inline (rewritten to one experts call)"}.get(self.rewrite,
+                "inline-loop": "loops over its experts inline (rewritten to one experts call)",
+                "per-slot": f"calls {self.experts_attr}(x, ids) -> [T, K, H] (rewritten to one experts call)"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -518,12 +519,36 @@ class _ExpertsStandIn(nn.Module):
         super().__init__()
         self.inner = experts
         self.calls: list[tuple] = []
+        self.outputs: list[Any] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls.append(tuple(args) + tuple(kwargs.values()))
         if isinstance(self.inner, nn.ModuleList):
-            return loop_combine(self.inner, *args, *kwargs.values())
-        return self.inner(*args, **kwargs)
+            out = loop_combine(self.inner, *args, *kwargs.values())
+        else:
+            out = self.inner(*args, **kwargs)
+        self.outputs.append(out)
+        return out
+
+
+class RuntimeReference(nn.Module):
+    """What the sharded runtime computes for ``experts(x_TH, ids_TK, weights_TK)``, in one process:
+    ``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` with each expert run alone by the
+    :class:`~themis_compile.runtime.experts.ExpertBank` of ``experts`` (held, not registered)."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.bank = ExpertBank(experts)
+        self.__dict__["experts"] = experts
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        out_TH = torch.zeros(x_TH.shape, dtype=torch.float64, device=x_TH.device)
+        for e in range(self.bank.num_experts):
+            token_N, k_N = torch.where(ids_TK == e)
+            if token_N.numel():
+                y_NH = self.bank.run(self.bank.chunk(self.experts, e), x_TH[token_N])
+                out_TH = out_TH.index_add(0, token_N, y_NH.double() * weights_TK[token_N, k_N, None].double())
+        return out_TH.to(x_TH.dtype)
 
 
 def _outputs_close(a: Any, b: Any) -> bool:
@@ -562,12 +587,7 @@ def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tenso
         expected = experts(x_TH, ids_TK, weights_TK) if not isinstance(experts, nn.ModuleList) else None
         if expected is None:
             return None   # a ModuleList's combine is the runtime's loop by construction
-        out = torch.zeros(x_TH.shape, dtype=torch.float64, device=x_TH.device)
-        for e in range(E):
-            token_N, k_N = torch.where(ids_TK == e)
-            if token_N.numel():
-                y_NH = bank.run(bank.chunk(experts, e), x_TH[token_N])
-                out.index_add_(0, token_N, y_NH.double() * weights_TK[token_N, k_N, None].double())
+        out = RuntimeReference(experts)(x_TH, ids_TK, weights_TK).double()
         if not isinstance(expected, torch.Tensor) or expected.shape != x_TH.shape:
             return (f"{type(experts).__name__}(x, ids, weights) returns "
                     f"{getattr(expected, 'shape', type(expected).__name__)}, not [T, H]")
@@ -914,6 +934,27 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             ok = (len(calls) == 1 and len(calls[0]) == 3 and all(isinstance(a, torch.Tensor) for a in calls[0])
                   and not calls[0][1].is_floating_point() and calls[0][2].is_floating_point()
                   and calls[0][1].dim() == 2)
+            per_slot = (len(calls) == 1 and len(calls[0]) == 2 and child.form == "stacked"
+                        and all(isinstance(a, torch.Tensor) for a in calls[0])
+                        and calls[0][0].is_floating_point() and calls[0][0].dim() == 2
+                        and not calls[0][1].is_floating_point() and calls[0][1].dim() == 2
+                        and isinstance(stand_in.outputs[0], torch.Tensor)
+                        and stand_in.outputs[0].shape == calls[0][1].shape + calls[0][0].shape[-1:])
+            if per_slot:
+                # gpt-fast: experts(x_TH, ids_TK) -> y_TKH, combined by the block itself; passes.shard
+                # rewrites the call and verifies the rewrite against the runtime's computation.
+                rec = record_calls(module, x)
+                E, K = child.num_experts, int(calls[0][1].shape[1])
+                router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+                scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+                selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+                return MoELayerInfo(
+                    name=name, module=module, num_experts=E, top_k=K, experts_form="stacked",
+                    router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
+                            f"top-{K} ids seen at the experts call (behaviour)"),
+                    activation=describe_activation(child.module), shared_experts=False, experts_attr=child.attr,
+                    rewrite="per-slot", router_path=router_path or "",
+                    score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
             if not ok:
                 # Only a child that names experts, or is called with integer ids, is an experts
                 # container used otherwise; a parent of a whole MoE block is not.
@@ -1120,8 +1161,9 @@ def explain_moe_layers(model: nn.Module) -> str:
         lines.append(f"    shared experts: {', '.join(info.shared_expert_names) or 'none'}")
         for aux in info.aux_losses:
             lines.append(f"    auxiliary:      {aux}")
-        lines.append(f"    experts call:   " + ("experts(x, ids, weights)" if info.rewrite == "none" else
-                                                "inline loop over the experts (rewritten by optimize)"))
+        lines.append(f"    experts call:   " + {"none": "experts(x, ids, weights)",
+                                                "per-slot": "experts(x, ids) -> [T, K, H] (rewritten by optimize)"
+                                                }.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

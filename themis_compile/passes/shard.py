@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_map
 from themis_compile.passes.detect import (
     SEARCHED,
     MoELayerInfo,
+    RuntimeReference,
     TensorMeta,
     TracedBlock,
     expert_nodes,
@@ -299,6 +300,48 @@ def plan_rewrite(info: MoELayerInfo) -> RewritePlan:
     return RewritePlan(_rewritten_class(type(module), forwards, placeholders), constants)
 
 
+class PerSlotCall:
+    """``self.<experts>`` as a per-slot block's forward sees it: ``experts(x_TH, ids_TK) -> y_TKH``, each
+    selected expert's output left for the block to combine (gpt-fast ``cond_ffn``). Computed with one call
+    of the runtime's interface: every (token, slot) pair is a row of its own, routed to its expert with
+    weight 1."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+
+    def __call__(self, x_TH: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+        T, K = ids_TK.shape
+        x_NH = x_TH.repeat_interleave(K, dim=0)                 # row t * K + k
+        ones_N1 = torch.ones((T * K, 1), dtype=x_TH.dtype, device=x_TH.device)
+        return self.experts(x_NH, ids_TK.reshape(-1, 1), ones_N1).view(T, K, -1)
+
+
+def _per_slot_classes(block_cls: type, experts_cls: type, attr: str) -> tuple[type, type]:
+    """(block class, experts class) of a per-slot rewrite: the block's forward runs unchanged with
+    ``self.<attr>`` seen as a :class:`PerSlotCall`; the experts module is called as
+    ``experts(x_TH, ids_TK, weights_TK)``, its own per-slot forward combined with the weights."""
+
+    def block_forward(self, *args, **kwargs):
+        self.__dict__[attr] = PerSlotCall(self._modules[attr])   # shadows the submodule inside forward only
+        try:
+            return block_cls.forward(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(attr, None)
+
+    def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        y_TKH = experts_cls.forward(self, x_TH, ids_TK)
+        return torch.einsum("tkh,tk->th", y_TKH, weights_TK.to(y_TKH.dtype))
+
+    block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr}(x, ids) served by one experts(x, ids, weights) call."
+    experts_forward.__doc__ = f"{experts_cls.__name__}.forward combined with the top-k weights."
+    new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
+                                                        "_themis_original_class": block_cls})
+    new_experts = type(experts_cls.__name__, (experts_cls,), {"forward": experts_forward,
+                                                              "__module__": experts_cls.__module__,
+                                                              "_themis_original_class": experts_cls})
+    return new_block, new_experts
+
+
 def rewrite_moe_layer(info: MoELayerInfo) -> None:
     """Make ``info.module`` call its experts as ``experts(x_TH, ids_TK, weights_TK)``, in place.
 
@@ -307,6 +350,15 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     the module's class becomes a subclass of its own with that forward; its experts ModuleList becomes an
     :class:`ExpertLoop` of the same modules. ``info.plan``, when set, is used instead of tracing again."""
     if info.rewrite == "none" or info.rewritten:
+        return
+    if info.rewrite == "per-slot":
+        experts = info.experts
+        block_cls, experts_cls = _per_slot_classes(type(info.module), type(experts), info.experts_attr)
+        info.module.__class__ = block_cls
+        experts.__class__ = experts_cls
+        info.rewritten = True
+        logger.info("MoE layer %s: %s(x, ids) served by one %s(x, ids, weights) call", info.name,
+                    info.experts_attr, info.experts_attr)
         return
     if info.rewrite != "inline-loop":
         raise ValueError(f"MoE layer {info.name!r}: unknown rewrite {info.rewrite!r}")
@@ -383,10 +435,14 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
     # Rewrite copies (sharing parameters and buffers) and compare with the originals before touching any.
     todo = [info for info in infos if info.rewrite != "none" and not info.rewritten]
     for info in todo:
-        info.plan = plan_rewrite(info)
+        if info.rewrite == "inline-loop":
+            info.plan = plan_rewrite(info)
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
+        if info.rewrite == "per-slot":
+            # The trial computes its experts exactly as the sharded runtime will (each expert alone).
+            trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr])
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
     for info in todo:
         rewrite_moe_layer(info)
