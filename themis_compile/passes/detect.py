@@ -70,7 +70,7 @@ class MoELayerInfo:
     activation: str
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
-    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" (see module docstring)
+    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" (docstring)
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -88,7 +88,9 @@ class MoELayerInfo:
         shared = ", ".join(self.shared_expert_names) if self.shared_expert_names else "no"
         call = {"none": f"calls {self.experts_attr}(x, ids, weights)",
                 "inline-loop": "loops over its experts inline (rewritten to one experts call)",
-                "per-slot": f"calls {self.experts_attr}(x, ids) -> [T, K, H] (rewritten to one experts call)"}.get(self.rewrite,
+                "per-slot": f"calls {self.experts_attr}(x, ids) -> [T, K, H] (rewritten to one experts call)",
+                "sorted-rows": f"calls {self.experts_attr}(rows sorted by expert, counts) (rewritten to one "
+                               "experts call)"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -872,6 +874,15 @@ def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
     return found
 
 
+def _counts(v: Any) -> list[int] | None:
+    """Rows per expert when ``v`` is one (an integer vector or a list of ints), else None."""
+    if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() == 1:
+        return [int(c) for c in v]
+    if isinstance(v, (list, tuple)) and v and all(isinstance(c, int) for c in v):
+        return list(v)
+    return None
+
+
 def _describe_call(args: tuple) -> str:
     return ", ".join(f"{'int' if not a.is_floating_point() else 'float'}{list(a.shape)}"
                      if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
@@ -940,6 +951,33 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                         and not calls[0][1].is_floating_point() and calls[0][1].dim() == 2
                         and isinstance(stand_in.outputs[0], torch.Tensor)
                         and stand_in.outputs[0].shape == calls[0][1].shape + calls[0][0].shape[-1:])
+            sorted_rows = (len(calls) == 1 and len(calls[0]) == 2 and child.form == "stacked"
+                           and isinstance(calls[0][0], torch.Tensor) and calls[0][0].is_floating_point()
+                           and calls[0][0].dim() == 2 and _counts(calls[0][1]) is not None
+                           and len(_counts(calls[0][1])) == child.num_experts
+                           and sum(_counts(calls[0][1])) == calls[0][0].shape[0]
+                           and isinstance(stand_in.outputs[0], torch.Tensor)
+                           and stand_in.outputs[0].shape[0] == calls[0][0].shape[0])
+            if sorted_rows and stand_in.outputs[0].shape != calls[0][0].shape:
+                raise _Reject(f"'{child.attr}' is called on rows sorted by expert ({_describe_call(calls[0])}) but "
+                              f"maps rows of width {calls[0][0].shape[-1]} to {stand_in.outputs[0].shape[-1]}: "
+                              "only part of each expert (JetMoE ParallelExperts); an experts module must hold "
+                              "whole experts, mapping [N, H] rows to [N, H]")
+            if sorted_rows:
+                # torchtitan: experts(rows sorted by expert, rows per expert) -> one output row per row.
+                rec = record_calls(module, x)
+                E = child.num_experts
+                K = max(1, calls[0][0].shape[0] // T)
+                router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+                scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+                selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+                return MoELayerInfo(
+                    name=name, module=module, num_experts=E, top_k=K, experts_form="stacked",
+                    router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
+                            f"rows sorted by expert with counts at the experts call (behaviour)"),
+                    activation=describe_activation(child.module), shared_experts=False, experts_attr=child.attr,
+                    rewrite="sorted-rows", router_path=router_path or "",
+                    score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
             if per_slot:
                 # gpt-fast: experts(x_TH, ids_TK) -> y_TKH, combined by the block itself; passes.shard
                 # rewrites the call and verifies the rewrite against the runtime's computation.
@@ -1162,8 +1200,9 @@ def explain_moe_layers(model: nn.Module) -> str:
         for aux in info.aux_losses:
             lines.append(f"    auxiliary:      {aux}")
         lines.append(f"    experts call:   " + {"none": "experts(x, ids, weights)",
-                                                "per-slot": "experts(x, ids) -> [T, K, H] (rewritten by optimize)"
-                                                }.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
+                                                "per-slot": "experts(x, ids) -> [T, K, H] (rewritten by optimize)",
+                                                "sorted-rows": "experts(rows sorted by expert, counts) (rewritten "
+                                                               "by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

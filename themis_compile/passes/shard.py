@@ -316,6 +316,62 @@ class PerSlotCall:
         return self.experts(x_NH, ids_TK.reshape(-1, 1), ones_N1).view(T, K, -1)
 
 
+class SortedRowsCall:
+    """``self.<experts>`` as a sorted-rows block's forward sees it: ``experts(rows_NH, counts_E) -> y_NH``
+    with the rows sorted by expert, ``counts_E[e]`` of them for expert e (torchtitan ``GroupedExperts``).
+    Computed with one call of the runtime's interface: every row is a token of its own, routed to its
+    expert with weight 1. ``counts_E`` as the block passes it: an integer tensor or a list."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+
+    def __call__(self, rows_NH: torch.Tensor, counts_E) -> torch.Tensor:
+        counts = torch.as_tensor(counts_E, device=rows_NH.device).long()
+        ids_N1 = torch.repeat_interleave(torch.arange(len(counts), device=rows_NH.device), counts).view(-1, 1)
+        ones_N1 = torch.ones(ids_N1.shape, dtype=rows_NH.dtype, device=rows_NH.device)
+        return self.experts(rows_NH, ids_N1, ones_N1)
+
+
+def _sorted_rows_experts_forward(experts_cls: type):
+    def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        T, K = ids_TK.shape
+        E = next(self.parameters()).shape[0]
+        flat_N = ids_TK.reshape(-1)
+        order_N = torch.argsort(flat_N, stable=True)
+        counts_E = torch.zeros(E, dtype=torch.long, device=flat_N.device).scatter_add_(
+            0, flat_N, torch.ones_like(flat_N))
+        y_NH = experts_cls.forward(self, x_TH[order_N // K], counts_E)
+        y_TKH = torch.empty_like(y_NH).index_copy_(0, order_N, y_NH).view(T, K, -1)
+        return torch.einsum("tkh,tk->th", y_TKH, weights_TK.to(y_TKH.dtype))
+
+    experts_forward.__doc__ = f"{experts_cls.__name__}.forward on rows sorted by expert, combined with the weights."
+    return experts_forward
+
+
+def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str) -> tuple[type, type]:
+    """(block class, experts class) of a per-slot or sorted-rows rewrite: the block's forward runs
+    unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall`; the experts
+    module is called as ``experts(x_TH, ids_TK, weights_TK)``."""
+    call = PerSlotCall if form == "per-slot" else SortedRowsCall
+
+    def block_forward(self, *args, **kwargs):
+        self.__dict__[attr] = call(self._modules[attr])   # shadows the submodule inside forward only
+        try:
+            return block_cls.forward(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(attr, None)
+
+    block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr} served by one experts(x, ids, weights) call."
+    experts_forward = (_per_slot_classes(block_cls, experts_cls, attr)[1].forward if form == "per-slot"
+                       else _sorted_rows_experts_forward(experts_cls))
+    new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
+                                                        "_themis_original_class": block_cls})
+    new_experts = type(experts_cls.__name__, (experts_cls,), {"forward": experts_forward,
+                                                              "__module__": experts_cls.__module__,
+                                                              "_themis_original_class": experts_cls})
+    return new_block, new_experts
+
+
 def _per_slot_classes(block_cls: type, experts_cls: type, attr: str) -> tuple[type, type]:
     """(block class, experts class) of a per-slot rewrite: the block's forward runs unchanged with
     ``self.<attr>`` seen as a :class:`PerSlotCall`; the experts module is called as
@@ -351,9 +407,10 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     :class:`ExpertLoop` of the same modules. ``info.plan``, when set, is used instead of tracing again."""
     if info.rewrite == "none" or info.rewritten:
         return
-    if info.rewrite == "per-slot":
+    if info.rewrite in ("per-slot", "sorted-rows"):
         experts = info.experts
-        block_cls, experts_cls = _per_slot_classes(type(info.module), type(experts), info.experts_attr)
+        block_cls, experts_cls = _call_rewrite_classes(type(info.module), type(experts), info.experts_attr,
+                                                       info.rewrite)
         info.module.__class__ = block_cls
         experts.__class__ = experts_cls
         info.rewritten = True
@@ -440,7 +497,7 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
-        if info.rewrite == "per-slot":
+        if info.rewrite in ("per-slot", "sorted-rows"):
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr])
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
