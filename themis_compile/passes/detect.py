@@ -8,7 +8,13 @@ A module is an MoE layer (the unit FSSDP shards, paper §3.1) when
   traced through) scores E experts with a learned router (an ``nn.Linear`` with E outputs or a weight
   ``[E, H]``), optionally through softmax or sigmoid, and selects the top-k with ``torch.topk``; when FX
   cannot trace the forward, ``make_fx`` records it at the aten level on a probe input instead;
-- the top-k weights reach the output (the weighted combine).
+- the top-k weights reach the output (the weighted combine);
+
+or, whatever the routing code (``max``, sorts, masks, group limits, a router module returning ids), when
+its behaviour on a probe shows it: its experts child, swapped for a stand-in, is called once as
+``experts(x_TH, ids_TK, weights_TK)``, ``experts(x_TH, ids_TK) -> y_TKH`` (per slot) or
+``experts(rows_NH sorted by expert, counts_E)`` and the output is unchanged. A whole-module call is
+accepted only when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
     ``find_moe_layers(model)`` is read-only: probes run under ``torch.no_grad`` with the RNG forked and
@@ -18,8 +24,11 @@ Contract:
     reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
     model in both forms); ``"inline-loop"`` when the forward loops over a ``ModuleList`` of experts
     itself, which :mod:`themis_compile.passes.shard` rewrites.
+    ``"per-slot"`` / ``"sorted-rows"`` when the experts are called per slot or on sorted rows (found by
+    behaviour; :mod:`themis_compile.passes.shard` rewrites the call, not the forward).
     Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
-    their forward) but fail a check are returned as ``(name, reason)``.
+    their forward, or an experts child called otherwise) but fail a check are returned as
+    ``(name, reason)``, the reason saying what would make the layer work.
 
 Pseudo-code:
     for module in model.named_modules():
@@ -30,6 +39,8 @@ Pseudo-code:
         rewrite = "none" if a stand-in experts(x, ids, weights) reproduces the forward     # Step 4
                   else "inline-loop" if every expert is called one by one
         describe router, scores, activation, shared experts, auxiliary losses              # Step 5
+        if none of that finds it: swap each experts child for a stand-in on a probe and read
+        the call (x, ids, weights) / (x, ids) / (sorted rows, counts); check combine_mismatch  # behaviour
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """

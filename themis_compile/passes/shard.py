@@ -8,6 +8,11 @@ a generated forward: the user's routing code is kept node for node and the exper
 combine become one call ``self.experts(x, ids, weights)``, where ``self.experts`` is an
 :class:`ExpertLoop` over the same expert modules (the same loop, numerically; same parameter names).
 
+Blocks whose experts module is called per slot (``experts(x, ids) -> [T, K, H]``, gpt-fast) or on rows
+sorted by expert (``experts(rows, counts)``, torchtitan) keep their forward: while it runs, the experts
+attribute is seen as an adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`) serving that call with
+one ``experts(x, ids, weights)`` call, and the experts module's class gets that interface.
+
 Contract:
     ``rewrite_moe_layer(info)`` changes only the layer's class (a subclass of the user's whose forward
     is the rewritten graph, traced once per train/eval mode) and its experts attribute (an
