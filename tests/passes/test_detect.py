@@ -103,13 +103,27 @@ def test_stored_auxiliary_loss_is_reported():
     (lambda: zoo.OldHFBlock(gate_width=6), "router 'gate' scores 6 experts but 'experts' holds 4"),
     (zoo.DenseSoftMoE, "no top-k selection"),
     (zoo.CurrentHFLoopBlock, "loops over the experts inline and cannot be traced"),
-    (zoo.SortedTitanMoE, "stacked experts 'experts' are called as experts(Tensor[16, 32], Tensor[4])"),
 ])
 def test_look_alikes_are_rejected_with_a_reason(block, reason):
     infos, rejected = find_moe_layers(nn.Sequential(block()))
     assert infos == []
     assert len(rejected) == 1 and rejected[0][0] == "0"
     assert reason in rejected[0][1]
+
+
+def test_calls_of_other_shapes_are_found_by_behaviour():
+    """torchtitan's sort-based call experts(rows sorted by expert, counts) and gpt-fast's per-slot call
+    experts(x, ids) -> [T, K, H]: found from what the experts call does, to be rewritten."""
+    from tests.passes import zoo_models
+
+    by_name = {}
+    for name, block in (("sorted", zoo.SortedTitanMoE()), ("gpt_fast", zoo_models.GptFastMoE())):
+        infos, rejected = find_moe_layers(nn.ModuleDict({name: block}))
+        assert rejected == [] and [i.name for i in infos] == [name]
+        by_name[name] = infos[0]
+    assert (by_name["sorted"].rewrite, by_name["sorted"].top_k, by_name["sorted"].num_experts) == ("sorted-rows", 2, 4)
+    assert (by_name["gpt_fast"].rewrite, by_name["gpt_fast"].experts_attr) == ("per-slot", "cond_ffn")
+    assert "sigmoid" in by_name["sorted"].router and "topk(k=2)" in by_name["sorted"].router
 
 
 def test_dense_models_are_neither_found_nor_rejected():

@@ -209,3 +209,26 @@ def test_broken_top_k_raises_naming_the_layer(top_k, message):
     assert [i.name for i in infos] == ["blocks.0.moe", "blocks.1.moe"] and infos[1].top_k == top_k
     with pytest.raises(ValueError, match=f"'blocks.1.moe': {message}"):
         prepare_moe_layers(model)
+
+
+def test_per_slot_experts_call_is_rewritten_to_one_experts_call():
+    """gpt-fast's cond_ffn(x, ids) -> [T, K, H], combined by the block: found by behaviour, rewritten so
+    that one experts(x, ids, weights) call serves it; names, outputs and gradients unchanged."""
+    from tests.passes import zoo_models
+
+    torch.manual_seed(0)
+    block = zoo_models.GptFastMoE()
+    original = copy.deepcopy(block)
+    (info,) = shard.prepare_moe_layers(nn.ModuleDict({"moe": block}))
+    assert (info.rewrite, info.experts_attr, info.top_k, info.num_experts) == ("per-slot", "cond_ffn", 2, 4)
+    assert list(block.state_dict()) == list(original.state_dict())
+    calls = []
+    block.cond_ffn.register_forward_pre_hook(lambda m, args: calls.append([tuple(a.shape) for a in args]))
+    x = torch.randn(2, 4, zoo_models.H)
+    out, ref = block(x), original(x)
+    assert calls == [[(16, zoo_models.H), (16, 1), (16, 1)]]   # one call, one row per (token, slot)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(block.named_parameters(), original.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

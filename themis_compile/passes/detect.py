@@ -8,7 +8,13 @@ A module is an MoE layer (the unit FSSDP shards, paper §3.1) when
   traced through) scores E experts with a learned router (an ``nn.Linear`` with E outputs or a weight
   ``[E, H]``), optionally through softmax or sigmoid, and selects the top-k with ``torch.topk``; when FX
   cannot trace the forward, ``make_fx`` records it at the aten level on a probe input instead;
-- the top-k weights reach the output (the weighted combine).
+- the top-k weights reach the output (the weighted combine);
+
+or, whatever the routing code (``max``, sorts, masks, group limits, a router module returning ids), when
+its behaviour on a probe shows it: its experts child, swapped for a stand-in, is called once as
+``experts(x_TH, ids_TK, weights_TK)``, ``experts(x_TH, ids_TK) -> y_TKH`` (per slot) or
+``experts(rows_NH sorted by expert, counts_E)`` and the output is unchanged. A whole-module call is
+accepted only when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
     ``find_moe_layers(model)`` is read-only: probes run under ``torch.no_grad`` with the RNG forked and
@@ -18,8 +24,11 @@ Contract:
     reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
     model in both forms); ``"inline-loop"`` when the forward loops over a ``ModuleList`` of experts
     itself, which :mod:`themis_compile.passes.shard` rewrites.
+    ``"per-slot"`` / ``"sorted-rows"`` when the experts are called per slot or on sorted rows (found by
+    behaviour; :mod:`themis_compile.passes.shard` rewrites the call, not the forward).
     Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
-    their forward) but fail a check are returned as ``(name, reason)``.
+    their forward, or an experts child called otherwise) but fail a check are returned as
+    ``(name, reason)``, the reason saying what would make the layer work.
 
 Pseudo-code:
     for module in model.named_modules():
@@ -30,6 +39,8 @@ Pseudo-code:
         rewrite = "none" if a stand-in experts(x, ids, weights) reproduces the forward     # Step 4
                   else "inline-loop" if every expert is called one by one
         describe router, scores, activation, shared experts, auxiliary losses              # Step 5
+        if none of that finds it: swap each experts child for a stand-in on a probe and read
+        the call (x, ids, weights) / (x, ids) / (sorted rows, counts); check combine_mismatch  # behaviour
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """
@@ -48,6 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+
+from themis_compile.runtime.experts import ExpertBank, loop_combine
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +81,7 @@ class MoELayerInfo:
     activation: str
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
-    rewrite: str = "none"                      # "none" | "inline-loop" (see module docstring)
+    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" (docstring)
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -85,7 +98,10 @@ class MoELayerInfo:
     def describe(self) -> str:
         shared = ", ".join(self.shared_expert_names) if self.shared_expert_names else "no"
         call = {"none": f"calls {self.experts_attr}(x, ids, weights)",
-                "inline-loop": "loops over its experts inline (rewritten to one experts call)"}.get(self.rewrite,
+                "inline-loop": "loops over its experts inline (rewritten to one experts call)",
+                "per-slot": f"calls {self.experts_attr}(x, ids) -> [T, K, H] (rewritten to one experts call)",
+                "sorted-rows": f"calls {self.experts_attr}(rows sorted by expert, counts) (rewritten to one "
+                               "experts call)"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -456,24 +472,43 @@ def _topk_k(node: fx.Node, meta: dict) -> int | None:
     return m[0].shape[-1] if m else None
 
 
+_SELECTIONS = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax",
+               torch.sort: "sort", torch.Tensor.sort: "sort", torch.argsort: "argsort",
+               torch.Tensor.argsort: "argsort"}
+
+
 class _CallRecorder(TorchFunctionMode):
-    """Records, in order, the top-k and score functions a forward calls (at the torch-function level)."""
+    """Records, in order, the top-k, other selections (max, argmax, sort) and score functions a forward
+    calls (at the torch-function level)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ks: list[int] = []
         self.scores: list[str] = []
+        self.selections: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _TOPK:
             k = args[1] if len(args) > 1 else kwargs.get("k")
             self.ks.append(int(k))
+            self.selections.append(f"topk(k={int(k)})")
         elif func in _SOFTMAX:
             self.scores.append("softmax")
         elif func in _SIGMOID:
             self.scores.append("sigmoid")
+        elif func in _SELECTIONS and (len(args) > 1 or "dim" in kwargs):
+            self.selections.append(_SELECTIONS[func])
         return func(*args, **kwargs)
+
+
+def record_calls(module: nn.Module, x: torch.Tensor) -> _CallRecorder:
+    """The selections and score functions ``module(x)`` calls on a probe, in call order."""
+    rec = _CallRecorder()
+    with preserved_state(module), torch.no_grad(), rec:
+        torch.manual_seed(PROBE_SEED)
+        module(x.clone())
+    return rec
 
 
 def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
@@ -497,14 +532,36 @@ class _ExpertsStandIn(nn.Module):
         super().__init__()
         self.inner = experts
         self.calls: list[tuple] = []
+        self.outputs: list[Any] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         self.calls.append(tuple(args) + tuple(kwargs.values()))
         if isinstance(self.inner, nn.ModuleList):
-            from themis_compile.passes.shard import loop_combine
+            out = loop_combine(self.inner, *args, *kwargs.values())
+        else:
+            out = self.inner(*args, **kwargs)
+        self.outputs.append(out)
+        return out
 
-            return loop_combine(self.inner, *args, *kwargs.values())
-        return self.inner(*args, **kwargs)
+
+class RuntimeReference(nn.Module):
+    """What the sharded runtime computes for ``experts(x_TH, ids_TK, weights_TK)``, in one process:
+    ``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` with each expert run alone by the
+    :class:`~themis_compile.runtime.experts.ExpertBank` of ``experts`` (held, not registered)."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.bank = ExpertBank(experts)
+        self.__dict__["experts"] = experts
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        out_TH = torch.zeros(x_TH.shape, dtype=torch.float64, device=x_TH.device)
+        for e in range(self.bank.num_experts):
+            token_N, k_N = torch.where(ids_TK == e)
+            if token_N.numel():
+                y_NH = self.bank.run(self.bank.chunk(self.experts, e), x_TH[token_N])
+                out_TH = out_TH.index_add(0, token_N, y_NH.double() * weights_TK[token_N, k_N, None].double())
+        return out_TH.to(x_TH.dtype)
 
 
 def _outputs_close(a: Any, b: Any) -> bool:
@@ -522,9 +579,77 @@ def _outputs_close(a: Any, b: Any) -> bool:
     return True
 
 
-def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int) -> tuple[str, str]:
+def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
+                     ) -> str | None:
+    """Why the sharded runtime would not compute what ``experts(x_TH, ids_TK, weights_TK)`` computes, or
+    None when it does. The runtime computes ``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``
+    with each expert run alone (:class:`~themis_compile.runtime.experts.ExpertBank`); a module that
+    gives some ids another meaning (zero or identity experts, dropped tokens) or weighs inside the
+    expert differs, and is rejected instead of trained differently."""
+    with torch.no_grad():
+        try:
+            bank = ExpertBank(experts)
+        except ValueError as exc:
+            return (f"its experts cannot be cut into equal per-expert chunks ({str(exc).split(': ', 1)[-1]}); "
+                    "hold them as a ModuleList of identical modules or as parameters all stacked [E, ...]")
+        E = bank.num_experts
+        if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= E):
+            return (f"it routes tokens to ids outside [0, {E}) (ids {int(ids_TK.min())}..{int(ids_TK.max())}: "
+                    f"zero/identity experts or dropped tokens); make every routed id name one of the {E} "
+                    "experts, or run the extra ids outside the experts module")
+        expected = experts(x_TH, ids_TK, weights_TK) if not isinstance(experts, nn.ModuleList) else None
+        if expected is None:
+            return None   # a ModuleList's combine is the runtime's loop by construction
+        out = RuntimeReference(experts)(x_TH, ids_TK, weights_TK).double()
+        if not isinstance(expected, torch.Tensor) or expected.shape != x_TH.shape:
+            return (f"{type(experts).__name__}(x, ids, weights) returns "
+                    f"{getattr(expected, 'shape', type(expected).__name__)}, not [T, H]")
+        if not torch.allclose(expected.double(), out, rtol=1e-4, atol=1e-5):
+            err = float((expected.double() - out).abs().max())
+            return (f"{type(experts).__name__}(x, ids, weights) is not sum_k weights * expert_ids(x) with each "
+                    f"expert run alone (differs by {err:.3g}); the sharded runtime would train a different "
+                    "model. Make its forward that sum, or give the module expert_forward(params, x)")
+    if bank.per_expert_modules:
+        return _skipped_expert_gradient(experts, x_TH, ids_TK, weights_TK, E)
+    return None
+
+
+def _skipped_expert_gradient(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                             weights_TK: torch.Tensor, E: int) -> str | None:
+    """Why an experts module that skips experts without tokens would train differently, or None.
+
+    The runtime runs every expert it holds every step, so an expert without tokens gets a zero
+    gradient; a module that runs only the experts it routes to leaves that gradient None. AdamW skips a
+    None gradient but moves a zero-gradient parameter by its momentum, so the two train differently."""
+    from themis_compile.runtime.experts import expert_modules
+
+    modules = expert_modules(experts)
+    ids_TK = torch.where(ids_TK == 0, torch.ones_like(ids_TK), ids_TK) if E > 1 else ids_TK
+    params = list(modules[0].parameters())
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        with torch.enable_grad(), preserved_state(experts):
+            out = experts(x_TH.detach(), ids_TK, weights_TK.detach())
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.sum().backward()
+        skipped = any(p.grad is None for p in params)
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    if skipped:
+        return (f"{type(experts).__name__} runs only the experts that receive tokens: an expert without tokens "
+                "gets no gradient there but a zero gradient from the sharded runtime, and AdamW moves a "
+                "zero-gradient parameter by its momentum; run every expert (an empty batch of rows) each step")
+    return None
+
+
+def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int | None = None
+                      ) -> tuple[str, str]:
     """("none" | "inline-loop" | "unsupported", detail): can the experts child be swapped for a module
-    with the interface experts(x_TH, ids_TK, weights_TK)? Decided on a probe, not by reading code."""
+    with the interface experts(x_TH, ids_TK, weights_TK)? Decided on a probe, not by reading code; with
+    that interface, the module must also compute what the runtime computes (:func:`combine_mismatch`)."""
     experts = getattr(module, attr)
     expected = run_probe(module, x)
     stand_in = _ExpertsStandIn(experts)
@@ -540,10 +665,13 @@ def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int)
     if error is None and len(calls) == 1 and len(calls[0]) == 3:
         x_TH, ids_TK, weights_TK = calls[0]
         ok = (isinstance(x_TH, torch.Tensor) and x_TH.dim() == 2
-              and isinstance(ids_TK, torch.Tensor) and not ids_TK.is_floating_point()
+              and isinstance(ids_TK, torch.Tensor) and not ids_TK.is_floating_point() and ids_TK.dim() == 2
               and isinstance(weights_TK, torch.Tensor) and weights_TK.is_floating_point()
-              and ids_TK.shape == weights_TK.shape == (x_TH.shape[0], top_k))
+              and ids_TK.shape == weights_TK.shape and ids_TK.shape[0] == x_TH.shape[0]
+              and (top_k is None or ids_TK.shape[1] == top_k))
         if ok and _outputs_close(expected, got):
+            if (why := combine_mismatch(experts, x_TH, ids_TK, weights_TK)) is not None:
+                return "unsupported", why
             return "none", f"calls {attr}(x_TH, ids_TK, weights_TK)"
     if isinstance(experts, nn.ModuleList):
         counts = [0] * len(experts)
@@ -562,7 +690,53 @@ def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int)
     shapes = ", ".join(f"{type(a).__name__}{list(a.shape) if isinstance(a, torch.Tensor) else ''}"
                        for a in (calls[0] if calls else ()))
     return "unsupported", (f"stacked experts '{attr}' are called as {attr}({shapes}), not as "
-                           f"{attr}(x_TH, ids_TK, weights_TK)")
+                           f"{attr}(x_TH, ids_TK, weights_TK); call them once that way (x [T, H], integer "
+                           "top-k ids and floating weights [T, K]) and let them return the weighted sum")
+
+
+# --- The combined value of inline expert calls (used by the description and by passes.shard) -----------
+
+def expert_index(node: fx.Node, attr: str) -> str | None:
+    """The expert a node belongs to (``experts.3`` or ``experts.3.w1.weight`` -> "3"), else None."""
+    if node.op in ("call_module", "get_attr") and isinstance(node.target, str) and node.target.startswith(attr + "."):
+        return node.target[len(attr) + 1:].split(".")[0]
+    return None
+
+
+def expert_nodes(graph: fx.Graph, attr: str) -> list[fx.Node]:
+    return [n for n in graph.nodes if expert_index(n, attr) is not None]
+
+
+def output_node(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def reach_by_expert(calls: list[fx.Node], attr: str, succ: dict[fx.Node, list[fx.Node]]
+                     ) -> dict[str, set[fx.Node]]:
+    groups: dict[str, list[fx.Node]] = {}
+    for c in calls:
+        groups.setdefault(expert_index(c, attr), []).append(c)
+    return {e: reachable(cs, lambda n: succ[n]) for e, cs in groups.items()}
+
+
+def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
+    """Y: the nearest node every expert's output flows through on its way to the output (the combined
+    value), following in-place updates as versions. None when there is none besides the output."""
+    graph = traced.gm.graph
+    calls = expert_nodes(graph, attr)
+    if not calls:
+        return None
+    succ = effective_users(graph)
+    out = output_node(graph)
+    reach = reach_by_expert(calls, attr, succ)
+    common = set.intersection(*reach.values())
+    if out not in common:
+        return None
+    for y in graph.nodes:  # topological order: the first post-dominator is the nearest
+        if y in common and y not in calls and y is not out:
+            if out not in reachable(calls, lambda n: succ[n], avoid=y):
+                return y
+    return None
 
 
 # --- Step 5: description -----------------------------------------------------------------------------
@@ -665,7 +839,210 @@ class _Reject(Exception):
 
 
 def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
-    """The layer ``module`` is, None when it does not look MoE-like; raises _Reject with the reason."""
+    """The layer ``module`` is, None when it does not look MoE-like; raises _Reject with the reason.
+
+    The routing analysis (FX graph or recorded top-k) comes first, as it describes the router best;
+    when it does not find a layer, the behaviour decides (:func:`_inspect_by_behaviour`)."""
+    try:
+        info = _inspect_routing(name, module)
+    except _Reject as why:
+        info, reject = None, why
+    else:
+        reject = None
+    if info is not None:
+        return info
+    try:
+        found = _inspect_by_behaviour(name, module)
+    except _Reject as behaviour:
+        # The routing analysis saw the layer first and says best what it found, unless all it says is
+        # that it found no top-k: then what the experts call (or the probe) showed is the reason.
+        if reject is not None and not str(reject).startswith("no top-k selection"):
+            raise reject
+        raise behaviour
+    if found is not None:
+        return found
+    if reject is not None:
+        raise reject
+    return None
+
+
+def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
+    """Children that may hold the experts: the structural ones (Step 1), then any other child with
+    parameters whose attribute names experts (``experts``, ``moe_experts`` ...), E read from it."""
+    found = _experts_children(module)
+    seen = {c.attr for c in found}
+    for attr, child in module.named_children():
+        if attr in seen or _is_sharded(child) or "expert" not in attr.lower() or "shared" in attr.lower():
+            continue
+        if isinstance(child, (nn.Linear, nn.Embedding)) or not any(True for _ in child.parameters()):
+            continue
+        E = next((v for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                  if isinstance(v := getattr(child, k, None), int)), None)
+        if E is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            E = len(child)
+        found.append(_ExpertsChild(attr, child, E or 0, "modulelist" if isinstance(child, nn.ModuleList)
+                                   else "stacked"))
+    return found
+
+
+def _counts(v: Any) -> list[int] | None:
+    """Rows per expert when ``v`` is one (an integer vector or a list of ints), else None."""
+    if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() == 1:
+        return [int(c) for c in v]
+    if isinstance(v, (list, tuple)) and v and all(isinstance(c, int) for c in v):
+        return list(v)
+    return None
+
+
+def _describe_call(args: tuple) -> str:
+    return ", ".join(f"{'int' if not a.is_floating_point() else 'float'}{list(a.shape)}"
+                     if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
+
+
+def _unsupported_call(attr: str, calls: list[tuple], T: int) -> str:
+    """Why a recorded experts call is not experts(x_TH, ids_TK, weights_TK), and what would make it so."""
+    if not calls:
+        return f"the forward never calls '{attr}' on the probe"
+    if len(calls) > 1:
+        return (f"the forward calls '{attr}' {len(calls)} times per forward ({_describe_call(calls[0])} first); "
+                f"call it once as {attr}(x_TH, ids_TK, weights_TK)")
+    args = calls[0]
+    if len(args) == 3 and isinstance(args[1], torch.Tensor) and args[1].dim() == 3:
+        return (f"'{attr}' is called with a dispatch mask ({_describe_call(args)}: one-hot [T, K, E] masks, "
+                f"Switch/NLLB style); the runtime needs integer ids [T, K]: call {attr}(x, mask.argmax(-1), "
+                "weights) with dropped tokens weighted 0")
+    if len(args) == 1:
+        return (f"'{attr}' is called on hidden states alone ({_describe_call(args)}), so every expert sees "
+                f"every row (routing folded into the input, e.g. Llama-4's scores * x repeated over experts); "
+                f"call {attr}(x_TH, ids_TK, weights_TK) with the top-k ids and weights instead")
+    return (f"'{attr}' is called as {attr}({_describe_call(args)}), not as {attr}(x_TH, ids_TK, weights_TK) "
+            f"(x [T, H], integer ids [T, K], floating weights [T, K], T = {T} probe tokens)")
+
+
+def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """An MoE layer recognised by what it does, whatever its routing code looks like (``max``, sorts,
+    masks, group limits, bias corrections ...): its experts child, swapped for a stand-in, is called once
+    as ``experts(x_TH, ids_TK, weights_TK)`` with integer ids and floating weights [T, K], the layer's
+    output is unchanged, and that call computes what the sharded runtime computes. The router is
+    described from the calls recorded on the probe. Raises _Reject (the call seen and what would make
+    it work) when an experts child is called otherwise; None when the module does not call one."""
+    reject, probe_errors, probe_ran = None, [], False
+    for child in _behaviour_candidates(module):
+        routers = _router_widths(module, child.module)
+        H = _hidden_size(child, routers) if child.num_experts else next(
+            (h for _, _, h in routers), None) or next((p.shape[-1] for p in child.module.parameters()
+                                                       if p.dim() >= 2), None)
+        if H is None:
+            continue
+        for flat in (False, True):
+            x = probe_input(module, H, flat=flat)
+            try:
+                run_probe(module, x)
+            except Exception as exc:
+                if "expert" in child.attr.lower():
+                    probe_errors.append(f"{list(x.shape)}: {type(exc).__name__}: {exc}".splitlines()[0][:160])
+                continue
+            probe_ran = True
+            stand_in = _ExpertsStandIn(child.module)
+            setattr(module, child.attr, stand_in)
+            try:
+                run_probe(module, x)
+            except Exception:
+                continue
+            finally:
+                setattr(module, child.attr, child.module)
+            calls = stand_in.calls
+            T = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
+            ok = (len(calls) == 1 and len(calls[0]) == 3 and all(isinstance(a, torch.Tensor) for a in calls[0])
+                  and not calls[0][1].is_floating_point() and calls[0][2].is_floating_point()
+                  and calls[0][1].dim() == 2)
+            per_slot = (len(calls) == 1 and len(calls[0]) == 2 and child.form == "stacked"
+                        and all(isinstance(a, torch.Tensor) for a in calls[0])
+                        and calls[0][0].is_floating_point() and calls[0][0].dim() == 2
+                        and not calls[0][1].is_floating_point() and calls[0][1].dim() == 2
+                        and isinstance(stand_in.outputs[0], torch.Tensor)
+                        and stand_in.outputs[0].shape == calls[0][1].shape + calls[0][0].shape[-1:])
+            sorted_rows = (len(calls) == 1 and len(calls[0]) == 2 and child.form == "stacked"
+                           and isinstance(calls[0][0], torch.Tensor) and calls[0][0].is_floating_point()
+                           and calls[0][0].dim() == 2 and _counts(calls[0][1]) is not None
+                           and len(_counts(calls[0][1])) == child.num_experts
+                           and sum(_counts(calls[0][1])) == calls[0][0].shape[0]
+                           and isinstance(stand_in.outputs[0], torch.Tensor)
+                           and stand_in.outputs[0].shape[0] == calls[0][0].shape[0])
+            if sorted_rows and stand_in.outputs[0].shape != calls[0][0].shape:
+                raise _Reject(f"'{child.attr}' is called on rows sorted by expert ({_describe_call(calls[0])}) but "
+                              f"maps rows of width {calls[0][0].shape[-1]} to {stand_in.outputs[0].shape[-1]}: "
+                              "only part of each expert (JetMoE ParallelExperts); an experts module must hold "
+                              "whole experts, mapping [N, H] rows to [N, H]")
+            if sorted_rows:
+                # torchtitan: experts(rows sorted by expert, rows per expert) -> one output row per row.
+                rec = record_calls(module, x)
+                E = child.num_experts
+                K = max(1, calls[0][0].shape[0] // T)
+                router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+                scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+                selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+                return MoELayerInfo(
+                    name=name, module=module, num_experts=E, top_k=K, experts_form="stacked",
+                    router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
+                            f"rows sorted by expert with counts at the experts call (behaviour)"),
+                    activation=describe_activation(child.module), shared_experts=False, experts_attr=child.attr,
+                    rewrite="sorted-rows", router_path=router_path or "",
+                    score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
+            if per_slot:
+                # gpt-fast: experts(x_TH, ids_TK) -> y_TKH, combined by the block itself; passes.shard
+                # rewrites the call and verifies the rewrite against the runtime's computation.
+                rec = record_calls(module, x)
+                E, K = child.num_experts, int(calls[0][1].shape[1])
+                router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+                scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+                selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+                return MoELayerInfo(
+                    name=name, module=module, num_experts=E, top_k=K, experts_form="stacked",
+                    router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
+                            f"top-{K} ids seen at the experts call (behaviour)"),
+                    activation=describe_activation(child.module), shared_experts=False, experts_attr=child.attr,
+                    rewrite="per-slot", router_path=router_path or "",
+                    score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
+            if not ok:
+                # Only a child that names experts, or is called with integer ids, is an experts
+                # container used otherwise; a parent of a whole MoE block is not.
+                ids_like = any(isinstance(a, torch.Tensor) and not a.is_floating_point() for c in calls for a in c)
+                if "expert" in child.attr.lower() or ids_like:
+                    reject = reject or _Reject(_unsupported_call(child.attr, calls, T))
+                break
+            x_TH, ids_TK, weights_TK = calls[0]
+            if child.form == "modulelist" and (why := _non_identical_reason(child.module)):
+                raise _Reject(why)
+            form, detail = experts_call_form(module, child.attr, x, ids_TK.shape[1])
+            if form != "none":
+                raise _Reject(detail)
+            rec = record_calls(module, x)
+            E, K = ExpertBank(child.module).num_experts, int(ids_TK.shape[1])
+            router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+            scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+            selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+            router_text = (f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
+                           f"top-{K} ids seen at the experts call (behaviour)")
+            expert0 = child.module[0] if child.form == "modulelist" else child.module
+            return MoELayerInfo(
+                name=name, module=module, num_experts=E, top_k=K, experts_form=child.form, router=router_text,
+                activation=describe_activation(expert0), shared_experts=False, experts_attr=child.attr,
+                rewrite="none", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+                hidden_size=H, probe_flat=flat)
+    if reject is not None:
+        raise reject
+    if probe_errors and not probe_ran:
+        raise _Reject(f"the forward fails on probe hidden states ({'; '.join(probe_errors)}); detection runs a "
+                      "block on hidden states alone: keep the MoE in a module called as moe(hidden_states), "
+                      "with any other input (token ids for hash routing, masks) optional")
+    return None
+
+
+def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """The layer found from its routing code: a top-k over a learned router's scores (FX graph, or the
+    calls recorded on a probe when FX fails), the experts called as experts(x, ids, weights) or looped
+    over inline."""
     # Step 1: an experts-like child, preferably the one a router of its width scores.
     children = _experts_children(module)
     if not children:
@@ -689,11 +1066,14 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     if child.form == "modulelist" and (why := _non_identical_reason(child.module)):
         raise _Reject(why)
     if H is None:
-        raise _Reject(f"no router weight [E, H] next to its {E} experts and no Linear to tell the hidden size")
+        raise _Reject(f"no router weight [E, H] next to its {E} experts and no Linear to tell the hidden size; "
+                      "give the block its router as an nn.Linear(H, E) or a weight [E, H]")
     router = None
     if traced is not None:
         if not topks:
-            raise _Reject("no top-k selection (torch.topk) in the traced forward of the block or its router")
+            raise _Reject("no top-k selection (torch.topk) in the traced forward of the block or its router, and "
+                          "its experts are not called once as experts(x, ids, weights); select with topk, or "
+                          "call the experts that way (integer ids [T, K], weights [T, K])")
         router = _router_of(traced.gm, topks[-1])
         if router is None:
             raise _Reject("the top-k does not select over scores of a learned router (no Linear or weight [E, H] "
@@ -719,7 +1099,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
             errors.append(f"{list(x.shape)}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
             x = None
     if x is None:
-        raise _Reject(f"the forward fails on probe hidden states ({'; '.join(errors)})")
+        raise _Reject(f"the forward fails on probe hidden states ({'; '.join(errors)}); detection runs a "
+                      "block on hidden states alone: keep the MoE in a module called as moe(hidden_states)")
 
     if traced is not None:
         try:
@@ -734,11 +1115,13 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         after = {_score_kind(n) for n in _descendants(values)} - {None}
         succ = effective_users(traced.gm.graph)
         if not any(n.op == "output" for n in reachable(values + indices, lambda n: succ[n])):
-            raise _Reject("the top-k weights and ids never reach the output (no weighted combine)")
+            raise _Reject("the top-k weights and ids never reach the output (no weighted combine); the output must "
+                          "combine the selected experts' outputs with the top-k weights")
     else:
         ks, scores = _recorded_topk(module, x)
         if not ks:
-            raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and none ran on a probe")
+            raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and none ran on a probe; select "
+                          "with torch.topk, or call the experts once as experts(x, ids, weights)")
         top_k = ks[-1]
         router_path, width, H_router = next((r for r in routers if r[1] == E), None) or (None, None, H)
         if router_path is None:
@@ -754,7 +1137,9 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     if form == "unsupported":
         raise _Reject(detail)
     if form == "inline-loop" and traced is None:
-        raise _Reject(f"its forward loops over the experts inline and cannot be traced to rewrite it ({fx_error})")
+        raise _Reject(f"its forward loops over the experts inline and cannot be traced to rewrite it ({fx_error}); "
+                      "call the experts once as experts(x, ids, weights) (an nn.Module doing the loop), or "
+                      "keep the loop free of Python control flow on tensor values (.tolist(), .numpy(), int())")
 
     # Step 5: description.
     score = sorted(before)[0] if before else (sorted(after)[0] if after else "none")
@@ -766,8 +1151,6 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     if traced is not None:
         combined = [n for n in traced.gm.graph.nodes if n.op == "call_module" and n.target == child.attr]
         if not combined:
-            from themis_compile.passes.shard import combine_node
-
             y = combine_node(traced, child.attr)
             combined = [y] if y is not None else []
     shared = _shared_experts(traced, module, combined, child.attr) if traced is not None else ()
@@ -827,8 +1210,10 @@ def explain_moe_layers(model: nn.Module) -> str:
         lines.append(f"    shared experts: {', '.join(info.shared_expert_names) or 'none'}")
         for aux in info.aux_losses:
             lines.append(f"    auxiliary:      {aux}")
-        lines.append(f"    experts call:   " + ("experts(x, ids, weights)" if info.rewrite == "none" else
-                                                "inline loop over the experts (rewritten by optimize)"))
+        lines.append(f"    experts call:   " + {"none": "experts(x, ids, weights)",
+                                                "per-slot": "experts(x, ids) -> [T, K, H] (rewritten by optimize)",
+                                                "sorted-rows": "experts(rows sorted by expert, counts) (rewritten "
+                                                               "by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

@@ -8,6 +8,11 @@ a generated forward: the user's routing code is kept node for node and the exper
 combine become one call ``self.experts(x, ids, weights)``, where ``self.experts`` is an
 :class:`ExpertLoop` over the same expert modules (the same loop, numerically; same parameter names).
 
+Blocks whose experts module is called per slot (``experts(x, ids) -> [T, K, H]``, gpt-fast) or on rows
+sorted by expert (``experts(rows, counts)``, torchtitan) keep their forward: while it runs, the experts
+attribute is seen as an adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`) serving that call with
+one ``experts(x, ids, weights)`` call, and the experts module's class gets that interface.
+
 Contract:
     ``rewrite_moe_layer(info)`` changes only the layer's class (a subclass of the user's whose forward
     is the rewritten graph, traced once per train/eval mode) and its experts attribute (an
@@ -44,9 +49,13 @@ from torch.utils._pytree import tree_map
 from themis_compile.passes.detect import (
     SEARCHED,
     MoELayerInfo,
+    RuntimeReference,
     TensorMeta,
     TracedBlock,
+    expert_nodes,
+    reach_by_expert,
     check_layer,
+    combine_node,
     effective_users,
     find_moe_layers,
     is_inplace,
@@ -58,21 +67,11 @@ from themis_compile.passes.detect import (
     topk_outputs,
     trace_block,
 )
+from themis_compile.runtime.experts import loop_combine
 
 logger = logging.getLogger(__name__)
 
 SELF_PLACEHOLDER = "_themis_self"
-
-
-def loop_combine(experts: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
-                 weights_TK: torch.Tensor) -> torch.Tensor:
-    """sum_k weights_TK[t, k] * experts[ids_TK[t, k]](x_TH[t]): one expert at a time, HF-Mixtral style."""
-    out_TH = torch.zeros_like(x_TH)
-    for e, expert in enumerate(experts):
-        token_N, k_N = torch.where(ids_TK == e)
-        y_NH = expert(x_TH[token_N]) * weights_TK[token_N, k_N, None]
-        out_TH.index_add_(0, token_N, y_NH.to(out_TH.dtype))
-    return out_TH
 
 
 class ExpertLoop(nn.ModuleList):
@@ -90,49 +89,6 @@ def _store_attribute(owner: nn.Module, path: str, name: str, value: Any) -> None
 
 
 # --- Step 1: the expert computation in the graph ------------------------------------------------------
-
-def _expert_index(node: fx.Node, attr: str) -> str | None:
-    """The expert a node belongs to (``experts.3`` or ``experts.3.w1.weight`` -> "3"), else None."""
-    if node.op in ("call_module", "get_attr") and isinstance(node.target, str) and node.target.startswith(attr + "."):
-        return node.target[len(attr) + 1:].split(".")[0]
-    return None
-
-
-def _expert_nodes(graph: fx.Graph, attr: str) -> list[fx.Node]:
-    return [n for n in graph.nodes if _expert_index(n, attr) is not None]
-
-
-def _output_node(graph: fx.Graph) -> fx.Node:
-    return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
-def _reach_by_expert(calls: list[fx.Node], attr: str, succ: dict[fx.Node, list[fx.Node]]
-                     ) -> dict[str, set[fx.Node]]:
-    groups: dict[str, list[fx.Node]] = {}
-    for c in calls:
-        groups.setdefault(_expert_index(c, attr), []).append(c)
-    return {e: reachable(cs, lambda n: succ[n]) for e, cs in groups.items()}
-
-
-def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
-    """Y: the nearest node every expert's output flows through on its way to the output (the combined
-    value), following in-place updates as versions. None when there is none besides the output."""
-    graph = traced.gm.graph
-    calls = _expert_nodes(graph, attr)
-    if not calls:
-        return None
-    succ = effective_users(graph)
-    out = _output_node(graph)
-    reach = _reach_by_expert(calls, attr, succ)
-    common = set.intersection(*reach.values())
-    if out not in common:
-        return None
-    for y in graph.nodes:  # topological order: the first post-dominator is the nearest
-        if y in common and y not in calls and y is not out:
-            if out not in reachable(calls, lambda n: succ[n], avoid=y):
-                return y
-    return None
-
 
 def _base(node: fx.Node) -> fx.Node:
     while is_inplace(node) and node.args and isinstance(node.args[0], fx.Node):
@@ -168,7 +124,7 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     branch_ancestries = _remove_dead_branches(graph, traced.branch_nodes)
 
     # Step 1: the expert calls C, the combined value Y, and the inputs x, ids, weights feeding every expert.
-    calls = _expert_nodes(graph, attr)
+    calls = expert_nodes(graph, attr)
     y = combine_node(traced, attr)
     if y is None:
         raise RewriteError(f"MoE layer {layer!r}: the experts' outputs do not merge into one combined value")
@@ -182,7 +138,7 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     before_calls = reachable(calls, lambda n: pred[n])
     # Nodes only one expert's output reaches: a weights/ids/x candidate must feed all of them.
     times_reached: dict[fx.Node, int] = {}
-    reach = _reach_by_expert(calls, attr, succ)
+    reach = reach_by_expert(calls, attr, succ)
     for nodes in reach.values():
         for n in nodes:
             times_reached[n] = times_reached.get(n, 0) + 1
@@ -349,6 +305,104 @@ def plan_rewrite(info: MoELayerInfo) -> RewritePlan:
     return RewritePlan(_rewritten_class(type(module), forwards, placeholders), constants)
 
 
+class PerSlotCall:
+    """``self.<experts>`` as a per-slot block's forward sees it: ``experts(x_TH, ids_TK) -> y_TKH``, each
+    selected expert's output left for the block to combine (gpt-fast ``cond_ffn``). Computed with one call
+    of the runtime's interface: every (token, slot) pair is a row of its own, routed to its expert with
+    weight 1."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+
+    def __call__(self, x_TH: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+        T, K = ids_TK.shape
+        x_NH = x_TH.repeat_interleave(K, dim=0)                 # row t * K + k
+        ones_N1 = torch.ones((T * K, 1), dtype=x_TH.dtype, device=x_TH.device)
+        return self.experts(x_NH, ids_TK.reshape(-1, 1), ones_N1).view(T, K, -1)
+
+
+class SortedRowsCall:
+    """``self.<experts>`` as a sorted-rows block's forward sees it: ``experts(rows_NH, counts_E) -> y_NH``
+    with the rows sorted by expert, ``counts_E[e]`` of them for expert e (torchtitan ``GroupedExperts``).
+    Computed with one call of the runtime's interface: every row is a token of its own, routed to its
+    expert with weight 1. ``counts_E`` as the block passes it: an integer tensor or a list."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+
+    def __call__(self, rows_NH: torch.Tensor, counts_E) -> torch.Tensor:
+        counts = torch.as_tensor(counts_E, device=rows_NH.device).long()
+        ids_N1 = torch.repeat_interleave(torch.arange(len(counts), device=rows_NH.device), counts).view(-1, 1)
+        ones_N1 = torch.ones(ids_N1.shape, dtype=rows_NH.dtype, device=rows_NH.device)
+        return self.experts(rows_NH, ids_N1, ones_N1)
+
+
+def _sorted_rows_experts_forward(experts_cls: type):
+    def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        T, K = ids_TK.shape
+        E = next(self.parameters()).shape[0]
+        flat_N = ids_TK.reshape(-1)
+        order_N = torch.argsort(flat_N, stable=True)
+        counts_E = torch.zeros(E, dtype=torch.long, device=flat_N.device).scatter_add_(
+            0, flat_N, torch.ones_like(flat_N))
+        y_NH = experts_cls.forward(self, x_TH[order_N // K], counts_E)
+        y_TKH = torch.empty_like(y_NH).index_copy_(0, order_N, y_NH).view(T, K, -1)
+        return torch.einsum("tkh,tk->th", y_TKH, weights_TK.to(y_TKH.dtype))
+
+    experts_forward.__doc__ = f"{experts_cls.__name__}.forward on rows sorted by expert, combined with the weights."
+    return experts_forward
+
+
+def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str) -> tuple[type, type]:
+    """(block class, experts class) of a per-slot or sorted-rows rewrite: the block's forward runs
+    unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall`; the experts
+    module is called as ``experts(x_TH, ids_TK, weights_TK)``."""
+    call = PerSlotCall if form == "per-slot" else SortedRowsCall
+
+    def block_forward(self, *args, **kwargs):
+        self.__dict__[attr] = call(self._modules[attr])   # shadows the submodule inside forward only
+        try:
+            return block_cls.forward(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(attr, None)
+
+    block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr} served by one experts(x, ids, weights) call."
+    experts_forward = (_per_slot_classes(block_cls, experts_cls, attr)[1].forward if form == "per-slot"
+                       else _sorted_rows_experts_forward(experts_cls))
+    new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
+                                                        "_themis_original_class": block_cls})
+    new_experts = type(experts_cls.__name__, (experts_cls,), {"forward": experts_forward,
+                                                              "__module__": experts_cls.__module__,
+                                                              "_themis_original_class": experts_cls})
+    return new_block, new_experts
+
+
+def _per_slot_classes(block_cls: type, experts_cls: type, attr: str) -> tuple[type, type]:
+    """(block class, experts class) of a per-slot rewrite: the block's forward runs unchanged with
+    ``self.<attr>`` seen as a :class:`PerSlotCall`; the experts module is called as
+    ``experts(x_TH, ids_TK, weights_TK)``, its own per-slot forward combined with the weights."""
+
+    def block_forward(self, *args, **kwargs):
+        self.__dict__[attr] = PerSlotCall(self._modules[attr])   # shadows the submodule inside forward only
+        try:
+            return block_cls.forward(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(attr, None)
+
+    def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        y_TKH = experts_cls.forward(self, x_TH, ids_TK)
+        return torch.einsum("tkh,tk->th", y_TKH, weights_TK.to(y_TKH.dtype))
+
+    block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr}(x, ids) served by one experts(x, ids, weights) call."
+    experts_forward.__doc__ = f"{experts_cls.__name__}.forward combined with the top-k weights."
+    new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
+                                                        "_themis_original_class": block_cls})
+    new_experts = type(experts_cls.__name__, (experts_cls,), {"forward": experts_forward,
+                                                              "__module__": experts_cls.__module__,
+                                                              "_themis_original_class": experts_cls})
+    return new_block, new_experts
+
+
 def rewrite_moe_layer(info: MoELayerInfo) -> None:
     """Make ``info.module`` call its experts as ``experts(x_TH, ids_TK, weights_TK)``, in place.
 
@@ -357,6 +411,16 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     the module's class becomes a subclass of its own with that forward; its experts ModuleList becomes an
     :class:`ExpertLoop` of the same modules. ``info.plan``, when set, is used instead of tracing again."""
     if info.rewrite == "none" or info.rewritten:
+        return
+    if info.rewrite in ("per-slot", "sorted-rows"):
+        experts = info.experts
+        block_cls, experts_cls = _call_rewrite_classes(type(info.module), type(experts), info.experts_attr,
+                                                       info.rewrite)
+        info.module.__class__ = block_cls
+        experts.__class__ = experts_cls
+        info.rewritten = True
+        logger.info("MoE layer %s: %s(x, ids) served by one %s(x, ids, weights) call", info.name,
+                    info.experts_attr, info.experts_attr)
         return
     if info.rewrite != "inline-loop":
         raise ValueError(f"MoE layer {info.name!r}: unknown rewrite {info.rewrite!r}")
@@ -433,10 +497,14 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
     # Rewrite copies (sharing parameters and buffers) and compare with the originals before touching any.
     todo = [info for info in infos if info.rewrite != "none" and not info.rewritten]
     for info in todo:
-        info.plan = plan_rewrite(info)
+        if info.rewrite == "inline-loop":
+            info.plan = plan_rewrite(info)
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
+        if info.rewrite in ("per-slot", "sorted-rows"):
+            # The trial computes its experts exactly as the sharded runtime will (each expert alone).
+            trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr])
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
     for info in todo:
         rewrite_moe_layer(info)

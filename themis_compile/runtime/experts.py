@@ -3,8 +3,8 @@ function that runs one expert on rows of tokens given those tensors.
 
 Two layouts are understood:
 
-- ``nn.ModuleList`` of identical expert modules (HF-Mixtral style): expert e's chunk is the list of its
-  module's parameters; it runs through ``torch.func.functional_call`` on a parameter-free template, so
+- ``nn.ModuleList`` (or ``nn.ModuleDict``, Switch/NLLB style: its modules with parameters, in order) of
+  identical expert modules (HF-Mixtral style): expert e's chunk is the list of its module's parameters; it runs through ``torch.func.functional_call`` on a parameter-free template, so
   the user's own expert code computes every copy, owned or materialized.
 - a stacked module (torchtitan / gpt-fast style) with parameters ``[E, ...]`` and a static method
   ``expert_forward(params, x)`` naming how one expert computes; expert e's chunk is the slices ``w[e]``.
@@ -32,6 +32,17 @@ class ExpertShard(nn.Module):
 
 
 
+def expert_modules(experts: nn.Module) -> list[nn.Module] | None:
+    """The per-expert modules of ``experts``, in expert order: a ModuleList's items, or the items with
+    parameters of a ModuleDict (parameter-free entries such as a token dropout are not experts); None
+    for any other module."""
+    if isinstance(experts, nn.ModuleList):
+        return list(experts)
+    if isinstance(experts, nn.ModuleDict):
+        return [m for m in experts.values() if any(True for _ in m.parameters())]
+    return None
+
+
 def _is_stacked(experts: nn.Module) -> bool:
     """Every parameter has a common leading E dimension (and there is at least one)."""
     params = list(experts.parameters())
@@ -43,13 +54,14 @@ class ExpertBank:
 
     def __init__(self, experts: nn.Module, *, layer: str = "") -> None:
         self.layer = layer
-        if isinstance(experts, nn.ModuleList):
-            if len(experts) == 0:
-                raise ValueError(f"MoE layer {layer!r}: the expert ModuleList is empty")
-            template = experts[0]
+        modules = expert_modules(experts)
+        if modules is not None:
+            if len(modules) == 0:
+                raise ValueError(f"MoE layer {layer!r}: the expert {type(experts).__name__} is empty")
+            template = modules[0]
             self.names = tuple(n for n, _ in template.named_parameters())
             spec0 = [(tuple(p.shape), p.dtype) for p in template.parameters()]
-            for e, expert in enumerate(experts):
+            for e, expert in enumerate(modules):
                 if type(expert) is not type(template) or [(tuple(p.shape), p.dtype) for p in expert.parameters()] != spec0:
                     raise ValueError(
                         f"MoE layer {layer!r}: expert {e} differs in type or parameter shapes from expert 0; "
@@ -59,7 +71,7 @@ class ExpertBank:
             # A parameter-free copy that only supplies the forward code.
             self._template = copy.deepcopy(template).to("meta")
             self._stacked = None
-            self.num_experts = len(experts)
+            self.num_experts = len(modules)
             self.spec = spec0
             self.form = "modulelist"
         elif isinstance(experts, nn.Module) and _is_stacked(experts):
@@ -80,8 +92,9 @@ class ExpertBank:
             self.form = "stacked"
         else:
             raise ValueError(
-                f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList "
-                "nor a module of stacked [E, ...] weights")
+                f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList / "
+                "nn.ModuleDict of expert modules nor a module whose parameters are all stacked [E, ...] "
+                f"(its parameters: {', '.join(f'{n} {list(p.shape)}' for n, p in experts.named_parameters())})")
 
     @property
     def chunk_bytes(self) -> int:
@@ -95,7 +108,7 @@ class ExpertBank:
     def chunk(self, experts: nn.Module, e: int) -> list[torch.Tensor]:
         """Expert e's parameter tensors, taken from the original (unsharded) experts module."""
         if self.per_expert_modules:
-            return list(experts[e].parameters())
+            return list(expert_modules(experts)[e].parameters())
         return [p[e] for p in experts.parameters()]
 
     def shard_of(self, experts: nn.Module, e: int) -> nn.Module:
@@ -103,7 +116,7 @@ class ExpertBank:
         (its parameter names are kept), else an :class:`ExpertShard` with copies of the slices.
         ``list(shard.parameters())`` is the chunk, in the order :meth:`run` takes."""
         if self.per_expert_modules:
-            return experts[e]
+            return expert_modules(experts)[e]
         shard = ExpertShard(self.names, self.chunk(experts, e))
         for q, p in zip(shard.parameters(), experts.parameters()):
             q.requires_grad_(p.requires_grad)     # a frozen stacked weight stays frozen in every shard
@@ -134,3 +147,14 @@ class ExpertBank:
         weights_N1 = torch.ones((n, 1), dtype=x_NH.dtype, device=x_NH.device)
         stacked = {name: p.unsqueeze(0) for name, p in zip(self.names, params)}
         return torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
+
+
+def loop_combine(experts: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                 weights_TK: torch.Tensor) -> torch.Tensor:
+    """sum_k weights_TK[t, k] * experts[ids_TK[t, k]](x_TH[t]): one expert at a time, HF-Mixtral style."""
+    out_TH = torch.zeros_like(x_TH)
+    for e, expert in enumerate(experts):
+        token_N, k_N = torch.where(ids_TK == e)
+        y_NH = expert(x_TH[token_N]) * weights_TK[token_N, k_N, None]
+        out_TH.index_add_(0, token_N, y_NH.to(out_TH.dtype))
+    return out_TH

@@ -1,0 +1,414 @@
+"""MoE blocks written the way their authors write them, each inside a small transformer.
+
+Each block follows the code of one project (gpt-fast, torchtitan, MegaBlocks, DeepSeek-V3, Switch
+Transformer, HF transformers before v5, fairseq/NLLB, JetMoE), reduced to its MoE logic, not shaped
+after this project's detector: they measure it.
+
+Shape suffixes: B batch, S sequence, T tokens, H hidden, F ffn, E experts, K top-k, C capacity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+H, FFN, E, K, VOCAB, HEADS = 32, 32, 4, 2, 64, 4
+
+
+class GptFastMoE(nn.Module):
+    """gpt-fast ``MOEFeedForward``: stacked weights gathered by the selected ids, applied with einsum."""
+
+    class ConditionalFeedForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+            self.w2 = nn.Parameter(torch.randn(E, H, FFN) * 0.1)
+            self.w3 = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+
+        def forward(self, x: torch.Tensor, expert_indices: torch.Tensor) -> torch.Tensor:
+            w1_weights = self.w1[expert_indices]  # [T, A, D, D]
+            w3_weights = self.w3[expert_indices]
+            w2_weights = self.w2[expert_indices]
+            x1 = F.silu(torch.einsum("ti,taoi -> tao", x, w1_weights))
+            x3 = torch.einsum("ti, taoi -> tao", x, w3_weights)
+            return torch.einsum("tao, taio -> tai", (x1 * x3), w2_weights)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.cond_ffn = self.ConditionalFeedForward()
+        self.dim = H
+        self.num_activated_experts = K
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, self.dim)
+        scores = self.gate(x)  # [T, E]
+        expert_weights = F.softmax(scores, dim=-1)
+        expert_weights, expert_indices = torch.topk(expert_weights, self.num_activated_experts, dim=-1)  # [T, A]
+        expert_weights /= expert_weights.sum(dim=-1, keepdim=True)
+        expert_outs = self.cond_ffn(x, expert_indices)
+        return torch.einsum("tai,ta -> ti", expert_outs, expert_weights)
+
+
+class TitanGroupedMoE(nn.Module):
+    """torchtitan ``MoE``: sigmoid router with a load-balancing bias, tokens sorted by expert and the
+    grouped experts called on the sorted rows with the per-expert counts."""
+
+    class GroupedExperts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+            self.w2 = nn.Parameter(torch.randn(E, H, FFN) * 0.1)
+            self.w3 = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+
+        def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+            out = []
+            for i, x_e in enumerate(torch.split(x, num_tokens_per_expert.tolist(), dim=0)):
+                h = F.silu(x_e @ self.w1[i].t()) * (x_e @ self.w3[i].t())
+                out.append(h @ self.w2[i].t())
+            return torch.cat(out)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = self.GroupedExperts()
+        self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = torch.sigmoid(self.gate(x).to(torch.float32))
+        _, selected_experts_indices = torch.topk(scores + self.expert_bias, k=K, dim=1)
+        top_scores = scores.gather(dim=1, index=selected_experts_indices)
+        top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
+        num_tokens_per_expert = torch.histc(selected_experts_indices.view(-1).float(), bins=E, min=0, max=E)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(num_tokens_per_expert)
+        token_indices_experts_sorted = torch.argsort(selected_experts_indices.view(-1), stable=True)
+        top_scores_experts_sorted = top_scores.view(-1)[token_indices_experts_sorted]
+        token_indices_experts_sorted = token_indices_experts_sorted // K
+        routed_input = x[token_indices_experts_sorted] * top_scores_experts_sorted.reshape(-1, 1)
+        routed_output = self.experts(routed_input, num_tokens_per_expert.long())
+        out = torch.zeros_like(x)
+        out.scatter_add_(0, token_indices_experts_sorted.reshape(-1, 1).expand(-1, dim), routed_output)
+        return out.reshape(bs, slen, dim)
+
+
+class MegaBlocksMoE(nn.Module):
+    """MegaBlocks-style dMoE: experts as one flat [E * F, H] weight pair, tokens sorted by expert,
+    bins from a histogram, each expert's rows multiplied by its slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E * FFN, H) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E * FFN, H) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_shape = x.shape
+        x = x.view(-1, x.shape[-1])
+        scores = self.router(x).softmax(dim=-1)
+        expert_weights, top_experts = torch.topk(scores, K, dim=-1)
+        expert_weights = expert_weights / expert_weights.norm(p=1, dim=-1, keepdim=True)
+        top_experts = top_experts.flatten()
+        bin_ids, indices = torch.sort(top_experts)
+        tokens_per_expert = torch.histc(top_experts.float(), bins=E, min=0, max=E - 1)
+        bins = torch.cumsum(tokens_per_expert, 0).long()
+        out = torch.zeros(x.shape[0] * K, x.shape[1], dtype=x.dtype)
+        start = 0
+        for e in range(E):
+            end = int(bins[e])
+            rows = indices[start:end]
+            h = F.gelu(x[rows // K] @ self.w1[e * FFN:(e + 1) * FFN].t())
+            out[rows] = h @ self.w2[e * FFN:(e + 1) * FFN]
+            start = end
+        out = out.view(-1, K, x.shape[1]) * expert_weights.unsqueeze(-1)
+        return out.sum(1).view(in_shape)
+
+
+class DeepseekV3MoE(nn.Module):
+    """DeepSeek-V3 (reference inference code): sigmoid gate with a correction bias, group-limited top-k,
+    renormalised and scaled weights, experts run on tokens sorted by expert, a shared expert."""
+
+    class MLP(nn.Module):
+        def __init__(self, inter: int = FFN) -> None:
+            super().__init__()
+            self.gate_proj = nn.Linear(H, inter, bias=False)
+            self.up_proj = nn.Linear(H, inter, bias=False)
+            self.down_proj = nn.Linear(inter, H, bias=False)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    class MoEGate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.top_k, self.n_group, self.topk_group, self.routed_scaling_factor = K, 2, 1, 2.5
+            self.weight = nn.Parameter(torch.randn(E, H) * 0.1)
+            self.register_buffer("e_score_correction_bias", torch.zeros(E))
+
+        def forward(self, hidden_states):
+            bsz, seq_len, h = hidden_states.shape
+            hidden_states = hidden_states.view(-1, h)
+            logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32), None)
+            scores = logits.sigmoid()
+            scores_for_choice = scores.view(bsz * seq_len, -1) + self.e_score_correction_bias.unsqueeze(0)
+            group_scores = scores_for_choice.view(bsz * seq_len, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores)
+            group_mask.scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(bsz * seq_len, self.n_group, E // self.n_group)
+            score_mask = score_mask.reshape(bsz * seq_len, -1)
+            tmp_scores = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+            _, topk_idx = torch.topk(tmp_scores, k=self.top_k, dim=-1, sorted=False)
+            topk_weight = scores.gather(1, topk_idx)
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+            return topk_idx, topk_weight * self.routed_scaling_factor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([self.MLP() for _ in range(E)])
+        self.gate = self.MoEGate()
+        self.shared_experts = self.MLP()
+
+    def forward(self, hidden_states):
+        identity = hidden_states
+        orig_shape = hidden_states.shape
+        topk_idx, topk_weight = self.gate(hidden_states)
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)
+        return y + self.shared_experts(identity)
+
+    def moe_infer(self, x, topk_ids, topk_weight):
+        cnts = topk_ids.new_zeros((topk_ids.shape[0], len(self.experts)))
+        cnts.scatter_(1, topk_ids, 1)
+        tokens_per_expert = cnts.sum(dim=0)
+        idxs = topk_ids.view(-1).argsort()
+        sorted_tokens = x[idxs // topk_ids.shape[1]]
+        outputs = []
+        start_idx = 0
+        for i, num_tokens in enumerate(tokens_per_expert.cpu().numpy()):
+            end_idx = start_idx + num_tokens
+            if num_tokens == 0:
+                continue
+            outputs.append(self.experts[i](sorted_tokens[start_idx:end_idx]))
+            start_idx = end_idx
+        outs = torch.cat(outputs, dim=0) if len(outputs) else sorted_tokens.new_empty(0)
+        new_x = torch.empty_like(outs)
+        new_x[idxs] = outs
+        return new_x.view(*topk_ids.shape, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(dim=-1)).sum(dim=1)
+
+
+class SwitchFFN(nn.Module):
+    """Switch Transformer (mesh-tensorflow / t5x flavour in PyTorch): top-1 by ``max`` over softmax
+    probabilities, each expert fills its masked rows, output scaled by the router probability."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.switch = nn.Linear(H, E)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(H, FFN), nn.ReLU(), nn.Linear(FFN, H))
+                                      for _ in range(E)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq_len, batch_size, d_model = x.shape
+        x = x.reshape(-1, d_model)
+        route_prob = torch.softmax(self.switch(x), dim=-1)
+        route_prob_max, routes = torch.max(route_prob, dim=-1)
+        indexes_list = [torch.eq(routes, i).nonzero(as_tuple=True)[0] for i in range(E)]
+        final_output = x.new_zeros(x.shape)
+        for i in range(E):
+            final_output[indexes_list[i], :] = self.experts[i](x[indexes_list[i], :])
+        final_output = final_output * route_prob_max.view(-1, 1)
+        return final_output.view(seq_len, batch_size, d_model)
+
+
+class Qwen2MoeOldBlock(nn.Module):
+    """HF Qwen2-MoE before transformers 5: inline loop over a ModuleList, a sigmoid-gated shared expert,
+    router logits returned for the auxiliary loss."""
+
+    class MLP(nn.Module):
+        def __init__(self, inter: int = FFN) -> None:
+            super().__init__()
+            self.gate_proj = nn.Linear(H, inter, bias=False)
+            self.up_proj = nn.Linear(H, inter, bias=False)
+            self.down_proj = nn.Linear(inter, H, bias=False)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = E, K, False
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList([self.MLP() for _ in range(E)])
+        self.shared_expert = self.MLP(2 * FFN)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros((batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        shared_expert_output = self.shared_expert(hidden_states)
+        shared_expert_output = F.sigmoid(self.shared_expert_gate(hidden_states)) * shared_expert_output
+        final_hidden_states = final_hidden_states + shared_expert_output
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+
+
+class FairseqTop2MoE(nn.Module):
+    """fairseq ``MOELayer`` with ``Top2Gate`` (GShard): dispatch and combine tensors [T, E, C] built from
+    one-hot masks and cumulative-sum locations, einsum dispatch, experts on [E, C, H]."""
+
+    def __init__(self, capacity_factor: float = 4.0) -> None:
+        super().__init__()
+        self.wg = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(H, FFN), nn.ReLU(), nn.Linear(FFN, H))
+                                      for _ in range(E)])
+        self.capacity_factor = capacity_factor
+
+    def top2gating(self, logits):
+        gates = F.softmax(logits, dim=1)
+        num_tokens, num_experts = gates.shape
+        capacity = 2 * math.ceil(num_tokens / num_experts * self.capacity_factor)
+        indices1_s = torch.argmax(gates, dim=1)
+        mask1 = F.one_hot(indices1_s, num_classes=num_experts)
+        logits_except1 = logits.masked_fill(mask1.bool(), float("-inf"))
+        indices2_s = torch.argmax(logits_except1, dim=1)
+        mask2 = F.one_hot(indices2_s, num_classes=num_experts)
+        locations1 = torch.cumsum(mask1, dim=0) - 1
+        locations2 = torch.cumsum(mask2, dim=0) - 1
+        locations2 += torch.sum(mask1, dim=0, keepdim=True)
+        mask1 = mask1 * torch.lt(locations1, capacity)
+        mask2 = mask2 * torch.lt(locations2, capacity)
+        locations1_s = torch.sum(locations1 * mask1, dim=1)
+        locations2_s = torch.sum(locations2 * mask2, dim=1)
+        gates1_s = (gates * mask1).sum(dim=1)
+        gates2_s = (gates * mask2).sum(dim=1)
+        denom_s = torch.clamp(gates1_s + gates2_s, min=torch.finfo(gates.dtype).eps)
+        gates1_s, gates2_s = gates1_s / denom_s, gates2_s / denom_s
+        gates1 = gates1_s.unsqueeze(-1) * mask1.to(gates1_s.dtype)
+        gates2 = gates2_s.unsqueeze(-1) * mask2.to(gates2_s.dtype)
+        locations1_sc = F.one_hot(locations1_s, num_classes=capacity)
+        locations2_sc = F.one_hot(locations2_s, num_classes=capacity)
+        combine1_sec = torch.bmm(gates1.unsqueeze(-1), locations1_sc.to(gates1.dtype).unsqueeze(1))
+        combine2_sec = torch.bmm(gates2.unsqueeze(-1), locations2_sc.to(gates2.dtype).unsqueeze(1))
+        combine_weights = combine1_sec + combine2_sec
+        dispatch_mask = combine_weights.bool()
+        return combine_weights, dispatch_mask
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        d_model = input.shape[-1]
+        reshaped_input = input.reshape(-1, d_model)
+        combine_weights, dispatch_mask = self.top2gating(self.wg(reshaped_input))
+        dispatched_input = torch.einsum("sec,sm->ecm", dispatch_mask.to(input.dtype), reshaped_input)
+        chunks = dispatched_input.chunk(E, dim=0)
+        expert_outputs = torch.cat([expert(chunk) for chunk, expert in zip(chunks, self.experts)], dim=0)
+        combined_output = torch.einsum("sec,ecm->sm", combine_weights, expert_outputs)
+        return combined_output.reshape(input.shape)
+
+
+class JetMoeMoE(nn.Module):
+    """JetMoE's ``MoE``: a top-k gate, ``ParallelExperts`` holding stacked weights applied to tokens
+    sorted by expert and split by the per-expert counts."""
+
+    class ParallelExperts(nn.Module):
+        def __init__(self, num_experts: int, input_size: int, output_size: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(num_experts, output_size, input_size) * 0.1)
+
+        def forward(self, inputs, expert_size):
+            input_list = inputs.split(expert_size, dim=0)
+            return torch.cat([F.linear(input_list[i], self.weight[i]) for i in range(len(input_list))], dim=0)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.input_linear = self.ParallelExperts(E, H, FFN * 2)
+        self.output_linear = self.ParallelExperts(E, FFN, H)
+        self.bias = nn.Parameter(torch.zeros(H))
+
+    def forward(self, layer_input):
+        bsz, length, emb_size = layer_input.size()
+        layer_input = layer_input.reshape(-1, emb_size)
+        logits = self.router(layer_input)
+        top_k_logits, top_k_indices = logits.topk(K, dim=1)
+        top_k_gates = torch.softmax(top_k_logits, dim=1).type_as(layer_input)
+        zeros = torch.zeros([top_k_gates.size(0), E], dtype=top_k_gates.dtype)
+        gates = zeros.scatter(1, top_k_indices, 1)
+        expert_size = gates.long().sum(0).tolist()
+        top_k_experts = top_k_indices.flatten()
+        _, index_sorted_experts = top_k_experts.sort(0)
+        batch_index = index_sorted_experts.div(K, rounding_mode="trunc")
+        batch_gates = top_k_gates.flatten()[index_sorted_experts]
+        expert_inputs = layer_input[batch_index]
+        h = self.input_linear(expert_inputs, expert_size)
+        h, gate = h.chunk(2, dim=-1)
+        h = F.silu(gate) * h
+        expert_outputs = self.output_linear(h, expert_size) * batch_gates[:, None]
+        y = torch.zeros((bsz * length, emb_size), dtype=expert_outputs.dtype)
+        y = y.index_add(0, batch_index, expert_outputs)
+        return y.view(bsz, length, emb_size) + self.bias
+
+
+BLOCKS = {
+    "gpt_fast": GptFastMoE, "torchtitan": TitanGroupedMoE, "megablocks": MegaBlocksMoE,
+    "deepseek_v3": DeepseekV3MoE, "switch": SwitchFFN, "hf_qwen2_moe_v4": Qwen2MoeOldBlock,
+    "fairseq_top2": FairseqTop2MoE, "jetmoe": JetMoeMoE,
+}
+
+
+def _moe_output(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+class Layer(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        self.qkv, self.proj = nn.Linear(H, 3 * H), nn.Linear(H, H)
+        self.moe = block
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        q, k, v = self.qkv(self.norm1(x_BSH)).view(B, S, 3, HEADS, H // HEADS).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, H)
+        x_BSH = x_BSH + self.proj(a)
+        return x_BSH + _moe_output(self.moe(self.norm2(x_BSH))).view_as(x_BSH)
+
+
+class ZooLM(nn.Module):
+    """Embedding, two (attention + MoE block) layers, LM head: a small transformer around a block."""
+
+    def __init__(self, style: str, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, H)
+        self.layers = nn.ModuleList(Layer(BLOCKS[style]()) for _ in range(layers))
+        self.head = nn.Linear(H, VOCAB, bias=False)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens_BS)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+    def loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens_BS)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens_BS[:, 1:].reshape(-1))
