@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from themis_compile import kernels
 
@@ -33,7 +34,8 @@ class _AllToAllRows(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         out_splits, in_splits = ctx.splits
         grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        with record_function("themis::all_to_all_backward"):
+            dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
         return grad_in, None, None, None
 
 
@@ -88,21 +90,25 @@ def dispatch_compute_combine(
     ``compute(rows_NH, counts_E)`` runs the experts on rows grouped by expert (``counts_E[e]`` rows of
     expert e, in expert order) and returns their outputs in the same order.
     """
-    counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size)
-    send_NH = kernels.permute(x_TH, dst_row_TK)
-    recv_counts_SE = exchange_counts(counts_WE, group, world_size)
-    if world_size > 1:
-        send_splits = counts_WE.sum(1).tolist()
-        recv_splits = recv_counts_SE.sum(1).tolist()
-        recv_NH = all_to_all_rows(send_NH, recv_splits, send_splits, group)
-    else:
-        recv_NH = send_NH
-    order = expert_major_order(recv_counts_SE)
-    rows_NH = recv_NH.index_select(0, order)
-    y_NH = compute(rows_NH, recv_counts_SE.sum(0).tolist())
-    y_recv_NH = y_NH.index_select(0, invert_permutation(order))
-    if world_size > 1:
-        y_send_NH = all_to_all_rows(y_recv_NH, send_splits, recv_splits, group)
-    else:
-        y_send_NH = y_recv_NH
-    return kernels.unpermute_combine(y_send_NH, dst_row_TK, weights_TK)
+    with record_function("themis::dispatch"):
+        counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size)
+        send_NH = kernels.permute(x_TH, dst_row_TK)
+        recv_counts_SE = exchange_counts(counts_WE, group, world_size)
+        if world_size > 1:
+            send_splits = counts_WE.sum(1).tolist()
+            recv_splits = recv_counts_SE.sum(1).tolist()
+            recv_NH = all_to_all_rows(send_NH, recv_splits, send_splits, group)
+        else:
+            recv_NH = send_NH
+        order = expert_major_order(recv_counts_SE)
+        rows_NH = recv_NH.index_select(0, order)
+    with record_function("themis::experts"):
+        y_NH = compute(rows_NH, recv_counts_SE.sum(0).tolist())
+    with record_function("themis::combine"):
+        y_recv_NH = y_NH.index_select(0, invert_permutation(order))
+        if world_size > 1:
+            y_send_NH = all_to_all_rows(y_recv_NH, send_splits, recv_splits, group)
+        else:
+            y_send_NH = y_recv_NH
+        return kernels.unpermute_combine(y_send_NH, dst_row_TK, weights_TK)
+

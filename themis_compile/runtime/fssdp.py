@@ -226,7 +226,8 @@ class FSSDPExperts(ShardedExperts):
                     layer.drop_released()
         self.state.layer_order.append(self)
         self.start_materialization()
-        tokens_ED = self._global_tokens(ids_TK, weights_TK)
+        with record_function("themis::token_counts"):
+            tokens_ED = self._global_tokens(ids_TK, weights_TK)
         load_E = tokens_ED.sum(axis=1)
         replicas = self._consume_materialization()
         placement = self._planned
