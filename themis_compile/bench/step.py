@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -100,7 +99,8 @@ def _global_batch(args: argparse.Namespace, world: int, gen):
 
 
 def load_share_std(counts_E) -> float:
-    """Std over experts of the load shares counts_e / Σ counts (shares summing to 1); 0 for no tokens."""
+    """Std over experts of the load shares counts_e / Σ counts (shares summing to 1); 0 for no tokens.
+    (``cost_model.traces.load_skew`` normalises to k assignments per token instead: top_k times this.)"""
     import torch
 
     counts_E = torch.as_tensor(counts_E, dtype=torch.float64)
@@ -183,7 +183,9 @@ def _count_reducer(group=None):
 
 def _plain_fsdp2(model):
     """The unmodified model under FSDP2: ``fully_shard`` on every block, then the root (torchtitan's
-    recipe without expert parallelism). Returns the model and the bytes of its largest unsharded block."""
+    recipe without expert parallelism). Returns the model and the bytes FSDP2 holds unsharded at its
+    peak (modeled): the root's own parameters (kept through forward and backward) and two blocks (the
+    running one and the prefetched next)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -192,11 +194,12 @@ def _plain_fsdp2(model):
     for m in model.moe_layers():
         # The same global-batch objective as the other policies: aux loss on the global counts.
         m.global_tokens_per_expert = _count_reducer()
-    block_bytes = max(_tensor_bytes(b.parameters()) for b in model.blocks)
+    block_bytes = [_tensor_bytes(b.parameters()) for b in model.blocks]
+    unsharded_peak = _tensor_bytes(model.parameters()) - sum(block_bytes) + 2 * max(block_bytes)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, block_bytes
+    return model, unsharded_peak
 
 
 def _tensor_bytes(tensors) -> int:
@@ -215,9 +218,9 @@ class _PolicyRun:
 
         self.policy, self.args, self.rank, self.world = policy, args, rank, world
         model = _build_model(args, args.router_skew)
-        self.block_bytes = 0
+        self.unsharded_bytes = 0
         if policy == "fsdp2":
-            self.model, self.block_bytes = _plain_fsdp2(model)
+            self.model, self.unsharded_bytes = _plain_fsdp2(model)
             self.runtime = None
         else:
             self.model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy=policy))
@@ -293,8 +296,8 @@ class _PolicyRun:
                 "gradients": _local_bytes(params),     # one gradient per parameter (freed after the step)
                 "optimizer_state": _local_bytes(state),
                 "replica_buffers_peak": replica_bytes,
-                # FSDP2 holds one block unsharded and prefetches the next (modeled, not measured).
-                "unsharded_buffers_peak": 2 * self.block_bytes,
+                # FSDP2's all-gathered parameters at their peak (modeled, see _plain_fsdp2).
+                "unsharded_buffers_peak": self.unsharded_bytes,
             },
         }
 
