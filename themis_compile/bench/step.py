@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
 import sys
 import time
+
+logger = logging.getLogger(__name__)
 
 POLICIES = ("ep", "themis", "themis-rm", "uniform", "fsdp2")
 # Named router skews; "paper" is calibrated to this Std of the expert load shares (paper §5.4: 0.034-0.046).
@@ -122,29 +125,38 @@ def calibrate_router_skew(args: argparse.Namespace, world: int, target_std: floa
     """
     import torch
 
-    skew = 1.0
+    model = _build_model(args, 1.0).eval()
+    blocks = model.moe_layers()
+    unit = [b.router_bias.clone() for b in blocks]          # b_l: router_bias at router_skew 1
     tokens = _global_batch(args, world, _batch_generator())
+    inputs: dict[int, torch.Tensor] = {}
+
+    def set_skew(s: float) -> None:
+        for b, b_E in zip(blocks, unit):
+            b.router_bias.copy_(s * b_E)
+
+    def realized(s: float) -> float:
+        set_skew(s)
+        stds = []
+        with torch.no_grad():
+            for i, b in enumerate(blocks):
+                _, ids_TK, _ = b.route(inputs[i].reshape(-1, inputs[i].shape[-1]))
+                stds.append(load_share_std(b.tokens_per_expert(ids_TK)))
+        return statistics.mean(stds)
+
+    skew = 1.0
     for _ in range(rounds):
-        model = _build_model(args, skew).eval()
-        blocks = model.moe_layers()
-        inputs = {}
+        set_skew(skew)
         hooks = [b.register_forward_pre_hook(lambda mod, a, i=i: inputs.__setitem__(i, a[0].detach()))
                  for i, b in enumerate(blocks)]
         with torch.no_grad():
             model(tokens)
         for h in hooks:
             h.remove()
-        unit = [b.router_bias.clone() / skew for b in blocks]
-
-        def realized(s: float) -> float:
-            stds = []
-            with torch.no_grad():
-                for i, b in enumerate(blocks):
-                    b.router_bias.copy_(s * unit[i])
-                    _, ids_TK, _ = b.route(inputs[i].reshape(-1, inputs[i].shape[-1]))
-                    stds.append(load_share_std(b.tokens_per_expert(ids_TK)))
-            return statistics.mean(stds)
-
+        if realized(0.0) >= target_std:
+            logger.warning("bench step: the unbiased router already has load-share Std %.4f >= %.4f; "
+                           "using router_skew 0", realized(0.0), target_std)
+            return 0.0
         lo, hi = 0.0, 1.0
         while realized(hi) < target_std and hi < 64.0:
             lo, hi = hi, 2.0 * hi
