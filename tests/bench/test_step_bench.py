@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import json
+import math
+
+import pytest
+
 from themis_compile.bench import step
 
 
 def test_step_benchmark_quick_reports_every_policy():
     out = step.main(["--quick"])
-    assert set(out["policies"]) == {"ep", "themis", "themis-rm", "uniform"}
+    assert set(out["policies"]) == {"ep", "themis", "themis-rm", "uniform", "fsdp2"}
     for policy, res in out["policies"].items():
         assert res["step_time_s"] > 0
         assert len(res["memory_bytes_per_rank"]) == 2
@@ -14,4 +19,58 @@ def test_step_benchmark_quick_reports_every_policy():
     assert out["policies"]["themis"]["mean_delta_p_per_layer"] > 0
     assert out["policies"]["themis"]["imbalance_max_over_mean"] < out["policies"]["ep"]["imbalance_max_over_mean"]
     assert out["policies"]["themis"]["memory_bytes_per_rank"][0]["replica_buffers_peak"] > 0
-    assert "themis_speedup_over_ep" in out["ratios"]
+    assert out["router_skew"] == 4.0 and out["load_share_std"] > 0.15     # --skew extreme (the default)
+    assert out["policies"]["fsdp2"]["memory_bytes_per_rank"][0]["unsharded_buffers_peak"] > 0
+    for key in ("themis_speedup_over_ep", "themis_speedup_over_fsdp2", "themis_over_uniform", "ep_over_uniform"):
+        assert key in out["ratios"]
+    assert len(out["process_peak_rss_bytes_per_rank"]) == 2
+
+
+def test_step_benchmark_paper_skew_fsdp2_peer_and_trace(tmp_path):
+    out = step.main(["--steps", "2", "--warmup", "0", "--d-model", "32", "--d-ffn", "64", "--batch", "8",
+                     "--seq-len", "16", "--skew", "paper", "--trace", str(tmp_path), "--trace-steps", "1"])
+    pol = out["policies"]
+    # Calibrated router: the realized Std of the load shares is near the paper's 0.04 (a loose band: the
+    # timed batches are not the calibration batch, and 256 tokens per step sample the shares coarsely).
+    assert 0.0 < out["router_skew"] < step.SKEWS["extreme"]
+    assert 0.025 < out["load_share_std"] < 0.06
+    # Plain FSDP2 trains the same model on the same data: the same global loss as EP and Themis at every
+    # step (the first step: the same forward; the second: the same global-batch gradient was applied).
+    assert len(pol["fsdp2"]["loss_per_step"]) == 2
+    for policy in ("ep", "themis", "themis-rm"):
+        for a, b in zip(pol["fsdp2"]["loss_per_step"], pol[policy]["loss_per_step"]):
+            assert math.isclose(a, b, rel_tol=1e-5), (policy, a, b)
+    # One chrome trace per policy and rank, and the per-phase breakdown names the runtime's phases.
+    for policy in pol:
+        for rank in range(2):
+            trace = json.loads((tmp_path / f"step_{policy}_rank{rank}.json").read_text())
+            assert any(e.get("name") == "bench::step" for e in trace["traceEvents"])
+    themis_phases = set(pol["themis"]["phase_ms_per_step"])
+    for name in ("plan", "spag", "spag_wait", "token_counts", "dispatch_plan", "dispatch", "experts", "combine",
+                 "all_to_all_backward", "sprs", "sprs_wait"):
+        assert f"themis::{name}" in themis_phases, name
+    assert {"themis::dispatch", "themis::experts", "themis::combine"} <= set(pol["ep"]["phase_ms_per_step"])
+    assert "themis::spag_rematerialize" in pol["themis-rm"]["phase_ms_per_step"]
+    assert "FSDP::all_gather" in pol["fsdp2"]["phase_ms_per_step"]
+    assert all(v >= 0 for p in pol.values() for v in p["phase_ms_per_step"].values())
+    assert pol["themis"]["phase_ms_per_step"]["bench::step"] > pol["themis"]["phase_ms_per_step"]["themis::experts"]
+
+
+def test_step_benchmark_rejects_unknown_skew():
+    with pytest.raises(SystemExit):
+        step._parse(["--skew", "mild"])
+
+
+def test_calibrated_router_skew_reproduces_the_target_std_on_its_batch():
+    # One process: the calibrated model, run on the calibration batch (the first global batch), realizes
+    # the requested load-share Std; a larger target needs a larger router_skew.
+    args = step._parse(["--d-model", "32", "--d-ffn", "64", "--batch", "8", "--seq-len", "16"])
+    skews = {}
+    for target in (0.04, 0.08):
+        skew = step.calibrate_router_skew(args, 2, target)
+        model = step._build_model(args, skew)
+        model(step._global_batch(args, 2, step._batch_generator()))
+        realized = sum(step.load_share_std(m.last_tokens_per_expert) for m in model.moe_layers()) / args.layers
+        assert abs(realized - target) < 0.2 * target, (target, skew, realized)
+        skews[target] = skew
+    assert 0.0 < skews[0.04] < skews[0.08]

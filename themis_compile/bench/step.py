@@ -1,24 +1,48 @@
-"""Training-step benchmark: the same model and skewed data under ep, themis, themis-rm and uniform.
+"""Training-step benchmark: the same model and data under ep, themis, themis-rm, uniform and plain FSDP2.
 
-    torchrun --nproc-per-node 2 -m themis_compile.bench step          # or without torchrun: it relaunches
+    torchrun --nproc-per-node 2 -m themis_compile.bench step [--skew paper|extreme|R] [--trace DIR]
+    python -m themis_compile.bench step ...                 # without torchrun: it relaunches itself
 
-Every policy trains an identical model (same seed, same batches) for ``--warmup`` + ``--steps`` steps;
-the JSON reports per policy the median step time, tokens/s, load imbalance (max/mean rows computed per
-rank), |ΔP| per layer and, per rank, the bytes of parameters, gradients, optimizer state and replica
-buffers. Ratios are measured side by side in one run (the machines are shared and noisy).
+Every policy trains an identical model (same seed, same batches) for ``--warmup`` + ``--steps`` steps,
+the policies interleaved step by step so that a shared, noisy machine loads them alike. ``fsdp2`` is the
+peer a user would try first: the unmodified model under plain FSDP2 (``fully_shard`` on every block and
+the root, no expert parallelism: every rank gathers every expert); its MoE blocks all-reduce their token
+counts like the other policies' do, so that all of them train the same global-batch objective.
+
+``--skew`` sets the reference model's router bias (``router_skew``): ``paper`` calibrates it on the first
+global batch so that the Std over experts of the load shares (tokens per expert / all assignments, the
+shares summing to 1) is 0.04, the paper's measured range being 0.034-0.046; ``extreme`` is 4.0 (the
+hottest expert receives nearly every token); a number is used as it is. The realized Std of the timed
+steps is reported.
+
+The JSON reports per policy the median step time, tokens/s, load imbalance (max/mean rows computed per
+rank), |ΔP| per layer, the global loss of every step, and per rank the bytes of parameters, gradients,
+optimizer state and replica (themis) or unsharded-block (fsdp2) buffers; then the ratios: every policy's
+speed-up over ep and over fsdp2, themis / uniform and ep / uniform. ``--trace DIR`` then profiles
+``--trace-steps`` more steps of each policy, writes one chrome trace per policy and rank, and adds the mean
+milliseconds per step of every ``themis::`` profiler range (and FSDP2's ``FSDP::`` ones; rank 0) as
+``phase_ms_per_step``: ranges nest (``themis::spag_start`` holds ``themis::plan``), so they do not add up
+to ``bench::step``. A table of
+the results goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
 import sys
 import time
 
-POLICIES = ("ep", "themis", "themis-rm", "uniform")
+logger = logging.getLogger(__name__)
+
+POLICIES = ("ep", "themis", "themis-rm", "uniform", "fsdp2")
+# Named router skews; "paper" is calibrated to this Std of the expert load shares (paper §5.4: 0.034-0.046).
+SKEWS = {"extreme": 4.0}
+PAPER_LOAD_SHARE_STD = 0.04
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -36,13 +60,158 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--skew", type=float, default=4.0, help="router_skew of the reference model")
+    p.add_argument("--skew", default="extreme",
+                   help="paper (Std of expert load shares 0.04), extreme (router_skew 4.0) or a router_skew")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="after timing, profile each policy and write chrome traces + a per-phase breakdown")
+    p.add_argument("--trace-steps", type=int, default=2, help="profiled steps per policy with --trace")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     p.add_argument("--out", default=None, help="also write the JSON here (rank 0)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.d_model, args.d_ffn, args.batch, args.seq_len = 2, 1, 32, 64, 2, 16
+    if args.skew not in SKEWS and args.skew != "paper":
+        try:
+            float(args.skew)
+        except ValueError:
+            p.error(f"--skew must be paper, {', '.join(SKEWS)} or a number, got {args.skew!r}")
     return args
+
+
+def _build_model(args: argparse.Namespace, router_skew: float):
+    import torch
+
+    from themis_compile.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("tiny-moe", d_model=args.d_model, d_ffn=args.d_ffn, num_experts=args.experts,
+                       top_k=args.top_k, n_layers=args.layers, seq_len=args.seq_len,
+                       router_skew=router_skew, n_heads=4)
+
+
+def _batch_generator():
+    import torch
+
+    return torch.Generator().manual_seed(1)
+
+
+def _global_batch(args: argparse.Namespace, world: int, gen):
+    import torch
+
+    return torch.randint(0, 256, (args.batch * world, args.seq_len), generator=gen)
+
+
+def load_share_std(counts_E) -> float:
+    """Std over experts of the load shares counts_e / Σ counts (shares summing to 1); 0 for no tokens.
+    (``cost_model.traces.load_skew`` normalises to k assignments per token instead: top_k times this.)"""
+    import torch
+
+    counts_E = torch.as_tensor(counts_E, dtype=torch.float64)
+    total = float(counts_E.sum())
+    return 0.0 if total <= 0 else float((counts_E / total).std(unbiased=False))
+
+
+def calibrate_router_skew(args: argparse.Namespace, world: int, target_std: float, rounds: int = 2) -> float:
+    """The router_skew at which the first global batch's mean (over MoE layers) load-share Std is
+    ``target_std``.
+
+    Pseudo-code:
+        s = 1
+        repeat ``rounds`` times:
+            run the model with router_skew s, keeping each MoE block's input x_TH
+            bisect s so that mean_l Std(shares of top-k(gate_l(x_l) + s * b_l)) = target_std
+    (b_l is the block's seeded bias direction, ``router_bias`` at s = 1.) A later block's input depends on
+    s through the earlier blocks, hence the second round; the realized Std is measured in the run anyway.
+    """
+    import torch
+
+    model = _build_model(args, 1.0).eval()
+    blocks = model.moe_layers()
+    unit = [b.router_bias.clone() for b in blocks]          # b_l: router_bias at router_skew 1
+    tokens = _global_batch(args, world, _batch_generator())
+    inputs: dict[int, torch.Tensor] = {}
+
+    def set_skew(s: float) -> None:
+        for b, b_E in zip(blocks, unit):
+            b.router_bias.copy_(s * b_E)
+
+    def realized(s: float) -> float:
+        set_skew(s)
+        stds = []
+        with torch.no_grad():
+            for i, b in enumerate(blocks):
+                _, ids_TK, _ = b.route(inputs[i].reshape(-1, inputs[i].shape[-1]))
+                stds.append(load_share_std(b.tokens_per_expert(ids_TK)))
+        return statistics.mean(stds)
+
+    skew = 1.0
+    for _ in range(rounds):
+        set_skew(skew)
+        hooks = [b.register_forward_pre_hook(lambda mod, a, i=i: inputs.__setitem__(i, a[0].detach()))
+                 for i, b in enumerate(blocks)]
+        with torch.no_grad():
+            model(tokens)
+        for h in hooks:
+            h.remove()
+        if realized(0.0) >= target_std:
+            logger.warning("bench step: the unbiased router already has load-share Std %.4f >= %.4f; "
+                           "using router_skew 0", realized(0.0), target_std)
+            return 0.0
+        lo, hi = 0.0, 1.0
+        while realized(hi) < target_std and hi < 64.0:
+            lo, hi = hi, 2.0 * hi
+        for _ in range(40):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if realized(mid) < target_std else (lo, mid)
+        skew = 0.5 * (lo + hi)
+    return skew
+
+
+def _resolve_skew(args: argparse.Namespace, world: int) -> float:
+    if args.skew == "paper":
+        import torch.distributed as dist
+
+        value = [calibrate_router_skew(args, world, PAPER_LOAD_SHARE_STD) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(value, src=0)
+        return float(value[0])
+    return float(SKEWS.get(args.skew, args.skew))
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes held by this rank (a DTensor counts its local shard)."""
+    return _tensor_bytes(t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None)
+
+
+def _count_reducer(group=None):
+    def global_tokens_per_expert(counts_E):
+        import torch.distributed as dist
+
+        counts_E = counts_E.clone()
+        dist.all_reduce(counts_E, group=group)
+        return counts_E
+
+    return global_tokens_per_expert
+
+
+def _plain_fsdp2(model):
+    """The unmodified model under FSDP2: ``fully_shard`` on every block, then the root (torchtitan's
+    recipe without expert parallelism). Returns the model and the bytes FSDP2 holds unsharded at its
+    peak (modeled): the root's own parameters (kept through forward and backward) and two blocks (the
+    running one and the prefetched next)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for m in model.moe_layers():
+        # The same global-batch objective as the other policies: aux loss on the global counts.
+        m.global_tokens_per_expert = _count_reducer()
+    block_bytes = [_tensor_bytes(b.parameters()) for b in model.blocks]
+    unsharded_peak = _tensor_bytes(model.parameters()) - sum(block_bytes) + 2 * max(block_bytes)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, unsharded_peak
 
 
 def _tensor_bytes(tensors) -> int:
@@ -58,17 +227,20 @@ class _PolicyRun:
 
         import themis_compile
         from themis_compile.api import runtime_of
-        from themis_compile.models import build_model
 
         self.policy, self.args, self.rank, self.world = policy, args, rank, world
-        torch.manual_seed(0)
-        model = build_model("tiny-moe", d_model=args.d_model, d_ffn=args.d_ffn, num_experts=args.experts,
-                            top_k=args.top_k, n_layers=args.layers, seq_len=args.seq_len,
-                            router_skew=args.skew, n_heads=4)
-        self.model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy=policy))
-        self.runtime = runtime_of(self.model)
+        model = _build_model(args, args.router_skew)
+        self.unsharded_bytes = 0
+        if policy == "fsdp2":
+            self.model, self.unsharded_bytes = _plain_fsdp2(model)
+            self.runtime = None
+        else:
+            self.model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy=policy))
+            self.runtime = runtime_of(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.gen = torch.Generator().manual_seed(1)
+        self.gen = _batch_generator()
+        self.losses: list = []
+        self.share_std: list[float] = []
         self.times: list[float] = []
         self.imbalance: list[float] = []
         self.delta: list[int] = []
@@ -81,17 +253,24 @@ class _PolicyRun:
         from themis_compile.models import lm_loss
 
         args, rank, world = self.args, self.rank, self.world
-        tokens = torch.randint(0, 256, (args.batch * world, args.seq_len), generator=self.gen)[rank::world]
+        tokens = _global_batch(args, world, self.gen)[rank::world]
         dist.barrier()
         t0 = time.perf_counter()
-        loss = lm_loss(self.model(tokens), tokens) + self.model.aux_loss()
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
+        with torch.profiler.record_function("bench::step"):
+            loss = lm_loss(self.model(tokens), tokens) + self.model.aux_loss()
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
         dist.barrier()
+        if not timed and step >= args.warmup:
+            return      # a profiled step (--trace): the measurements are complete
+        self.losses.append(loss.detach())
         if timed:
             self.times.append(time.perf_counter() - t0)
-            for s in self.runtime.stats:
+            if self.policy != "uniform":     # uniform replaces the router: its shares are flat by design
+                self.share_std.append(statistics.mean(
+                    load_share_std(m.last_tokens_per_expert) for m in self.model.moe_layers()))
+            for s in (self.runtime.stats if self.runtime is not None else ()):
                 if s.iteration == step:
                     self.delta.append(s.delta_p)
                     self.imbalance.append(s.imbalance)
@@ -104,6 +283,9 @@ class _PolicyRun:
 
         args, world = self.args, self.world
         imbalance = list(self.imbalance)
+        if self.runtime is None:
+            # Plain FSDP2: every rank serves its own batch's T·K pairs with every expert gathered.
+            imbalance = [1.0]
         if not imbalance:   # EP / uniform: rows per rank follow the owners
             for layer, m in zip(self.runtime.layers.values(), self.model.moe_layers()):
                 per_rank = torch.zeros(world, dtype=torch.int64).index_add_(0, layer.owner_E, m.last_tokens_per_expert)
@@ -111,7 +293,7 @@ class _PolicyRun:
         params = list(self.model.parameters())
         state = [v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v)]
         replica_bytes = self.replica_bytes
-        if self.runtime.fssdp is not None and not self.runtime.config.rematerialize:
+        if self.runtime is not None and self.runtime.fssdp is not None and not self.runtime.config.rematerialize:
             # Themis keeps every layer's replicas alive until that layer's backward: all layers at once.
             replica_bytes *= len(self.runtime.layers)
         med = statistics.median(self.times)
@@ -120,13 +302,32 @@ class _PolicyRun:
             "tokens_per_s": args.batch * world * args.seq_len / med,
             "imbalance_max_over_mean": statistics.mean(imbalance) if imbalance else 1.0,
             "mean_delta_p_per_layer": statistics.mean(self.delta) if self.delta else 0.0,
+            "load_share_std": statistics.mean(self.share_std) if self.share_std else None,
             "memory_bytes": {
-                "parameters": _tensor_bytes(params),
-                "gradients": _tensor_bytes(params),     # one gradient per parameter (freed after the step)
-                "optimizer_state": _tensor_bytes(state),
+                "parameters": _local_bytes(params),
+                "gradients": _local_bytes(params),     # one gradient per parameter (freed after the step)
+                "optimizer_state": _local_bytes(state),
                 "replica_buffers_peak": replica_bytes,
+                # FSDP2's all-gathered parameters at their peak (modeled, see _plain_fsdp2).
+                "unsharded_buffers_peak": self.unsharded_bytes,
             },
         }
+
+    def profile(self, first_step: int, trace_dir: str) -> dict[str, float]:
+        """Profile ``--trace-steps`` more steps; write the chrome trace, return ms per step per range."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        n = self.args.trace_steps
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(n):
+                self.step(first_step + i, timed=False)
+        prof.export_chrome_trace(os.path.join(trace_dir, f"step_{self.policy}_rank{self.rank}.json"))
+        torch.distributed.barrier()
+        # Our ranges, and FSDP2's own per-phase ranges (not their per-module copies "FSDP::x (blocks.0)").
+        return {e.key: e.cpu_time_total / 1e3 / n for e in prof.key_averages()
+                if e.key.startswith(("themis::", "bench::"))
+                or (e.key.startswith("FSDP::") and "(" not in e.key and " for " not in e.key)}
 
 
 def _worker(args: argparse.Namespace) -> dict | None:
@@ -136,18 +337,36 @@ def _worker(args: argparse.Namespace) -> dict | None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    runs = [_PolicyRun(policy, args, rank, world) for policy in args.policies.split(",")]
+    policies = args.policies.split(",")
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    args.router_skew = _resolve_skew(args, world)
+    runs = [_PolicyRun(policy, args, rank, world) for policy in policies]
     for step in range(args.warmup + args.steps):
         for run in runs:
             run.step(step, timed=step >= args.warmup)
     results = {run.policy: run.result() for run in runs}
+    for run in runs:
+        losses = torch.stack(run.losses).to(torch.float64)
+        dist.all_reduce(losses)
+        results[run.policy]["loss_per_step"] = (losses / world).tolist()
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        for run in runs:
+            results[run.policy]["phase_ms_per_step"] = run.profile(args.warmup + args.steps, args.trace)
+    results = {"policies": results, "peak_rss_bytes": _peak_rss_bytes()}
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, results)
     dist.destroy_process_group()
     if rank != 0:
         return None
-    out = {"benchmark": "step", "world_size": world, "config": {k: v for k, v in vars(args).items()}, "policies": {}}
-    for policy in results:
+    out = {"benchmark": "step", "world_size": world, "config": {k: v for k, v in vars(args).items()},
+           "router_skew": args.router_skew, "policies": {},
+           # One process runs every policy: its peak RSS bounds all of them together, not one policy.
+           "process_peak_rss_bytes_per_rank": [pr["peak_rss_bytes"] for pr in per_rank]}
+    per_rank = [pr["policies"] for pr in per_rank]
+    for policy in results["policies"]:
         r0 = per_rank[0][policy]
         mem = [pr[policy]["memory_bytes"] for pr in per_rank]
         out["policies"][policy] = {
@@ -155,25 +374,69 @@ def _worker(args: argparse.Namespace) -> dict | None:
             "tokens_per_s": r0["tokens_per_s"],
             "imbalance_max_over_mean": r0["imbalance_max_over_mean"],
             "mean_delta_p_per_layer": r0["mean_delta_p_per_layer"],
+            "load_share_std": r0["load_share_std"],
+            "loss_per_step": r0["loss_per_step"],
             "memory_bytes_per_rank": mem,
             "model_state_bytes_max_rank": max(m["parameters"] + m["gradients"] + m["optimizer_state"]
-                                              + m["replica_buffers_peak"] for m in mem),
+                                              + m["replica_buffers_peak"] + m["unsharded_buffers_peak"]
+                                              for m in mem),
         }
+        if "phase_ms_per_step" in r0:
+            out["policies"][policy]["phase_ms_per_step"] = r0["phase_ms_per_step"]
     pol = out["policies"]
+    stds = [v["load_share_std"] for v in pol.values() if v["load_share_std"] is not None]
+    out["load_share_std"] = statistics.mean(stds) if stds else None
+    out["ratios"] = {}
+    if "fsdp2" in pol:
+        out["ratios"].update({f"{p}_speedup_over_fsdp2": pol["fsdp2"]["step_time_s"] / v["step_time_s"]
+                              for p, v in pol.items() if p != "fsdp2"})
     if "ep" in pol:
         ep = pol["ep"]
-        out["ratios"] = {
-            f"{p}_speedup_over_ep": ep["step_time_s"] / v["step_time_s"] for p, v in pol.items() if p != "ep"}
+        out["ratios"].update({
+            f"{p}_speedup_over_ep": ep["step_time_s"] / v["step_time_s"] for p, v in pol.items() if p != "ep"})
         if "uniform" in pol:
             out["ratios"]["ep_over_uniform"] = ep["step_time_s"] / pol["uniform"]["step_time_s"]
-            for p in ("themis", "themis-rm"):
-                if p in pol:
-                    out["ratios"][f"{p}_over_uniform"] = pol[p]["step_time_s"] / pol["uniform"]["step_time_s"]
         for p in ("themis", "themis-rm"):
             if p in pol:
                 out["ratios"][f"{p}_memory_over_ep"] = (pol[p]["model_state_bytes_max_rank"]
                                                         / ep["model_state_bytes_max_rank"])
+    if "uniform" in pol:
+        for p in ("themis", "themis-rm"):
+            if p in pol:
+                out["ratios"][f"{p}_over_uniform"] = pol[p]["step_time_s"] / pol["uniform"]["step_time_s"]
     return out
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024     # Linux: KiB
+
+
+def format_table(out: dict) -> str:
+    """The results as a Markdown table (policies, then ratios and, with --trace, the phase breakdown)."""
+    pol = out["policies"]
+    std = out["load_share_std"]
+    lines = [f"router_skew {out['router_skew']:.3f} (--skew {out['config']['skew']}), load-share Std "
+             + ("n/a" if std is None else f"{std:.4f}"), "",
+             "| policy | step s | tokens/s | imbalance | ΔP/layer | model state MiB (max rank) | loss step 0 |",
+             "|---|---|---|---|---|---|---|"]
+    for p, v in pol.items():
+        lines.append(f"| {p} | {v['step_time_s']:.3f} | {v['tokens_per_s']:.0f} | "
+                     f"{v['imbalance_max_over_mean']:.2f} | {v['mean_delta_p_per_layer']:.1f} | "
+                     f"{v['model_state_bytes_max_rank'] / 2**20:.1f} | {v['loss_per_step'][0]:.6f} |")
+    if out["ratios"]:
+        lines += ["", "| ratio | value |", "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in out["ratios"].items()]
+    phases = sorted({k for v in pol.values() for k in v.get("phase_ms_per_step", {})})
+    if phases:
+        names = list(pol)
+        lines += ["", "| range (ms/step, rank 0) | " + " | ".join(names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for k in phases:
+            cells = [pol[p].get("phase_ms_per_step", {}).get(k) for p in names]
+            lines.append(f"| {k} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -187,11 +450,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         if proc.returncode != 0:
             raise SystemExit(f"benchmark ranks failed:\n{proc.stderr[-4000:]}")
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]
+        out = json.loads(line)
+        sys.stderr.write(format_table(out) + "\n")
         print(line)
-        return json.loads(line)
+        return out
     out = _worker(args)
     if out is not None:
         text = json.dumps(out)
+        sys.stderr.write(format_table(out) + "\n")
         print(text)
         if args.out:
             with open(args.out, "w") as f:

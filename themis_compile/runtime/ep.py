@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.profiler import record_function
 
 from themis_compile.planner.placement import Placement
 from themis_compile.runtime import deadline
@@ -332,7 +333,8 @@ class ShardedExperts(nn.Module):
         return self.owner_E[ids_TK]
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        self._check_routing(ids_TK)
+        with record_function("themis::check_routing"):
+            self._check_routing(ids_TK)
         if self.uniform_routing:
             # The paper's "Uniform" reference gate (benchmarking only: it changes the model on purpose).
             from themis_compile.api import uniform_ids

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from themis_compile import kernels
 from themis_compile.runtime import deadline
@@ -42,9 +43,10 @@ class _AllToAllRows(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         purpose, layer, timeout_s = ctx.call
         grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
-        deadline.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group,
-                                   timeout_s=timeout_s, purpose=f"{purpose}, backward", layer=layer,
-                                   async_on_device=True)
+        with record_function("themis::all_to_all_backward"):
+            deadline.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group,
+                                       timeout_s=timeout_s, purpose=f"{purpose}, backward", layer=layer,
+                                       async_on_device=True)
         return grad_in, None, None, None, None, None, None
 
 
@@ -106,23 +108,26 @@ def dispatch_compute_combine(
     expert e, in expert order) and returns their outputs in the same order. ``layer`` names the MoE layer
     in errors; every exchange fails after ``timeout_s`` when a rank does not take part.
     """
-    counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size)
-    send_NH = kernels.permute(x_TH, dst_row_TK)
-    recv_counts_SE = exchange_counts(counts_WE, group, world_size, layer=layer, timeout_s=timeout_s)
-    if world_size > 1:
-        send_splits = counts_WE.sum(1).tolist()
-        recv_splits = recv_counts_SE.sum(1).tolist()
-        recv_NH = all_to_all_rows(send_NH, recv_splits, send_splits, group, purpose="token dispatch", layer=layer,
-                                  timeout_s=timeout_s)
-    else:
-        recv_NH = send_NH
-    order = expert_major_order(recv_counts_SE)
-    rows_NH = recv_NH.index_select(0, order)
-    y_NH = compute(rows_NH, recv_counts_SE.sum(0).tolist())
-    y_recv_NH = y_NH.index_select(0, invert_permutation(order))
-    if world_size > 1:
-        y_send_NH = all_to_all_rows(y_recv_NH, send_splits, recv_splits, group, purpose="token combine",
-                                    layer=layer, timeout_s=timeout_s)
-    else:
-        y_send_NH = y_recv_NH
-    return kernels.unpermute_combine(y_send_NH, dst_row_TK, weights_TK)
+    with record_function("themis::dispatch"):
+        counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size)
+        send_NH = kernels.permute(x_TH, dst_row_TK)
+        recv_counts_SE = exchange_counts(counts_WE, group, world_size, layer=layer, timeout_s=timeout_s)
+        if world_size > 1:
+            send_splits = counts_WE.sum(1).tolist()
+            recv_splits = recv_counts_SE.sum(1).tolist()
+            recv_NH = all_to_all_rows(send_NH, recv_splits, send_splits, group, purpose="token dispatch",
+                                      layer=layer, timeout_s=timeout_s)
+        else:
+            recv_NH = send_NH
+        order = expert_major_order(recv_counts_SE)
+        rows_NH = recv_NH.index_select(0, order)
+    with record_function("themis::experts"):
+        y_NH = compute(rows_NH, recv_counts_SE.sum(0).tolist())
+    with record_function("themis::combine"):
+        y_recv_NH = y_NH.index_select(0, invert_permutation(order))
+        if world_size > 1:
+            y_send_NH = all_to_all_rows(y_recv_NH, send_splits, recv_splits, group, purpose="token combine",
+                                        layer=layer, timeout_s=timeout_s)
+        else:
+            y_send_NH = y_recv_NH
+        return kernels.unpermute_combine(y_send_NH, dst_row_TK, weights_TK)

@@ -377,7 +377,8 @@ class FSSDPExperts(ShardedExperts):
         self.state.layer_order.append(self)
         self.start_materialization()
         # Detached: the finiteness check must not record autograd ops (a checkpoint would save them).
-        tokens_ED = self._global_tokens(ids_TK, weights_TK.detach())
+        with record_function("themis::token_counts"):
+            tokens_ED = self._global_tokens(ids_TK, weights_TK.detach())
         load_E = tokens_ED.sum(axis=1)
         replicas = self._consume_materialization()
         placement = self._planned

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.profiler import record_function
 
 from themis_compile.planner import Placement, heterogeneous_sharding
 from themis_compile.runtime import deadline
@@ -197,7 +198,8 @@ class ReshardScheduler:
             return
         self.steps += 1
         if self.interval and self.steps % self.interval == 0:
-            self.moved += reshard(self.runtime, optimizer)
+            with record_function("themis::reshard"):
+                self.moved += reshard(self.runtime, optimizer)
             self.reshards += 1
 
     def remove(self) -> None:
