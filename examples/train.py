@@ -101,14 +101,17 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
-# One function pair: torch.distributed.checkpoint with the state-dict helpers of
-# torch.distributed.checkpoint.state_dict. What is written (expert keys, the runtime's own state) is
-# themis_compile's business; this script only names the directory and the step.
+# One function pair: torch.distributed.checkpoint with themis_compile.checkpoint's get_state_dict /
+# set_state_dict (torch's signatures; they add the stacked experts' optimizer state and the runtime's own
+# state for an exact resume, see docs/checkpoint.md). The checkpoint holds the unmodified model's keys, so
+# it loads at any world size or policy; this script only names the directory and the step.
 def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler) -> str:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    from themis_compile.checkpoint import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     path = os.path.join(ckpt_dir, f"step-{step:08d}")
     dcp.save({"model": model_sd, "optim": optim_sd, "train": {"step": step, "scheduler": scheduler.state_dict()}},
              checkpoint_id=path)
@@ -118,15 +121,19 @@ def save_checkpoint(ckpt_dir: str, step: int, model, optimizer, scheduler) -> st
 def load_checkpoint(ckpt_dir: str, model, optimizer, scheduler) -> int:
     """Load the latest complete checkpoint of ``ckpt_dir``; returns the number of steps it had done."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from themis_compile.checkpoint import get_state_dict, set_state_dict
 
     path = latest_checkpoint(ckpt_dir)
     if path is None:
         raise FileNotFoundError(f"--resume: no complete checkpoint in {ckpt_dir!r}")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd, "train": {"step": 0, "scheduler": scheduler.state_dict()}}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=options)
     scheduler.load_state_dict(state["train"]["scheduler"])
     return int(state["train"]["step"])
 
