@@ -974,35 +974,27 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                               f"maps rows of width {calls[0][0].shape[-1]} to {stand_in.outputs[0].shape[-1]}: "
                               "only part of each expert (JetMoE ParallelExperts); an experts module must hold "
                               "whole experts, mapping [N, H] rows to [N, H]")
-            if sorted_rows:
-                # torchtitan: experts(rows sorted by expert, rows per expert) -> one output row per row.
-                rec = record_calls(module, x)
-                E = child.num_experts
-                K = max(1, calls[0][0].shape[0] // T)
-                router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-                scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-                selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
-                return MoELayerInfo(
-                    name=name, module=module, num_experts=E, top_k=K, experts_form="stacked",
-                    router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
-                            f"rows sorted by expert with counts at the experts call (behaviour)"),
-                    activation=describe_activation(child.module), shared_experts=False, experts_attr=child.attr,
-                    rewrite="sorted-rows", router_path=router_path or "",
-                    score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
-            if per_slot:
-                # gpt-fast: experts(x_TH, ids_TK) -> y_TKH, combined by the block itself; passes.shard
+            if sorted_rows or per_slot:
+                # torchtitan: experts(rows sorted by expert, rows per expert) -> one output row per row;
+                # gpt-fast: experts(x_TH, ids_TK) -> y_TKH, combined by the block itself. passes.shard
                 # rewrites the call and verifies the rewrite against the runtime's computation.
                 rec = record_calls(module, x)
-                E, K = child.num_experts, int(calls[0][1].shape[1])
+                E = child.num_experts
+                if sorted_rows:
+                    K, rewrite = max(1, calls[0][0].shape[0] // T), "sorted-rows"
+                    seen = "rows sorted by expert with counts at the experts call"
+                else:
+                    K, rewrite = int(calls[0][1].shape[1]), "per-slot"
+                    seen = f"top-{K} ids seen at the experts call"
                 router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
                 scores = "+".join(dict.fromkeys(rec.scores)) or "none"
                 selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
                 return MoELayerInfo(
                     name=name, module=module, num_experts=E, top_k=K, experts_form="stacked",
                     router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
-                            f"top-{K} ids seen at the experts call (behaviour)"),
+                            f"{seen} (behaviour)"),
                     activation=describe_activation(child.module), shared_experts=False, experts_attr=child.attr,
-                    rewrite="per-slot", router_path=router_path or "",
+                    rewrite=rewrite, router_path=router_path or "",
                     score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
             if not ok:
                 # Only a child that names experts, or is called with integer ids, is an experts

@@ -367,7 +367,7 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
             self.__dict__.pop(attr, None)
 
     block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr} served by one experts(x, ids, weights) call."
-    experts_forward = (_per_slot_classes(block_cls, experts_cls, attr)[1].forward if form == "per-slot"
+    experts_forward = (_per_slot_experts_forward(experts_cls) if form == "per-slot"
                        else _sorted_rows_experts_forward(experts_cls))
     new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
                                                         "_themis_original_class": block_cls})
@@ -377,30 +377,16 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
     return new_block, new_experts
 
 
-def _per_slot_classes(block_cls: type, experts_cls: type, attr: str) -> tuple[type, type]:
-    """(block class, experts class) of a per-slot rewrite: the block's forward runs unchanged with
-    ``self.<attr>`` seen as a :class:`PerSlotCall`; the experts module is called as
-    ``experts(x_TH, ids_TK, weights_TK)``, its own per-slot forward combined with the weights."""
-
-    def block_forward(self, *args, **kwargs):
-        self.__dict__[attr] = PerSlotCall(self._modules[attr])   # shadows the submodule inside forward only
-        try:
-            return block_cls.forward(self, *args, **kwargs)
-        finally:
-            self.__dict__.pop(attr, None)
+def _per_slot_experts_forward(experts_cls: type):
+    """``experts(x_TH, ids_TK, weights_TK)`` of a per-slot experts module: its own per-slot forward
+    ``experts(x_TH, ids_TK) -> y_TKH``, combined with the top-k weights."""
 
     def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         y_TKH = experts_cls.forward(self, x_TH, ids_TK)
         return torch.einsum("tkh,tk->th", y_TKH, weights_TK.to(y_TKH.dtype))
 
-    block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr}(x, ids) served by one experts(x, ids, weights) call."
     experts_forward.__doc__ = f"{experts_cls.__name__}.forward combined with the top-k weights."
-    new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
-                                                        "_themis_original_class": block_cls})
-    new_experts = type(experts_cls.__name__, (experts_cls,), {"forward": experts_forward,
-                                                              "__module__": experts_cls.__module__,
-                                                              "_themis_original_class": experts_cls})
-    return new_block, new_experts
+    return experts_forward
 
 
 def rewrite_moe_layer(info: MoELayerInfo) -> None:
