@@ -14,6 +14,17 @@ from themis_compile.models import build_model, lm_loss
 
 LR = 1e-2
 
+# The models the runtime's equivalence tests train: the reference model in both expert forms and tiny HF
+# Mixtral and Qwen3-MoE (``make_model`` specs).
+MODELS = {
+    "ref-loop": dict(name="tiny-moe", router_skew=2.0, experts_form="loop", top_k=2, num_experts=6),
+    "ref-stacked": dict(name="tiny-moe", router_skew=2.0, experts_form="stacked", top_k=1, shared_expert=True),
+    "mixtral": dict(hf="mixtral", num_experts=6),
+    # A lower learning rate: at 1e-2 this tiny Qwen3 config's router flips near-tied top-k choices after
+    # ~12 steps, so that even EP and the single-process run drift apart by 1e-5 (rounding made chaotic).
+    "qwen3-moe": dict(hf="qwen3-moe", num_experts=8, lr=2e-3),
+}
+
 
 def _batches(steps: int, global_batch: int, seq_len: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

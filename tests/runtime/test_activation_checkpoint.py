@@ -28,6 +28,7 @@ from themis_compile.models.gpt_moe import Block
 from themis_compile.testing import run_multirank
 from tests.runtime.equivalence import (
     LR,
+    MODELS,
     _batches,
     _dense_params,
     _expert_chunks_reference,
@@ -37,32 +38,26 @@ from tests.runtime.equivalence import (
 )
 
 STEPS, BATCH, SEQ = 3, 8, 8
-MODELS = {
-    "ref": dict(name="tiny-moe", router_skew=2.0, experts_form="loop", top_k=2, num_experts=6),
-    "ref-stacked": dict(name="tiny-moe", router_skew=2.0, experts_form="stacked", top_k=1, shared_expert=True),
-    "mixtral": dict(hf="mixtral", num_experts=6),
-    "qwen3-moe": dict(hf="qwen3-moe", num_experts=8, lr=2e-3),
-}
 # (model, policy, how the model is checkpointed, micro-batches per step, ThemisConfig.schedule).
 # micro-batches: 1, 2 (gradient accumulation: a backward per micro-batch) or "joint" (2 forwards, then one
 # backward of the summed loss: the recomputations must pair with the right forward).
 CASES = [
-    ("ref", "themis", "wrap-before", 1, False),
-    ("ref", "themis-rm", "wrap-before", 1, False),
-    ("ref", "ep", "wrap-before", 1, False),
+    ("ref-loop", "themis", "wrap-before", 1, False),
+    ("ref-loop", "themis-rm", "wrap-before", 1, False),
+    ("ref-loop", "ep", "wrap-before", 1, False),
     ("ref-stacked", "themis", "wrap-after", 1, False),
     ("ref-stacked", "themis-rm", "wrap-after", 1, False),
-    ("ref", "themis", "apply-ac-before", 1, False),
-    ("ref", "themis-rm", "apply-ac-after", 1, False),
+    ("ref-loop", "themis", "apply-ac-before", 1, False),
+    ("ref-loop", "themis-rm", "apply-ac-after", 1, False),
     ("mixtral", "themis", "hf", 1, True),
     ("qwen3-moe", "themis-rm", "hf", 1, True),
     ("mixtral", "ep", "hf", 1, True),
-    ("ref", "themis-rm", "wrap-before", 2, False),
+    ("ref-loop", "themis-rm", "wrap-before", 2, False),
     ("mixtral", "themis", "hf", 2, True),
-    ("ref", "themis-rm", "wrap-before", "joint", False),
-    ("ref", "themis-rm", "model-before", 1, False),     # one checkpoint around the whole model: two layers
-    ("ref", "themis", "wrap-before", 1, True),
-    ("ref", "themis-rm", "wrap-after", 1, True),
+    ("ref-loop", "themis-rm", "wrap-before", "joint", False),
+    ("ref-loop", "themis-rm", "model-before", 1, False),     # one checkpoint around the whole model: two layers
+    ("ref-loop", "themis", "wrap-before", 1, True),
+    ("ref-loop", "themis-rm", "wrap-after", 1, True),
 ]
 CONFIG = dict(reshard_interval=0, overlap_degree=8, materialization_budget=2, check_plans=True)
 
@@ -186,7 +181,7 @@ def _run(rank: int, world_size: int, cases):
 
 def _reentrant_error(rank: int, world_size: int) -> str:
     """A reentrant checkpoint under themis: every rank raises at the same forward (no rank left waiting)."""
-    model = make_model(MODELS["ref"])
+    model = make_model(MODELS["ref-loop"])
     for block in model.blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=True)
     model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy="themis", schedule=False, **CONFIG))
@@ -238,7 +233,7 @@ def test_activation_checkpointing_matches_single_process():
         assert "themis_compile" in message and "use_reentrant=True" in message, f"rank {rank}: {message!r}"
 
 
-@pytest.mark.parametrize("case", [("ref", "themis-rm", "wrap-before", 2, False)])
+@pytest.mark.parametrize("case", [("ref-loop", "themis-rm", "wrap-before", 2, False)])
 def test_activation_checkpointing_four_ranks_two_nodes(case):
     results = run_multirank(_run_one, 4, args=(case,), devices_per_node=2, timeout_s=120)
     _check(case, _reference(case[0], case[2], case[3]), results)
@@ -250,7 +245,7 @@ def _run_one(rank: int, world_size: int, case):
 
 def test_activation_checkpointing_world_size_one():
     # Without a process group every policy runs the experts unsharded (one code path for all three).
-    case = ("ref", "themis", "wrap-before", 2, False)
+    case = ("ref-loop", "themis", "wrap-before", 2, False)
     result = _train(0, 1, *case)
     assert result[3]["recomputed"] == [2 * STEPS] * result[3]["layers"]
-    assert_equivalent(_reference("ref", "wrap-before", 2), [result[:3] + (None,)])
+    assert_equivalent(_reference("ref-loop", "wrap-before", 2), [result[:3] + (None,)])

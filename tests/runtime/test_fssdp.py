@@ -13,17 +13,9 @@ import pytest
 
 import themis_compile
 from themis_compile.testing import run_multirank
-from tests.runtime.equivalence import assert_equivalent, train_distributed, train_reference
+from tests.runtime.equivalence import MODELS, assert_equivalent, train_distributed, train_reference
 
 STEPS, BATCH, SEQ = 20, 8, 16
-MODELS = {
-    "ref-loop": dict(name="tiny-moe", router_skew=2.0, experts_form="loop", top_k=2, num_experts=6),
-    "ref-stacked": dict(name="tiny-moe", router_skew=2.0, experts_form="stacked", top_k=1, shared_expert=True),
-    "mixtral": dict(hf="mixtral", num_experts=6),
-    # A lower learning rate: at 1e-2 this tiny Qwen3 config's router flips near-tied top-k choices after
-    # ~12 steps, so that even EP and the single-process run drift apart by 1e-5 (rounding made chaotic).
-    "qwen3-moe": dict(hf="qwen3-moe", num_experts=8, lr=2e-3),
-}
 POLICIES = ("themis", "themis-rm")
 
 
