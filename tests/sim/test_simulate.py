@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from themis_compile.cost_model import simulate as sim
+from themis_compile import sim
+from themis_compile.sim import cli
 from themis_compile.cost_model.cluster import Cluster, get_cluster, load_cluster
-from themis_compile.cost_model.traces import synthetic_trace
+from themis_compile.sim.traces import synthetic_trace
 from themis_compile.models.presets import preset
 
 ALL = ("ep", "uniform", "fastermoe", "smartmoe", "flexmoe", "eplb", "themis", "themis-rm")
@@ -27,7 +28,7 @@ def _model():
 def _trace(iterations: int = 12, seed: int = 0):
     cfg = _model()
     return synthetic_trace(cfg.n_layers, cfg.num_experts, 8, 2 * cfg.seq_len, cfg.top_k, iterations,
-                           skew=0.05, seed=seed)
+                           cv=0.8, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -118,21 +119,21 @@ def test_plots_are_written(result: sim.SimResult, tmp_path: Path) -> None:
 def test_cli_json_and_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--model", "gpt-s-moe-tiny", "--cluster", "B", "--nodes", "2", "--devices-per-node", "2",
             "--iterations", "4", "--no-progress"]
-    sim.main(base + ["--policy", "themis,fastermoe", "--json", "--trace-out", str(tmp_path / "t.json"),
+    cli.main(base + ["--policy", "themis,fastermoe", "--json", "--trace-out", str(tmp_path / "t.json"),
                      "--plot-dir", str(tmp_path / "p"), "--write-trace", str(tmp_path / "r.jsonl")])
     out = json.loads(capsys.readouterr().out)
     assert set(out["policies"]) == {"ep", "themis", "fastermoe"}        # EP is always the reference
     assert out["throughput_vs_ep"]["ep"] == 1.0 and out["setup"]["cluster"]["num_devices"] == 4
     assert len(out["plots"]) == 3 and json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     # The saved routing trace replays to the same numbers.
-    sim.main(base + ["--policy", "themis,fastermoe", "--json", "--trace", str(tmp_path / "r.jsonl")])
+    cli.main(base + ["--policy", "themis,fastermoe", "--json", "--trace", str(tmp_path / "r.jsonl")])
     again = json.loads(capsys.readouterr().out)
     assert again["throughput_vs_ep"] == out["throughput_vs_ep"]
-    sim.main(base + ["--policy", "ep,uniform"])
+    cli.main(base + ["--policy", "ep,uniform"])
     text = capsys.readouterr().out
     assert "throughput relative to EP" in text and "model-state memory" in text
     with pytest.raises(SystemExit, match="unknown cluster"):
-        sim.main(["--cluster", "C", "--no-progress"])
+        cli.main(["--cluster", "C", "--no-progress"])
 
 
 def test_custom_cluster_files(tmp_path: Path) -> None:
