@@ -97,3 +97,27 @@ def test_reader_is_lenient_but_names_bad_lines(tmp_path: Path) -> None:
     path.write_text('{"header": {"num_experts": 3}}\n{"step": 0, "layer": 0, "tokens_per_expert": [1, 2]}\n')
     with pytest.raises(ValueError, match="num_experts=3"):
         read_jsonl(path)
+
+
+DEMO_TRACE = Path(__file__).parent / "data" / "demo_trace.jsonl"
+
+
+def test_synthetic_dynamics_match_a_trace_the_demo_recorded() -> None:
+    """tests/sim/data/demo_trace.jsonl is `make demo`'s trace_ep.jsonl (tiny-moe: 8 experts, top-2, aux
+    weight 0.001, 2 ranks, 120 steps). A synthetic trace at its CV, with the default dynamics, has the
+    same step-to-step statistics (averaged over seeds: a 120-step sample ACF is noisy)."""
+    real = read_jsonl(DEMO_TRACE)
+    h = real.header
+    want = trace_statistics(real, skip=10)
+    got = [trace_statistics(synthetic_trace(real.num_layers, real.num_experts, h["world_size"],
+                                            h["seq_len"] * h["batch_per_rank"], h["top_k"], len(real.steps),
+                                            cv=want["cv"], seed=seed), skip=10) for seed in range(3)]
+    mean = {k: float(np.mean([g[k] for g in got])) for k in want}
+    assert mean["cv"] == pytest.approx(want["cv"], rel=0.05)
+    assert abs(mean["lag1"] - want["lag1"]) < 0.1
+    assert abs(mean["hot_change"] - want["hot_change"]) < 0.1
+    # The statistics discriminate: a trace that forgets its loads every step matches neither.
+    memoryless = trace_statistics(synthetic_trace(real.num_layers, real.num_experts, h["world_size"],
+                                                  h["seq_len"] * h["batch_per_rank"], h["top_k"],
+                                                  len(real.steps), cv=want["cv"], drift=1.0, seed=0), skip=10)
+    assert memoryless["lag1"] < want["lag1"] - 0.3 and memoryless["hot_change"] > want["hot_change"] + 0.3

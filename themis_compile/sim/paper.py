@@ -15,7 +15,7 @@ from themis_compile.cost_model.cluster import Cluster, get_cluster
 from themis_compile.models.presets import PAPER_PRESETS
 from themis_compile.sim.engine import DEFAULT_POLICIES, SimResult, simulate
 from themis_compile.sim.setup import build_setup, resolve_model_config
-from themis_compile.sim.traces import PAPER_CV, RoutingTrace, synthetic_trace
+from themis_compile.sim.traces import PAPER_SHARE_STD, RoutingTrace, model_cv, synthetic_trace
 
 __all__ = ["TOLERANCE", "run_config", "paper_report", "format_paper_report"]
 
@@ -25,11 +25,12 @@ _PLAN_US = (24.0, 51.0)
 
 
 def run_config(model_name: str, cluster: Cluster, *, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
-               iterations: int = 30, cv: float = PAPER_CV, drift: float | None = None, seed: int = 0,
+               iterations: int = 30, cv: float | None = None, drift: float | None = None, seed: int = 0,
                batch: int | None = None, top_k: int | None = None, trace: RoutingTrace | None = None,
                max_layers: int | None = None, progress: bool = False, **setup_kwargs: Any) -> SimResult:
     """Build a setup for a preset (or factory) on ``cluster``, a synthetic trace unless one is given,
-    and simulate. ``max_layers`` caps the MoE layers (for quick runs)."""
+    and simulate. ``cv`` defaults to the model's (`traces.model_cv`); ``max_layers`` caps the MoE layers
+    (for quick runs)."""
     cfg = resolve_model_config(model_name, devices=cluster.num_devices, cluster=cluster.name)
     if max_layers is not None:
         cfg = cfg.replace(n_layers=min(cfg.n_layers, int(max_layers)))
@@ -37,6 +38,7 @@ def run_config(model_name: str, cluster: Cluster, *, policies: tuple[str, ...] |
         cfg = cfg.replace(top_k=int(top_k))
     setup = build_setup(cfg, cluster, batch=batch, **setup_kwargs)
     if trace is None:
+        cv = model_cv(cfg.experts_per_device, cfg.num_experts, cluster.num_devices) if cv is None else cv
         trace = synthetic_trace(cfg.n_layers, cfg.num_experts, cluster.num_devices, setup.tokens_per_device,
                                 cfg.top_k, iterations, cv=cv, drift=drift, seed=seed, model=cfg.name)
     return simulate(setup, trace, policies, iterations=min(iterations, len(trace.steps)), progress=progress)
@@ -46,8 +48,8 @@ def run_config(model_name: str, cluster: Cluster, *, policies: tuple[str, ...] |
 # context of the runs (overlap degrees, budgets, ...).
 _EXPLAIN: dict[str, tuple[str, str]] = {
     "themis_vs_ep": (
-        "EP suffers more here than in the paper: the synthetic log-normal loads at CV {cv:.2f} have a heavier "
-        "tail than the measured gates of every model but Qwen (the only one whose skew the paper reports), "
+        "EP suffers more here than in the paper: the synthetic log-normal loads (share Std {std} at 32 GPUs) have a "
+        "heavier tail than the measured gates of every model but Qwen (the only one whose skew the paper reports), "
         "and FLOP-rate compute makes every extra token on the straggler cost full price",
         "Themis replicates at most t = floor(T_attn*bw/Psi) experts per layer (t = {t_fig9} across the runs) "
         "and m = {m_fig9}; where t is small the next-hottest experts stay whole on one device and keep the "
@@ -59,7 +61,7 @@ _EXPLAIN: dict[str, tuple[str, str]] = {
         "NCCL broadcasts, and it shadows without the t cap that binds Themis (t = {t_fig9})"),
     "ep_vs_uniform": (
         "the all-to-all is charged at its ingress/egress lower bound, so EP's hot-spot ingress costs the full "
-        "bound while Uniform's balanced traffic reaches it; every model is simulated at Qwen's CV {cv:.2f}",
+        "bound while Uniform's balanced traffic reaches it; every model is given Qwen's share Std {std} at 32 GPUs",
         "EP's penalty is straggler compute plus hot-spot ingress at the all-to-all's lower bound; the "
         "synthetic traces have no source locality and compute charges no kernel-efficiency or memory penalty "
         "to overloaded devices, so imbalance costs less than measured"),
@@ -179,7 +181,7 @@ def paper_report(iterations: int = 20, progress: bool = False, quick: bool = Fal
     fig9_runs = [r for k, r in runs.items() if k.startswith("fig9/")]
     t_fig9 = sorted({r["setup"]["overlap_degree"] for r in fig9_runs})
     m_fig9 = sorted({r["setup"]["materialization_budget"] for r in fig9_runs})
-    ctx = {"cv": PAPER_CV,
+    ctx = {"std": PAPER_SHARE_STD,
            "t_fig9": f"{t_fig9[0]}-{t_fig9[-1]}" if len(t_fig9) > 1 else str(t_fig9[0]),
            "m_fig9": f"{m_fig9[0]}-{m_fig9[-1]}" if len(m_fig9) > 1 else str(m_fig9[0]),
            "t_topk": "/".join(map(str, t_topk)),

@@ -12,7 +12,8 @@ at a policy's name:
 * `PolicyCharges.held_replicas` — the replica parameters, gradients and optimizer states the peak
   device holds at once (Fig. 12);
 * `PolicyCharges.begin` / `PolicyCharges.end_iteration` — steady-state set-up (Themis re-shards once
-  inside the warm-up).
+  inside the warm-up);
+* `PolicyCharges.take_plan_times` — wall times of the materialization plans (Alg. 1) it computed.
 
 `charges_for(name, setup)` builds the right one from the registry `CHARGES` (policy name to class).
 
@@ -21,6 +22,7 @@ Legend: E experts, D devices, N nodes, L MoE layers.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -92,6 +94,10 @@ class PolicyCharges:
     def begin(self, warmup: int, early_reshard: bool) -> None:
         """Called once before the first iteration."""
 
+    def take_plan_times(self) -> list[float]:
+        """Wall times (s) of the materialization plans computed since the last call (Themis only)."""
+        return []
+
     def end_iteration(self, iteration: int) -> None:
         """Called after every iteration."""
 
@@ -111,11 +117,13 @@ class ThemisCharges(PolicyCharges):
 
     def charge(self, coster: Coster, layer: int, step: PolicyStep, predicted_E: np.ndarray, lc: LayerCost) -> None:
         policy, topo, psi = self.policy, coster.topo, self.setup.psi
-        materialized = step.placement
+        # The same pure Alg. 1 call the policy made before calibration (deterministic), timed: the
+        # paper's "time to compute the materialization plan" (§5.3).
+        started = time.perf_counter()
+        materialized = sparse_materialization(step.shard, predicted_E, policy.overlap_degree,
+                                              policy.materialization_budget, topo)
+        self._plan_s.append(time.perf_counter() - started)
         if step.info.get("calibrated"):
-            # The same pure Alg. 1 call the policy made before calibration (deterministic).
-            materialized = sparse_materialization(step.shard, predicted_E, policy.overlap_degree,
-                                                  policy.materialization_budget, topo)
             lc.calib_s = sparse_transfer_time(materialized, step.placement, psi, topo)
         if materialized != step.shard:
             lc.spag_s = sparse_transfer_time(step.shard, materialized, psi, topo)
@@ -129,6 +137,10 @@ class ThemisCharges(PolicyCharges):
             return step.bytes_moved
         return {**step.bytes_moved, "spag_remat": 0}
 
+    def take_plan_times(self) -> list[float]:
+        out, self._plan_s = self._plan_s, []
+        return out
+
     def releases(self, layer: int) -> bool:
         """Whether ``layer``'s replicas are freed after forward and gathered again for backward."""
         return bool(self.policy.rematerialize) and layer < self.setup.num_layers - 1
@@ -140,6 +152,10 @@ class ThemisCharges(PolicyCharges):
         # are kept, and the one before it is gathered while the last runs backward).
         held = min(2, self.setup.num_layers) * layer_max
         return min(held, sum_max), layer_max, 0
+
+    def __init__(self, name: str, setup: SimSetup) -> None:
+        super().__init__(name, setup)
+        self._plan_s: list[float] = []
 
     def begin(self, warmup: int, early_reshard: bool) -> None:
         # Measure the steady state: the first Alg. 2 re-sharding runs in the last warm-up iteration.

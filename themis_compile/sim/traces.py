@@ -43,12 +43,15 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 __all__ = ["RoutingRecord", "RoutingTrace", "synthetic_trace", "load_skew", "load_cv", "proportions_with_skew",
-           "trace_statistics", "read_jsonl", "write_jsonl", "PAPER_CV", "DEFAULT_DRIFT", "DEFAULT_JITTER"]
+           "trace_statistics", "model_cv", "read_jsonl", "write_jsonl", "PAPER_CV", "PAPER_SHARE_STD", "DEFAULT_DRIFT", "DEFAULT_JITTER"]
 
 # Fig. 16a: Std 0.04 of Qwen1.5-MoE's expert shares (between the 0.034 and 0.046 of its loss weights 0.1
-# and 0), with E = 64 experts on 32 GPUs: CV = 64 · 0.04. The paper measures no other model's skew, so
-# every model is simulated at this CV.
-PAPER_CV = 64 * 0.04
+# and 0), with E = 64 experts on the paper's 32 GPUs. The paper measures no other model's skew: every model
+# is given this Std at its own 32-GPU configuration (`model_cv`, at most Qwen's CV), and that CV is held
+# when k or E change.
+PAPER_SHARE_STD = 0.04
+PAPER_DEVICES = 32
+PAPER_CV = 64 * PAPER_SHARE_STD
 # Step-to-step dynamics of the synthetic latent, matched to a routing trace the demo recorded (`make
 # demo`; tests/sim/data/demo_trace.jsonl): its lag-1 autocorrelation of the shares and how often the
 # hottest expert changes (see `trace_statistics`).
@@ -160,6 +163,15 @@ class RoutingTrace:
 
 
 # --------------------------------------------------------------------------------------- skew
+def model_cv(experts_per_device: int | None, num_experts: int, num_devices: int) -> float:
+    """The CV a model's synthetic traces use: `PAPER_SHARE_STD` at its 32-GPU configuration
+    (E_32 = experts per device · 32), i.e. CV = 0.04 · E_32, held at other k and E; at most Qwen's
+    `PAPER_CV` (a Std of 0.04 over DeepSeek-V3's 128 experts is beyond what top-8 routing can produce:
+    shares capped at 1/8 have Std <= 0.030)."""
+    per_device = experts_per_device if experts_per_device else num_experts / num_devices
+    return min(PAPER_SHARE_STD * per_device * PAPER_DEVICES, PAPER_CV)
+
+
 def load_skew(tokens_E: np.ndarray) -> float:
     """Std over experts of the shares p_e = tokens_e / Σ tokens (they sum to 1; Fig. 3, Fig. 16a).
     0 for no tokens."""
@@ -233,7 +245,9 @@ def proportions_with_skew(z_E: np.ndarray, skew: float, cap: float = 1.0) -> np.
         return _cap(w_E / w_E.sum(), cap)
 
     lo, hi = 0.0, 1.0
-    while make(hi).std() < skew and hi < 1e3:
+    # Std(p) grows with σ until exp underflows every weight but the largest (then the capped excess
+    # spreads evenly and Std falls again): stop doubling where it stops growing.
+    while make(hi).std() < skew and hi < 1e3 and make(2.0 * hi).std() > make(hi).std():
         lo, hi = hi, hi * 2.0
     if make(hi).std() < skew:
         logger.warning("skew %.4f is not reachable with %d experts capped at %.3f; using %.4f",
