@@ -39,7 +39,7 @@ import numpy as np
 
 from themis_compile.planner import LoadPredictor, PolicyStep
 from themis_compile.planner.cost import all_to_all_time
-from themis_compile.sim.policies import LayerCost, PolicyCharges, charges_for
+from themis_compile.sim.policies import DEFAULT_POLICIES, REFERENCE, LayerCost, PolicyCharges, charges_for
 from themis_compile.sim.setup import SimSetup
 from themis_compile.sim.traces import RoutingTrace, load_skew
 
@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["CATEGORIES", "DEFAULT_POLICIES", "Coster", "PolicyResult", "SimResult", "simulate"]
 
 CATEGORIES = ("A2A", "Rearr", "SpAG/SpRS", "AR", "Opt", "Comp")
-DEFAULT_POLICIES = ("ep", "uniform", "fastermoe", "smartmoe", "flexmoe", "themis", "themis-rm")
 
 
 # =========================================================================================== costs
@@ -250,7 +249,7 @@ class SimResult:
     wall_s: float = 0.0
     trace_skew: float = 0.0
 
-    def speedup_over(self, reference: str = "ep") -> dict[str, float]:
+    def speedup_over(self, reference: str = REFERENCE) -> dict[str, float]:
         """Throughput relative to ``reference`` (its mean iteration time over each policy's)."""
         ref = self.policies[reference].mean_iteration_s
         return {n: ref / r.mean_iteration_s for n, r in self.policies.items()}
@@ -259,8 +258,8 @@ class SimResult:
         out: dict[str, Any] = {"setup": self.setup.describe(), "iterations": self.iterations,
                                "warmup": self.warmup, "trace_skew": self.trace_skew, "wall_s": self.wall_s,
                                "policies": {n: r.as_dict() for n, r in self.policies.items()}}
-        if "ep" in self.policies:
-            out["throughput_vs_ep"] = self.speedup_over("ep")
+        if REFERENCE in self.policies:
+            out["throughput_vs_ep"] = self.speedup_over(REFERENCE)
         return out
 
 

@@ -115,7 +115,8 @@ def symbolic_report(setup: SimSetup, t_target: int | None = None) -> dict[str, A
     batch at which they fit the window with this model and cluster."""
     model = analytic.symbolic_cost_model()
     values = {"d_model": setup.model.d_model, "d_ffn": setup.model.d_ffn, "bw": setup.cluster.window_bw,
-              "attn_throughput": setup.cluster.peak_flops * ATTENTION_EFFICIENCY, "n_mats": analytic.expert_matrices(setup.model),
+              "attn_throughput": setup.cluster.peak_flops * ATTENTION_EFFICIENCY,
+              "n_mats": analytic.expert_matrices(setup.model),
               "param_bytes": setup.precision.param_bytes}
     t_target = max(setup.overlap_degree, 1) if t_target is None else int(t_target)
     min_seq = analytic.min_seq_len_for(t_target, batch=setup.batch, **values)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from themis_compile.sim.setup import SimSetup
 
 __all__ = ["LayerCost", "PolicyCharges", "ThemisCharges", "FasterMoECharges", "PersistentReplicaCharges",
-           "FlexMoECharges", "CHARGES", "charges_for"]
+           "FlexMoECharges", "CHARGES", "DEFAULT_POLICIES", "REFERENCE", "charges_for"]
 
 
 @dataclass
@@ -208,6 +208,11 @@ class FlexMoECharges(PersistentReplicaCharges):
         reserve = self.setup.replica_slots * self.setup.num_layers
         return reserve, reserve, reserve
 
+
+# The reference of every relative figure (throughput and memory "vs EP").
+REFERENCE = "ep"
+# The policies `simulate` runs when none are named (§5.1's systems, Uniform and Themis-RM).
+DEFAULT_POLICIES = ("ep", "uniform", "fastermoe", "smartmoe", "flexmoe", "themis", "themis-rm")
 
 CHARGES: dict[str, type[PolicyCharges]] = {
     "ep": PolicyCharges, "uniform": PolicyCharges, "smartmoe": PolicyCharges, "fastermoe": FasterMoECharges,

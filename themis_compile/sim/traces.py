@@ -43,7 +43,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 __all__ = ["RoutingRecord", "RoutingTrace", "synthetic_trace", "load_skew", "load_cv", "proportions_with_skew",
-           "trace_statistics", "model_cv", "read_jsonl", "write_jsonl", "PAPER_CV", "PAPER_SHARE_STD", "DEFAULT_DRIFT", "DEFAULT_JITTER"]
+           "trace_statistics", "model_cv", "read_jsonl", "write_jsonl", "PAPER_CV", "PAPER_SHARE_STD",
+           "DEFAULT_DRIFT", "DEFAULT_JITTER"]
 
 # Fig. 16a: Std 0.04 of Qwen1.5-MoE's expert shares (between the 0.034 and 0.046 of its loss weights 0.1
 # and 0), with E = 64 experts on the paper's 32 GPUs. The paper measures no other model's skew: every model
