@@ -12,7 +12,7 @@ from themis_compile.sim.engine import DEFAULT_POLICIES, simulate
 from themis_compile.sim.paper import format_paper_report, paper_report
 from themis_compile.sim.report import chrome_trace, format_tables, write_plots
 from themis_compile.sim.setup import build_setup, read_profile, resolve_model_config
-from themis_compile.sim.traces import PAPER_CV, read_jsonl, synthetic_trace
+from themis_compile.sim.traces import model_cv, read_jsonl, synthetic_trace
 
 __all__ = ["main"]
 
@@ -30,8 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="sequences per device")
     p.add_argument("--seq-len", type=int, default=None, help="override the sequence length")
     p.add_argument("--top-k", type=int, default=None, help="override top-k")
-    p.add_argument("--cv", type=float, default=PAPER_CV,
-                   help=f"synthetic skew: coefficient of variation of the expert shares (default {PAPER_CV:.2f})")
+    p.add_argument("--cv", type=float, default=None,
+                   help="synthetic skew: coefficient of variation of the expert shares (default: the model's, "
+                        "traces.model_cv)")
     p.add_argument("--drift", type=float, default=None, help="synthetic per-step drift of the loads")
     p.add_argument("--jitter", type=float, default=None, help="synthetic per-step noise of the loads")
     p.add_argument("--attention-efficiency", type=float, default=None,
@@ -92,10 +93,10 @@ def main(argv: list[str] | None = None) -> None:
             iterations = args.iterations or len(trace.steps)
         else:
             iterations = args.iterations or 30
+            cv = model_cv(cfg.experts_per_device, cfg.num_experts, cluster.num_devices) if args.cv is None else args.cv
             trace = synthetic_trace(cfg.n_layers, cfg.num_experts, cluster.num_devices, setup.tokens_per_device,
-                                    cfg.top_k, iterations, cv=args.cv, drift=args.drift, jitter=args.jitter,
-                                    seed=args.seed,
-                                    model=cfg.name)
+                                    cfg.top_k, iterations, cv=cv, drift=args.drift, jitter=args.jitter,
+                                    seed=args.seed, model=cfg.name)
             if args.write_trace:
                 trace.write_jsonl(args.write_trace)
         result = simulate(setup, trace, policies, iterations=iterations, progress=progress)

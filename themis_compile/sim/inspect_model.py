@@ -34,7 +34,7 @@ from themis_compile.sim.setup import (
     read_profile,
     resolve_model_config,
 )
-from themis_compile.sim.traces import PAPER_CV, synthetic_trace
+from themis_compile.sim.traces import PAPER_CV, model_cv, synthetic_trace
 from themis_compile.cost_model.volume import sparse_all_gather_volume
 from themis_compile.planner import Placement, sparse_materialization, topology_aware_dispatch
 from themis_compile.planner.cost import sparse_transfer_time
@@ -197,7 +197,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--memory-budget-gb", type=float, default=None)
     p.add_argument("--profile", default=None, help="profile JSON: t_attn_fwd_s per layer, bw_intra, bw_inter, psi")
-    p.add_argument("--cv", type=float, default=PAPER_CV, help="CV of the sample plan's synthetic expert shares")
+    p.add_argument("--cv", type=float, default=None,
+                   help="CV of the sample plan's synthetic expert shares (default: the model's, traces.model_cv)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--png", default=None, help="write the device x expert heat maps here")
     p.add_argument("--json", action="store_true")
@@ -217,10 +218,12 @@ def main(argv: list[str] | None = None) -> None:
         profile = read_profile(args.profile) if args.profile else None
         setup = build_setup(cfg, cluster, batch=args.batch, profile=profile,
                             memory_budget_bytes=None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9)
-        report = inspect_model(setup, profile=profile, cv=args.cv, seed=args.seed)
+        cfg = setup.model
+        cv = args.cv if args.cv is not None else model_cv(cfg.experts_per_device, cfg.num_experts, setup.num_devices)
+        report = inspect_model(setup, profile=profile, cv=cv, seed=args.seed)
         symbolic = symbolic_report(setup, args.t) if args.symbolic else None
         if args.png:
-            report["png"] = str(plot_plan(setup, args.png, cv=args.cv, seed=args.seed))
+            report["png"] = str(plot_plan(setup, args.png, cv=cv, seed=args.seed))
     except ValueError as exc:
         raise SystemExit(f"themis-compile inspect: {exc}") from exc
     if symbolic:

@@ -248,13 +248,17 @@ def proportions_with_skew(z_E: np.ndarray, skew: float, cap: float = 1.0) -> np.
     lo, hi = 0.0, 1.0
     # Std(p) grows with σ until exp underflows every weight but the largest (then the capped excess
     # spreads evenly and Std falls again): stop doubling where it stops growing.
-    while make(hi).std() < skew and hi < 1e3 and make(2.0 * hi).std() > make(hi).std():
-        lo, hi = hi, hi * 2.0
-    if make(hi).std() < skew:
+    std_hi = make(hi).std()
+    while std_hi < skew and hi < 1e3:
+        std_next = make(2.0 * hi).std()
+        if std_next <= std_hi:
+            break
+        lo, hi, std_hi = hi, 2.0 * hi, std_next
+    if std_hi < skew:
         logger.warning("skew %.4f is not reachable with %d experts capped at %.3f; using %.4f",
-                       skew, z_E.size, cap, make(hi).std())
+                       skew, z_E.size, cap, std_hi)
         return make(hi)
-    for _ in range(60):
+    for _ in range(40):                     # σ to 2^-40 of its bracket
         mid = 0.5 * (lo + hi)
         if make(mid).std() < skew:
             lo = mid
