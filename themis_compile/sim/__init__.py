@@ -4,6 +4,7 @@ Modules, in import order (each imports only those before it, `cost_model` and `p
 
 * `traces` — routing traces (synthetic, recorded JSONL) and the statistics they are compared by;
 * `setup` — `SimSetup`, the inputs derived once per (model, cluster, batch) with their derivations;
+* `costs` — `LayerCost` and `Coster`, the AllReduce and migration times every policy is charged with;
 * `policies` — each policy's own charges (`PolicyCharges` and its subclasses) around the planner's code;
 * `engine` — `simulate`: the timeline of one representative device, results per policy;
 * `report` — text tables, PNG plots and chrome traces of a `SimResult`;

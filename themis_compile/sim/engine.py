@@ -39,88 +39,32 @@ import numpy as np
 
 from themis_compile.planner import LoadPredictor, PolicyStep
 from themis_compile.planner.cost import all_to_all_time
-from themis_compile.sim.policies import DEFAULT_POLICIES, REFERENCE, LayerCost, PolicyCharges, charges_for
+from themis_compile.sim.costs import Coster, LayerCost
+from themis_compile.sim.policies import DEFAULT_POLICIES, REFERENCE, PolicyCharges, charges_for
 from themis_compile.sim.setup import SimSetup
 from themis_compile.sim.traces import RoutingTrace, load_skew
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CATEGORIES", "DEFAULT_POLICIES", "Coster", "PolicyResult", "SimResult", "simulate"]
+__all__ = ["CATEGORIES", "DEFAULT_POLICIES", "PolicyResult", "SimResult", "simulate"]
 
 CATEGORIES = ("A2A", "Rearr", "SpAG/SpRS", "AR", "Opt", "Comp")
 
 
 # =========================================================================================== costs
-class Coster:
-    """Turns planner steps into seconds (see the module docstring)."""
-
-    def __init__(self, setup: SimSetup) -> None:
-        self.setup = setup
-        self.topo = setup.topology()
-        self.intra_bw = setup.cluster.effective_intra_bw
-        self.inter_bw = setup.cluster.effective_inter_bw
-        self.offsets = self.topo.node_offsets[:-1]
-        self.multi_node = self.topo.num_nodes > 1
-        self.grad_psi = setup.expert_params * setup.precision.grad_bytes
-
-    def replica_allreduce_time(self, placement_mask_ED: np.ndarray) -> float:
-        """Bottleneck device time of the per-iteration AllReduce of replicated experts (Eq. 5)."""
-        copies_E = placement_mask_ED.sum(axis=1)
-        rep_E = copies_E > 1
-        if not rep_E.any():
-            return 0.0
-        mask_XD = placement_mask_ED[rep_E]
-        nodes_X = np.logical_or.reduceat(mask_XD, self.offsets, axis=1).sum(axis=1)
-        per_dev_inter = self.inter_bw / self.setup.cluster.devices_per_node
-        bw_X = np.where(nodes_X > 1, per_dev_inter, self.intra_bw)
-        c_X = copies_E[rep_E]
-        per_X = 2.0 * (c_X - 1) / c_X * self.grad_psi / bw_X
-        return float((mask_XD * per_X[:, None]).sum(axis=0).max())
-
-    def allreduce_time(self, nbytes: float) -> float:
-        """Hierarchical ring AllReduce of ``nbytes`` over all devices (data parallelism)."""
-        if nbytes <= 0:
-            return 0.0
-        k, N = self.setup.cluster.devices_per_node, self.topo.num_nodes
-        t = 2.0 * (k - 1) / k * nbytes / self.intra_bw
-        if N > 1:
-            t += 2.0 * (N - 1) / N * nbytes / self.inter_bw
-        return t + self.setup.cluster.collective_latency_s
-
-    def layer_cost(self, charges: PolicyCharges, layer: int, step: PolicyStep, predicted_E: np.ndarray
-                   ) -> LayerCost:
-        """All-to-all and compute of ``step`` (common to every policy), plus the policy's own charges."""
-        s = self.setup
-        lc = LayerCost()
-        # The planner's all-to-all model; the bytes are the policy's own count of the same flows.
-        lc.a2a_s = all_to_all_time(step.R, s.token_bytes, self.topo) + s.cluster.collective_latency_s
-        lc.a2a_bytes, lc.a2a_inter_bytes = step.bytes_moved["a2a"], step.bytes_moved["a2a_inter"]
-        load_D = step.R.sum(axis=(0, 1))
-        lc.comp_mean_s = float(load_D.mean()) * s.time_per_token_s
-        lc.comp_max_s = float(load_D.max()) * s.time_per_token_s
-        charges.charge(self, layer, step, predicted_E, lc)
-        return lc
-
-    def migration_time(self, nbytes: float, new_copies_LED: list[np.ndarray]) -> float:
-        """Time to move ``nbytes`` of persistent state whose new copies are ``new_copies_LED`` (per layer
-        [E, D] bool): the bottleneck device's and node's share of the bytes over their links."""
-        if nbytes <= 0:
-            return 0.0
-        D = self.topo.num_devices
-        recv_D = np.zeros(D)
-        recv_N = np.zeros(self.topo.num_nodes)
-        for new_ED, prev_node_EN in new_copies_LED:
-            recv_D += new_ED.sum(axis=0)
-            if self.multi_node:
-                new_node_EN = np.logical_or.reduceat(new_ED, self.offsets, axis=1) & ~prev_node_EN
-                recv_N += new_node_EN.sum(axis=0)
-        total = recv_D.sum()
-        if total == 0:
-            return nbytes / (D * self.intra_bw)
-        t = recv_D.max() / total * nbytes / self.intra_bw
-        if self.multi_node:
-            t = max(t, recv_N.max() / total * nbytes / self.inter_bw)
-        return float(t)
+def _layer_cost(coster: Coster, charges: PolicyCharges, layer: int, step: PolicyStep, predicted_E: np.ndarray
+                ) -> LayerCost:
+    """All-to-all and compute of ``step`` (common to every policy), plus the policy's own charges."""
+    s = coster.setup
+    lc = LayerCost()
+    # The planner's all-to-all model; the bytes are the policy's own count of the same flows.
+    lc.a2a_s = all_to_all_time(step.R, s.token_bytes, coster.topo) + s.cluster.collective_latency_s
+    lc.a2a_bytes, lc.a2a_inter_bytes = step.bytes_moved["a2a"], step.bytes_moved["a2a_inter"]
+    load_D = step.R.sum(axis=(0, 1))
+    lc.comp_mean_s = float(load_D.mean()) * s.time_per_token_s
+    lc.comp_max_s = float(load_D.max()) * s.time_per_token_s
+    charges.charge(coster, layer, step, predicted_E, lc)
+    return lc
 
 
 # =========================================================================================== timeline
@@ -353,7 +297,7 @@ class _PolicyRun:
         owned_D = np.zeros(D, dtype=np.int64)
         for layer in range(setup.num_layers):
             step = charges.plan(layer, predicted_LE[layer], tokens_LED[layer])
-            costs.append(coster.layer_cost(charges, layer, step, predicted_LE[layer]))
+            costs.append(_layer_cost(coster, charges, layer, step, predicted_LE[layer]))
             added_D = (step.placement.mask & ~step.shard.mask).sum(axis=0)
             added_sum_D += added_D
             self.layer_max = max(self.layer_max, int(added_D.max()))

@@ -25,7 +25,7 @@ import numpy as np
 
 from themis_compile.cost_model import analytic
 from themis_compile.cost_model.cluster import get_cluster
-from themis_compile.sim.report import _pyplot
+from themis_compile.sim.report import agg_pyplot
 from themis_compile.sim.setup import (
     ATTENTION_EFFICIENCY,
     SimSetup,
@@ -130,7 +130,7 @@ def symbolic_report(setup: SimSetup, t_target: int | None = None) -> dict[str, A
 def plot_plan(setup: SimSetup, path: str | Path, *, cv: float = PAPER_CV, seed: int = 0) -> Path:
     """PNG heat maps (device × expert): the shard placement P under EP's dispatch and the sample plan P'
     under Alg. 3 — colour is the tokens a device computes for an expert, dots mark added replicas."""
-    plt = _pyplot()
+    plt = agg_pyplot()
     shard, placement, tokens_ED, R_EDD = sample_plan(setup, cv=cv, seed=seed)
     topo = setup.topology()
     ep_ED = topology_aware_dispatch(shard, tokens_ED, topo).sum(axis=1)

@@ -23,38 +23,18 @@ Legend: E experts, D devices, N nodes, L MoE layers.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from themis_compile.planner import Policy, PolicyStep, make_policy, sparse_materialization
 from themis_compile.planner.cost import sparse_transfer_time
 
-if TYPE_CHECKING:
-    from themis_compile.sim.engine import Coster
-    from themis_compile.sim.setup import SimSetup
+from themis_compile.sim.costs import Coster, LayerCost
+from themis_compile.sim.setup import SimSetup
 
-__all__ = ["LayerCost", "PolicyCharges", "ThemisCharges", "FasterMoECharges", "PersistentReplicaCharges",
+__all__ = ["PolicyCharges", "ThemisCharges", "FasterMoECharges", "PersistentReplicaCharges",
            "FlexMoECharges", "CHARGES", "DEFAULT_POLICIES", "REFERENCE", "charges_for"]
-
-
-@dataclass
-class LayerCost:
-    """Seconds one MoE layer costs one policy in one iteration (the engine's timeline reads these)."""
-
-    a2a_s: float = 0.0             # one all-to-all (each of the four per layer)
-    comp_mean_s: float = 0.0       # forward expert compute, representative (mean) device
-    comp_max_s: float = 0.0        # forward expert compute, straggler
-    spag_s: float = 0.0            # predicted SparseAllGather (overlapped with attention forward)
-    calib_s: float = 0.0           # calibration SpAG (critical path)
-    sprs_s: float = 0.0            # SparseReduceScatter (overlapped with attention backward)
-    remat_s: float = 0.0           # re-materialization SpAG (Themis-RM)
-    bcast_s: float = 0.0           # FasterMoE shadow broadcast (critical path)
-    reduce_s: float = 0.0          # FasterMoE shadow gradient reduce (critical path)
-    replica_ar_s: float = 0.0      # AllReduce of persistent replicas' gradients (Eq. 5)
-    a2a_bytes: int = 0
-    a2a_inter_bytes: int = 0
 
 
 class PolicyCharges:

@@ -11,7 +11,7 @@ import numpy as np
 
 from themis_compile.sim.engine import CATEGORIES, SimResult
 
-__all__ = ["chrome_trace", "write_plots", "format_tables"]
+__all__ = ["agg_pyplot", "chrome_trace", "write_plots", "format_tables"]
 
 
 def chrome_trace(result: SimResult) -> dict[str, Any]:
@@ -35,7 +35,8 @@ def chrome_trace(result: SimResult) -> dict[str, Any]:
                           "num_devices": result.setup.num_devices, "iteration": result.trace_iteration}}
 
 
-def _pyplot() -> Any:
+def agg_pyplot() -> Any:
+    """matplotlib.pyplot on the non-interactive Agg backend (PNG files only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,7 +48,7 @@ def _pyplot() -> Any:
 def write_plots(result: SimResult, out_dir: str | Path) -> list[Path]:
     """PNG plots: throughput relative to EP (Fig. 9 shape), critical-path breakdown (Fig. 11) and
     model-state memory (Fig. 12). Returns the written paths."""
-    plt = _pyplot()
+    plt = agg_pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = list(result.policies)
