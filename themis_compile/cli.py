@@ -12,8 +12,8 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "inspect": "themis_compile.cost_model.inspect",
-    "simulate": "themis_compile.cost_model.simulate",
+    "inspect": "themis_compile.sim.inspect_model",
+    "simulate": "themis_compile.sim.cli",
     "bench": "themis_compile.bench.__main__",
 }
 

@@ -17,7 +17,7 @@ What happens:
 3. The launcher reads those files back and writes ``summary.json``, the PNG plots (``loss.png``,
    ``imbalance.png``, ``delta_p.png``) and prints a short text summary.
 
-Routing trace format (the simulator reads it, ``themis_compile.cost_model.traces``): a header line
+Routing trace format (the simulator reads it, ``themis_compile.sim.traces``): a header line
 ``{"header": {"num_experts": E, "top_k": k, "world_size": D, "model": name, "policy": p}}``, then one
 line per step and MoE layer ``{"step", "layer", "tokens_per_expert": [E ints], "tokens_per_device_expert":
 [[E ints] x D]}`` where row d counts the (token, k) pairs that originate on rank d, plus ``"delta_p"``

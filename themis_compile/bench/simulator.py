@@ -12,8 +12,8 @@ import json
 import time
 
 from themis_compile.cost_model.cluster import get_cluster
-from themis_compile.cost_model.simulate import DEFAULT_POLICIES, build_setup, resolve_model_config, simulate
-from themis_compile.cost_model.traces import synthetic_trace
+from themis_compile.sim import DEFAULT_POLICIES, build_setup, resolve_model_config, simulate
+from themis_compile.sim.traces import synthetic_trace
 
 TARGET_S = 60.0
 

@@ -103,7 +103,7 @@ def _global_batch(args: argparse.Namespace, world: int, gen):
 
 def load_share_std(counts_E) -> float:
     """Std over experts of the load shares counts_e / Σ counts (shares summing to 1); 0 for no tokens.
-    (``cost_model.traces.load_skew`` normalises to k assignments per token instead: top_k times this.)"""
+    (the same convention as ``sim.traces.load_skew``)."""
     import torch
 
     counts_E = torch.as_tensor(counts_E, dtype=torch.float64)

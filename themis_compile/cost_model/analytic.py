@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Precision", "expert_matrices", "expert_params", "expert_bytes", "expert_flops_per_token",
-    "attention_flops", "attention_time", "dense_params", "head_flops", "overlap_degree",
+    "Precision", "AttentionShape", "expert_matrices", "expert_params", "expert_bytes", "expert_flops_per_token",
+    "attention_flops", "attention_params", "attention_time", "activation_bytes", "dense_params", "head_flops",
+    "overlap_degree",
     "materialization_budget", "replica_bytes", "symbolic_cost_model", "min_seq_len_for", "min_batch_for",
 ]
 
@@ -97,11 +98,61 @@ def expert_flops_per_token(cfg: MoEModelConfig) -> float:
     return 2.0 * expert_params(cfg)
 
 
-def dense_params(cfg: MoEModelConfig, include_embeddings: bool = True) -> int:
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention a model really has, for its FLOPs and parameters (T_attn of §4.2).
+
+    ``kind`` is ``"mha"`` (every head has its own K and V), ``"gqa"`` (``n_kv_heads`` K/V heads shared by
+    groups of query heads) or ``"mla"`` (DeepSeek's multi-head latent attention: queries and keys/values
+    pass through low-rank latents of ``q_rank`` / ``kv_rank``; every head scores with a
+    ``qk_head_dim``-wide key, ``rope_dim`` of it shared, and reads a ``v_head_dim``-wide value).
+    ``head_dim`` defaults to d_model / n_heads.
+    """
+
+    kind: str = "mha"
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    q_rank: int = 0
+    kv_rank: int = 0
+    qk_head_dim: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mha", "gqa", "mla"):
+            raise ValueError(f"AttentionShape.kind must be 'mha', 'gqa' or 'mla', got {self.kind!r}")
+        if self.kind == "gqa" and not (self.n_kv_heads and self.n_kv_heads > 0):
+            raise ValueError("a 'gqa' AttentionShape needs n_kv_heads >= 1")
+        if self.kind == "mla" and min(self.q_rank, self.kv_rank, self.qk_head_dim, self.v_head_dim) <= 0:
+            raise ValueError("an 'mla' AttentionShape needs q_rank, kv_rank, qk_head_dim and v_head_dim > 0")
+
+    def _per_token(self, cfg: MoEModelConfig) -> tuple[int, int]:
+        """(projection parameters, score-and-value width per key) of one layer."""
+        d, h = cfg.d_model, cfg.n_heads
+        if self.kind == "mla":
+            proj = (d * self.q_rank + self.q_rank * h * self.qk_head_dim          # q down / up
+                    + d * (self.kv_rank + self.rope_dim)                          # kv down (+ shared rope key)
+                    + self.kv_rank * h * (self.qk_head_dim - self.rope_dim + self.v_head_dim)   # k, v up
+                    + h * self.v_head_dim * d)                                    # output projection
+            return proj, h * (self.qk_head_dim + self.v_head_dim)
+        hd = self.head_dim or d // h
+        kv = h if self.kind == "mha" else int(self.n_kv_heads or h)
+        return d * h * hd + 2 * d * kv * hd + h * hd * d, 2 * h * hd
+
+
+MHA = AttentionShape()
+
+
+def attention_params(cfg: MoEModelConfig, shape: AttentionShape = MHA) -> int:
+    """Weights of one attention layer (no biases): 4·d² for MHA; see `AttentionShape`."""
+    return shape._per_token(cfg)[0]
+
+
+def dense_params(cfg: MoEModelConfig, include_embeddings: bool = True, attention: AttentionShape = MHA) -> int:
     """Parameters outside the routed experts (data-parallel): attention, norms, routers, shared experts,
     and (optionally) token/position embeddings and the untied LM head."""
     d = cfg.d_model
-    per_layer = 4 * d * d + 4 * d + d * cfg.num_experts          # qkv + proj, two LayerNorms, router
+    per_layer = attention_params(cfg, attention) + 4 * d + d * cfg.num_experts   # attention, 2 LayerNorms, router
     if cfg.shared_expert:
         per_layer += expert_params(cfg)
     total = cfg.n_layers * per_layer + 2 * d                      # final LayerNorm
@@ -110,12 +161,39 @@ def dense_params(cfg: MoEModelConfig, include_embeddings: bool = True) -> int:
     return int(total)
 
 
-def attention_flops(cfg: MoEModelConfig, batch: int) -> float:
-    """Forward FLOPs of one attention layer on ``batch`` sequences: 8·B·S·d² + 4·B·S²·d."""
+def attention_flops(cfg: MoEModelConfig, batch: int, shape: AttentionShape = MHA) -> float:
+    """Forward FLOPs of one attention layer on ``batch`` sequences: 2 per weight per token for the
+    projections, plus QKᵀ and AV over S keys per token (causal masking not discounted). For MHA this is
+    8·B·S·d² + 4·B·S²·d."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1 sequence, got {batch}")
-    B, S, d = batch, cfg.seq_len, cfg.d_model
-    return 8.0 * B * S * d * d + 4.0 * B * S * S * d
+    proj, width = shape._per_token(cfg)
+    tokens = float(batch) * cfg.seq_len
+    return 2.0 * tokens * proj + 2.0 * tokens * cfg.seq_len * width
+
+
+def activation_bytes(cfg: MoEModelConfig, batch: int, shape: AttentionShape = MHA, *, act_bytes: int = 2,
+                     tokens_factor: float = 1.0, include_head: bool = True) -> float:
+    """Activation memory one device keeps for backward over all layers (flash attention: no S² term).
+
+    Per token and layer, in ``act_bytes`` units: the attention block's saved tensors (two LayerNorm
+    inputs, Q, K, V, the attention output and the projection input: 7·d for MHA, scaled by the real
+    Q/K/V widths), the router logits (E), and per routed assignment (k of them, ``tokens_factor`` times
+    the mean when a device computes more than its share) the expert's input, its ``n_mats - 1`` hidden
+    activations of width f, the output, and the dispatch / combine buffers (4·d + (n_mats-1)·f); a shared
+    expert adds the same once. With ``include_head`` the LM head's fp32 logits (B·S·V·4) are added.
+    """
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1 sequence, got {batch}")
+    d, f = cfg.d_model, cfg.d_ffn
+    _, width = shape._per_token(cfg)
+    attn = 4 * d + 1.5 * width                    # LN inputs, attention out, projection in; Q, K, V
+    expert = 4 * d + (expert_matrices(cfg) - 1) * f
+    per_token = attn + cfg.num_experts + cfg.top_k * expert * tokens_factor
+    if cfg.shared_expert:
+        per_token += expert
+    head = 4.0 * batch * cfg.seq_len * cfg.vocab_size if include_head else 0.0
+    return float(batch) * cfg.seq_len * cfg.n_layers * per_token * act_bytes + head
 
 
 def head_flops(cfg: MoEModelConfig, batch: int) -> float:
@@ -123,10 +201,11 @@ def head_flops(cfg: MoEModelConfig, batch: int) -> float:
     return 2.0 * batch * cfg.seq_len * cfg.d_model * cfg.vocab_size
 
 
-def attention_time(cfg: MoEModelConfig, batch: int, peak_flops: float, efficiency: float) -> float:
+def attention_time(cfg: MoEModelConfig, batch: int, peak_flops: float, efficiency: float,
+                   shape: AttentionShape = MHA) -> float:
     """Modeled T_attn (s): attention forward FLOPs at ``efficiency`` of ``peak_flops``."""
     _check_positive(peak_flops=peak_flops, efficiency=efficiency)
-    return attention_flops(cfg, batch) / (peak_flops * efficiency)
+    return attention_flops(cfg, batch, shape) / (peak_flops * efficiency)
 
 
 # --------------------------------------------------------------------------------------- §4.2 caps

@@ -13,13 +13,18 @@ The reader is lenient: the header may be missing (E is taken from the first reco
 ignored, blank lines are skipped. A record without ``tokens_per_device_expert`` is split evenly over
 the simulated devices.
 
-Synthetic traces (`synthetic_trace`) have drifting, skewed loads. Skew is given as the paper measures it
-(§5.4, Fig. 16a): the standard deviation over experts of the per-expert token proportion p_e, the share of
-tokens that route to expert e (so Σ p_e = k and p_e <= 1); the paper's Qwen1.5-MoE runs show 0.034-0.046.
-(With shares of assignments summing to 1 instead, 0.04 would be out of reach for DeepSeek-V3's 128
-experts with top-8, whose largest possible Std is 0.030.) The loads follow p ∝ exp(σ·z) with z a
-per-layer latent that drifts as an AR(1) process between steps, and σ is solved so that Std(p) equals
-the requested skew exactly (after capping p_e at 1: a token picks k distinct experts).
+Skew is measured as the paper's Fig. 3 plots it: the shares of routed assignments p_e, which sum to 1
+over the experts (`load_skew` is their Std, `load_cv` their coefficient of variation Std / mean =
+E·Std). The paper's Fig. 16a reports Std 0.034-0.046 for Qwen1.5-MoE (E = 64); a model's skew is held
+as its CV when k or E change (a fixed Std would make the loads k-fold flatter as k grows, and flatter as E
+grows).
+
+Synthetic traces (`synthetic_trace`) have drifting, skewed loads: p ∝ exp(σ·z), z a per-layer latent
+that drifts as an AR(1) process between steps (innovation ``drift``) plus a fresh per-step ``jitter``
+(the mini-batch's own composition), σ solved so that the CV of p equals the requested ``cv`` exactly
+(after capping p_e at 1/k: a token picks k distinct experts). `trace_statistics` measures what a recorded
+trace and a synthetic one are compared by (tests/sim/test_traces.py holds the defaults to a trace the
+demo recorded): CV, lag-1 autocorrelation of the shares, and how often the hottest expert changes.
 
 Legend: E experts, D devices (sources), L layers.
 """
@@ -37,8 +42,22 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RoutingRecord", "RoutingTrace", "synthetic_trace", "load_skew", "proportions_with_skew",
-           "read_jsonl", "write_jsonl"]
+__all__ = ["RoutingRecord", "RoutingTrace", "synthetic_trace", "load_skew", "load_cv", "proportions_with_skew",
+           "trace_statistics", "model_cv", "read_jsonl", "write_jsonl", "PAPER_CV", "PAPER_SHARE_STD",
+           "DEFAULT_DRIFT", "DEFAULT_JITTER"]
+
+# Fig. 16a: Std 0.04 of Qwen1.5-MoE's expert shares (between the 0.034 and 0.046 of its loss weights 0.1
+# and 0), with E = 64 experts on the paper's 32 GPUs. The paper measures no other model's skew: every model
+# is given this Std at its own 32-GPU configuration (`model_cv`, at most Qwen's CV), and that CV is held
+# when k or E change.
+PAPER_SHARE_STD = 0.04
+PAPER_DEVICES = 32
+PAPER_CV = 64 * PAPER_SHARE_STD
+# Step-to-step dynamics of the synthetic latent, matched to a routing trace the demo recorded (`make
+# demo`; tests/sim/data/demo_trace.jsonl): its lag-1 autocorrelation of the shares and how often the
+# hottest expert changes (see `trace_statistics`).
+DEFAULT_DRIFT = 0.05
+DEFAULT_JITTER = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,9 +148,12 @@ class RoutingTrace:
             raise ValueError(f"the trace has no record for step {step}, layer {layer}") from None
 
     def skew(self) -> float:
-        """Mean over records of `load_skew` (top-k from the header, else 1)."""
-        k = self.top_k or 1
-        return float(np.mean([load_skew(r.tokens_per_expert, k) for r in self.records]))
+        """Mean over records of `load_skew` (Std of the shares, summing to 1)."""
+        return float(np.mean([load_skew(r.tokens_per_expert) for r in self.records]))
+
+    def cv(self) -> float:
+        """Mean over records of `load_cv`."""
+        return float(np.mean([load_cv(r.tokens_per_expert) for r in self.records]))
 
     def write_jsonl(self, path: str | Path) -> None:
         write_jsonl(self, path)
@@ -142,12 +164,52 @@ class RoutingTrace:
 
 
 # --------------------------------------------------------------------------------------- skew
-def load_skew(tokens_E: np.ndarray, top_k: int = 1) -> float:
-    """Std over experts of the token proportions p_e = tokens_e / (Σ tokens / k) (§5.4): the share of
-    tokens routed to expert e when every token makes k assignments. 0 for no tokens."""
+def model_cv(experts_per_device: int | None, num_experts: int, num_devices: int) -> float:
+    """The CV a model's synthetic traces use: `PAPER_SHARE_STD` at its 32-GPU configuration
+    (E_32 = experts per device · 32), i.e. CV = 0.04 · E_32, held at other k and E; at most Qwen's
+    `PAPER_CV` (a Std of 0.04 over DeepSeek-V3's 128 experts is beyond what top-8 routing can produce:
+    shares capped at 1/8 have Std <= 0.030)."""
+    per_device = experts_per_device if experts_per_device else num_experts / num_devices
+    return min(PAPER_SHARE_STD * per_device * PAPER_DEVICES, PAPER_CV)
+
+
+def load_skew(tokens_E: np.ndarray) -> float:
+    """Std over experts of the shares p_e = tokens_e / Σ tokens (they sum to 1; Fig. 3, Fig. 16a).
+    0 for no tokens."""
     tokens_E = np.asarray(tokens_E, dtype=np.float64)
     total = tokens_E.sum()
-    return 0.0 if total <= 0 else float((tokens_E * top_k / total).std())
+    return 0.0 if total <= 0 else float((tokens_E / total).std())
+
+
+def load_cv(tokens_E: np.ndarray) -> float:
+    """Coefficient of variation of the per-expert loads, Std / mean = E · `load_skew`."""
+    return float(np.asarray(tokens_E).size * load_skew(tokens_E))
+
+
+def trace_statistics(trace: RoutingTrace, skip: int = 0) -> dict[str, float]:
+    """The statistics synthetic traces are held to, over the steps after the first ``skip``:
+
+    * ``cv``: mean over records of `load_cv`;
+    * ``lag1``: mean over (layer, expert) of the lag-1 autocorrelation of the expert's share over steps
+      (series with no variation left out);
+    * ``hot_change``: fraction of consecutive steps, over layers, whose hottest expert differs.
+    """
+    steps = trace.steps[skip:]
+    if len(steps) < 3:
+        raise ValueError(f"trace_statistics needs at least 3 steps after skip={skip}, got {len(steps)}")
+    cvs, lags, changes = [], [], []
+    for layer in range(trace.num_layers):
+        tokens_SE = np.stack([trace.record(s, layer).tokens_per_expert for s in steps]).astype(np.float64)
+        share_SE = tokens_SE / np.maximum(tokens_SE.sum(axis=1, keepdims=True), 1.0)
+        cvs += [load_cv(t) for t in tokens_SE]
+        x_SE = share_SE - share_SE.mean(axis=0)
+        den_E = (x_SE * x_SE).sum(axis=0)
+        ok_E = den_E > 1e-18
+        lags += ((x_SE[1:] * x_SE[:-1]).sum(axis=0)[ok_E] / den_E[ok_E]).tolist()
+        hot_S = share_SE.argmax(axis=1)
+        changes += (hot_S[1:] != hot_S[:-1]).tolist()
+    return {"cv": float(np.mean(cvs)), "lag1": float(np.mean(lags)) if lags else 1.0,
+            "hot_change": float(np.mean(changes))}
 
 
 def _cap(p_E: np.ndarray, cap: float) -> np.ndarray:
@@ -184,13 +246,19 @@ def proportions_with_skew(z_E: np.ndarray, skew: float, cap: float = 1.0) -> np.
         return _cap(w_E / w_E.sum(), cap)
 
     lo, hi = 0.0, 1.0
-    while make(hi).std() < skew and hi < 1e3:
-        lo, hi = hi, hi * 2.0
-    if make(hi).std() < skew:
+    # Std(p) grows with σ until exp underflows every weight but the largest (then the capped excess
+    # spreads evenly and Std falls again): stop doubling where it stops growing.
+    std_hi = make(hi).std()
+    while std_hi < skew and hi < 1e3:
+        std_next = make(2.0 * hi).std()
+        if std_next <= std_hi:
+            break
+        lo, hi, std_hi = hi, 2.0 * hi, std_next
+    if std_hi < skew:
         logger.warning("skew %.4f is not reachable with %d experts capped at %.3f; using %.4f",
-                       skew, z_E.size, cap, make(hi).std())
+                       skew, z_E.size, cap, std_hi)
         return make(hi)
-    for _ in range(60):
+    for _ in range(40):                     # σ to 2^-40 of its bracket
         mid = 0.5 * (lo + hi)
         if make(mid).std() < skew:
             lo = mid
@@ -200,8 +268,9 @@ def proportions_with_skew(z_E: np.ndarray, skew: float, cap: float = 1.0) -> np.
 
 
 def synthetic_trace(num_layers: int, num_experts: int, num_devices: int, tokens_per_device: int,
-                    top_k: int, iterations: int, *, skew: float = 0.04, drift: float = 0.05,
-                    device_spread: float = 0.2, seed: int = 0, model: str | None = None) -> RoutingTrace:
+                    top_k: int, iterations: int, *, cv: float = PAPER_CV, drift: float | None = None,
+                    jitter: float | None = None, device_spread: float = 0.2, seed: int = 0,
+                    model: str | None = None) -> RoutingTrace:
     """A drifting, skewed synthetic routing trace.
 
     Args:
@@ -209,15 +278,18 @@ def synthetic_trace(num_layers: int, num_experts: int, num_devices: int, tokens_
         tokens_per_device: tokens each device routes per step (batch · seq_len); each picks ``top_k``.
         top_k: experts per token.
         iterations: steps to generate.
-        skew: Std of the per-expert token proportions (§5.4, see the module docstring; the paper
-            measures 0.034-0.046).
-        drift: per-step innovation of the latent loads (AR(1): z ← √(1-drift²)·z + drift·ε); small values
-            drift slowly, as a gate trained with SGD does (§4.2).
+        cv: coefficient of variation of the expert shares (see the module docstring; `PAPER_CV`).
+        drift: per-step innovation of the latent loads (AR(1): z ← √(1-drift²)·z + drift·ε); default
+            `DEFAULT_DRIFT`.
+        jitter: Std of a fresh per-step latent noise added to z (the batch's composition); default
+            `DEFAULT_JITTER`.
         device_spread: how much a device's routing differs from the global one (log-normal, fixed per
             device and layer; 0: every device routes alike up to sampling noise).
         seed: seeds everything; equal arguments give equal traces.
         model: a name for the header.
     """
+    drift = DEFAULT_DRIFT if drift is None else float(drift)
+    jitter = DEFAULT_JITTER if jitter is None else float(jitter)
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("num_devices", num_devices),
                         ("tokens_per_device", tokens_per_device), ("iterations", iterations)):
         if int(value) != value or value < 1:
@@ -226,28 +298,31 @@ def synthetic_trace(num_layers: int, num_experts: int, num_devices: int, tokens_
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     if not 0 <= drift <= 1:
         raise ValueError(f"drift must be in [0, 1], got {drift}")
-    if device_spread < 0 or skew < 0:
-        raise ValueError("skew and device_spread must be >= 0")
+    if device_spread < 0 or cv < 0 or jitter < 0:
+        raise ValueError("cv, jitter and device_spread must be >= 0")
     rng = np.random.default_rng(seed)
     L, E, D = int(num_layers), int(num_experts), int(num_devices)
-    cap = 1.0 / top_k                       # shares of assignments (sum 1): token share / k
-    share_skew = skew / top_k
+    cap = 1.0 / top_k                       # a token's k assignments go to k distinct experts
+    share_skew = cv / E
     z_LE = rng.standard_normal((L, E))
     spread_LDE = device_spread * rng.standard_normal((L, D, E))
     keep = math.sqrt(1.0 - drift * drift)
+    # The jittered latent keeps unit variance, so that σ (and with it the CV) means the same every step.
+    scale = 1.0 / math.sqrt(1.0 + jitter * jitter)
     assignments = int(tokens_per_device) * int(top_k)
     records: list[RoutingRecord] = []
     for step in range(int(iterations)):
         if step:
             z_LE = keep * z_LE + drift * rng.standard_normal((L, E))
+        noisy_LE = scale * (z_LE + jitter * rng.standard_normal((L, E)))
         for layer in range(L):
-            p_E = proportions_with_skew(z_LE[layer], share_skew, cap)
+            p_E = proportions_with_skew(noisy_LE[layer], share_skew, cap)
             p_DE = p_E[None, :] * np.exp(spread_LDE[layer])
             p_DE /= p_DE.sum(axis=1, keepdims=True)
             counts_DE = rng.multinomial(assignments, p_DE).astype(np.int64)
             records.append(RoutingRecord(step, layer, counts_DE.sum(axis=0), counts_DE))
-    header = {"num_experts": E, "top_k": int(top_k), "world_size": D, "model": model,
-              "skew": float(skew), "synthetic": True}
+    header = {"num_experts": E, "top_k": int(top_k), "world_size": D, "model": model, "cv": float(cv),
+              "drift": drift, "jitter": jitter, "synthetic": True}
     return RoutingTrace(records, header)
 
 

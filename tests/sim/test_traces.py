@@ -8,28 +8,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from themis_compile.cost_model.traces import (
+from themis_compile.sim.traces import (
     RoutingRecord,
+    load_cv,
     load_skew,
     proportions_with_skew,
     read_jsonl,
     synthetic_trace,
+    trace_statistics,
     write_jsonl,
 )
 
 
-@pytest.mark.parametrize("skew,top_k,E", [(0.04, 2, 32), (0.034, 4, 64), (0.046, 8, 128)])
-def test_proportions_hit_the_requested_skew(skew: float, top_k: int, E: int) -> None:
+@pytest.mark.parametrize("cv,top_k,E", [(2.56, 2, 32), (2.56, 4, 64), (2.56, 8, 128), (0.8, 5, 64)])
+def test_proportions_hit_the_requested_cv(cv: float, top_k: int, E: int) -> None:
     z = np.random.default_rng(1).standard_normal(E)
-    share = proportions_with_skew(z, skew / top_k, cap=1.0 / top_k)
+    share = proportions_with_skew(z, cv / E, cap=1.0 / top_k)
     assert share.sum() == pytest.approx(1.0)
     assert (share <= 1.0 / top_k + 1e-12).all()
-    assert (share * top_k).std() == pytest.approx(skew, rel=1e-6)
+    assert share.std() * E == pytest.approx(cv, rel=1e-6)
 
 
-def test_synthetic_trace_skew_drift_and_determinism() -> None:
+def test_synthetic_trace_cv_drift_and_determinism() -> None:
     kw = dict(num_layers=2, num_experts=32, num_devices=8, tokens_per_device=8192, top_k=2, iterations=12,
-              skew=0.04, drift=0.05, seed=3)
+              cv=1.28, drift=0.05, seed=3)
     trace = synthetic_trace(**kw)
     again = synthetic_trace(**kw)
     assert all(np.array_equal(a.tokens_per_device_expert, b.tokens_per_device_expert)
@@ -37,17 +39,26 @@ def test_synthetic_trace_skew_drift_and_determinism() -> None:
     assert trace.num_layers == 2 and trace.steps == list(range(12)) and trace.top_k == 2
     rec = trace.record(5, 1)
     assert rec.tokens_per_expert.sum() == 8 * 8192 * 2            # every token makes k assignments
-    assert trace.skew() == pytest.approx(0.04, rel=0.1)           # sampling noise only
+    assert trace.cv() == pytest.approx(1.28, rel=0.1)             # sampling noise only
+    assert trace.skew() == pytest.approx(1.28 / 32, rel=0.1)      # Std of shares summing to 1
     # Slow drift: adjacent steps are much closer than distant ones.
     p = [trace.record(s, 0).tokens_per_expert / (8 * 8192 * 2) for s in range(12)]
     assert np.abs(p[1] - p[0]).sum() < np.abs(p[11] - p[0]).sum()
     other = synthetic_trace(**{**kw, "seed": 4})
     assert not np.array_equal(other.records[0].tokens_per_expert, trace.records[0].tokens_per_expert)
+    # The CV is held as k changes: the shares of a top-5 trace are as skewed as those of a top-2 one.
+    top5 = synthetic_trace(**{**kw, "top_k": 5})
+    assert top5.cv() == pytest.approx(trace.cv(), rel=0.1)
+    # Jitter lowers the step-to-step correlation and changes the hottest expert more often.
+    calm, noisy = trace_statistics(trace), trace_statistics(synthetic_trace(**{**kw, "jitter": 0.5}))
+    assert noisy["lag1"] < calm["lag1"] and noisy["hot_change"] >= calm["hot_change"]
 
 
 def test_load_skew_and_even_split() -> None:
-    assert load_skew(np.array([10, 10, 10, 10]), top_k=2) == 0.0
+    assert load_skew(np.array([10, 10, 10, 10])) == 0.0
     assert load_skew(np.zeros(4)) == 0.0
+    assert load_skew(np.array([3, 1])) == pytest.approx(0.25)
+    assert load_cv(np.array([3, 1])) == pytest.approx(0.5)
     rec = RoutingRecord(0, 0, np.array([7, 0, 5]))
     tokens_ED = rec.tokens_ED(4)
     assert tokens_ED.shape == (3, 4)
@@ -86,3 +97,27 @@ def test_reader_is_lenient_but_names_bad_lines(tmp_path: Path) -> None:
     path.write_text('{"header": {"num_experts": 3}}\n{"step": 0, "layer": 0, "tokens_per_expert": [1, 2]}\n')
     with pytest.raises(ValueError, match="num_experts=3"):
         read_jsonl(path)
+
+
+DEMO_TRACE = Path(__file__).parent / "data" / "demo_trace.jsonl"
+
+
+def test_synthetic_dynamics_match_a_trace_the_demo_recorded() -> None:
+    """tests/sim/data/demo_trace.jsonl is `make demo`'s trace_ep.jsonl (tiny-moe: 8 experts, top-2, aux
+    weight 0.001, 2 ranks, 120 steps). A synthetic trace at its CV, with the default dynamics, has the
+    same step-to-step statistics (averaged over seeds: a 120-step sample ACF is noisy)."""
+    real = read_jsonl(DEMO_TRACE)
+    h = real.header
+    want = trace_statistics(real, skip=10)
+    got = [trace_statistics(synthetic_trace(real.num_layers, real.num_experts, h["world_size"],
+                                            h["seq_len"] * h["batch_per_rank"], h["top_k"], len(real.steps),
+                                            cv=want["cv"], seed=seed), skip=10) for seed in range(3)]
+    mean = {k: float(np.mean([g[k] for g in got])) for k in want}
+    assert mean["cv"] == pytest.approx(want["cv"], rel=0.05)
+    assert abs(mean["lag1"] - want["lag1"]) < 0.1
+    assert abs(mean["hot_change"] - want["hot_change"]) < 0.1
+    # The statistics discriminate: a trace that forgets its loads every step matches neither.
+    memoryless = trace_statistics(synthetic_trace(real.num_layers, real.num_experts, h["world_size"],
+                                                  h["seq_len"] * h["batch_per_rank"], h["top_k"],
+                                                  len(real.steps), cv=want["cv"], drift=1.0, seed=0), skip=10)
+    assert memoryless["lag1"] < want["lag1"] - 0.3 and memoryless["hot_change"] > want["hot_change"] + 0.3

@@ -25,14 +25,16 @@ import numpy as np
 
 from themis_compile.cost_model import analytic
 from themis_compile.cost_model.cluster import get_cluster
-from themis_compile.cost_model.simulate import (
+from themis_compile.sim.report import agg_pyplot
+from themis_compile.sim.setup import (
+    ATTENTION_EFFICIENCY,
     SimSetup,
-    _pyplot,
+    attention_shape,
     build_setup,
     read_profile,
     resolve_model_config,
 )
-from themis_compile.cost_model.traces import synthetic_trace
+from themis_compile.sim.traces import PAPER_CV, model_cv, synthetic_trace
 from themis_compile.cost_model.volume import sparse_all_gather_volume
 from themis_compile.planner import Placement, sparse_materialization, topology_aware_dispatch
 from themis_compile.planner.cost import sparse_transfer_time
@@ -42,13 +44,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["inspect_model", "sample_plan", "symbolic_report", "plot_plan", "main"]
 
 
-def sample_plan(setup: SimSetup, *, skew: float = 0.04, seed: int = 0, rematerialize: bool = False,
+def sample_plan(setup: SimSetup, *, cv: float = PAPER_CV, seed: int = 0, rematerialize: bool = False,
                 overlap_degree: int | None = None) -> tuple[Placement, Placement, np.ndarray, np.ndarray]:
     """(P, P', tokens_ED, R_EDD) for one layer: EP's shard placement, Alg. 1 on a synthetic skewed load
     with the setup's t (or ``overlap_degree``) and m, and Alg. 3's dispatch plan."""
     cfg, topo = setup.model, setup.topology()
     trace = synthetic_trace(1, cfg.num_experts, setup.num_devices, setup.tokens_per_device, cfg.top_k, 1,
-                            skew=skew, seed=seed)
+                            cv=cv, seed=seed)
     tokens_ED = trace.records[0].tokens_ED(setup.num_devices)
     shard = Placement.contiguous(cfg.num_experts, setup.num_devices)
     m = setup.materialization_budget_rm if rematerialize else setup.materialization_budget
@@ -58,7 +60,7 @@ def sample_plan(setup: SimSetup, *, skew: float = 0.04, seed: int = 0, remateria
     return shard, placement, tokens_ED, R_EDD
 
 
-def inspect_model(setup: SimSetup, *, profile: dict[str, Any] | None = None, skew: float = 0.04,
+def inspect_model(setup: SimSetup, *, profile: dict[str, Any] | None = None, cv: float = PAPER_CV,
                   seed: int = 0) -> dict[str, Any]:
     """The per-layer cost-model report (see the module docstring) as a JSON-friendly dict."""
     cfg, cluster, topo = setup.model, setup.cluster, setup.topology()
@@ -67,14 +69,15 @@ def inspect_model(setup: SimSetup, *, profile: dict[str, Any] | None = None, ske
     bw = float((profile or {}).get(bw_key, cluster.window_bw))
     bw_source = "profiled" if profile and bw_key in profile else "modeled"
     grad_psi = setup.expert_params * setup.precision.grad_bytes
-    modeled_t_attn = analytic.attention_flops(cfg, setup.batch) / cluster.effective_flops
+    modeled_t_attn = analytic.attention_time(cfg, setup.batch, cluster.peak_flops, ATTENTION_EFFICIENCY,
+                                            attention_shape(cfg))
     plans: dict[int, tuple[float, float]] = {}
     layers = []
     for layer in range(cfg.n_layers):
         t_attn = t_by_layer.get(layer, modeled_t_attn)
         t = analytic.overlap_degree(t_attn, bw, setup.psi)
         if t not in plans:   # one sample plan per distinct t (layers of one model share shapes)
-            shard, placement, _, _ = sample_plan(setup, skew=skew, seed=seed, overlap_degree=t)
+            shard, placement, _, _ = sample_plan(setup, cv=cv, seed=seed, overlap_degree=t)
             plans[t] = (sparse_transfer_time(shard, placement, setup.psi, topo),
                         sparse_transfer_time(shard, placement, grad_psi, topo))
         spag_s, sprs_s = plans[t]
@@ -88,7 +91,7 @@ def inspect_model(setup: SimSetup, *, profile: dict[str, Any] | None = None, ske
             "sprs_s": sprs_s, "sprs_window_s": 2.0 * t_attn, "sprs_exposed_s": max(0.0, sprs_s - 2.0 * t_attn),
             "sprs_remat_exposed_s": max(0.0, sprs_s + spag_s - 2.0 * t_attn),
         })
-    shard, placement, tokens_ED, R_EDD = sample_plan(setup, skew=skew, seed=seed)
+    shard, placement, tokens_ED, R_EDD = sample_plan(setup, cv=cv, seed=seed)
     vol = sparse_all_gather_volume(shard, placement, int(setup.psi), topo)
     load_D = R_EDD.sum(axis=(0, 1))
     ep_load_D = np.bincount(shard.owners(), weights=tokens_ED.sum(axis=1), minlength=setup.num_devices)
@@ -98,7 +101,7 @@ def inspect_model(setup: SimSetup, *, profile: dict[str, Any] | None = None, ske
         "batch": setup.batch, "seq_len": cfg.seq_len, "memory_budget_bytes": setup.memory_budget_bytes,
         "layers": layers,
         "sample_plan": {
-            "skew": skew, "added_replicas": placement.num_pairs() - shard.num_pairs(),
+            "cv": cv, "added_replicas": placement.num_pairs() - shard.num_pairs(),
             "replicated_experts": int((placement.copies() > 1).sum()),
             "spag_bytes": vol.total_bytes, "spag_inter_node_bytes": vol.inter_node_bytes,
             "max_over_mean_load_ep": float(ep_load_D.max() / max(ep_load_D.mean(), 1e-12)),
@@ -112,7 +115,8 @@ def symbolic_report(setup: SimSetup, t_target: int | None = None) -> dict[str, A
     batch at which they fit the window with this model and cluster."""
     model = analytic.symbolic_cost_model()
     values = {"d_model": setup.model.d_model, "d_ffn": setup.model.d_ffn, "bw": setup.cluster.window_bw,
-              "attn_throughput": setup.cluster.effective_flops, "n_mats": analytic.expert_matrices(setup.model),
+              "attn_throughput": setup.cluster.peak_flops * ATTENTION_EFFICIENCY,
+              "n_mats": analytic.expert_matrices(setup.model),
               "param_bytes": setup.precision.param_bytes}
     t_target = max(setup.overlap_degree, 1) if t_target is None else int(t_target)
     min_seq = analytic.min_seq_len_for(t_target, batch=setup.batch, **values)
@@ -123,11 +127,11 @@ def symbolic_report(setup: SimSetup, t_target: int | None = None) -> dict[str, A
             "at_batch": setup.batch, "at_seq_len": setup.model.seq_len}
 
 
-def plot_plan(setup: SimSetup, path: str | Path, *, skew: float = 0.04, seed: int = 0) -> Path:
+def plot_plan(setup: SimSetup, path: str | Path, *, cv: float = PAPER_CV, seed: int = 0) -> Path:
     """PNG heat maps (device × expert): the shard placement P under EP's dispatch and the sample plan P'
     under Alg. 3 — colour is the tokens a device computes for an expert, dots mark added replicas."""
-    plt = _pyplot()
-    shard, placement, tokens_ED, R_EDD = sample_plan(setup, skew=skew, seed=seed)
+    plt = agg_pyplot()
+    shard, placement, tokens_ED, R_EDD = sample_plan(setup, cv=cv, seed=seed)
     topo = setup.topology()
     ep_ED = topology_aware_dispatch(shard, tokens_ED, topo).sum(axis=1)
     th_ED = R_EDD.sum(axis=1)
@@ -147,7 +151,7 @@ def plot_plan(setup: SimSetup, path: str | Path, *, skew: float = 0.04, seed: in
     axes[1].legend(fontsize=7, loc="upper right")
     axes[0].set_ylabel("device")
     fig.colorbar(im, ax=axes, label="tokens computed")
-    fig.suptitle(f"{setup.model.name}: cluster {setup.cluster.name}, {setup.num_devices} GPUs, skew {skew}",
+    fig.suptitle(f"{setup.model.name}: cluster {setup.cluster.name}, {setup.num_devices} GPUs, CV {cv:.2f}",
                  fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +174,7 @@ def _format(report: dict[str, Any], symbolic: dict[str, Any] | None) -> str:
                      f"{row['sprs_exposed_s'] * 1e3:>9.3f}")
     sp = report["sample_plan"]
     lines += ["", "(* profiled T_attn)  SpAG window: attention forward; SpRS window: attention backward (2x)",
-              f"sample plan at skew {sp['skew']}: {sp['added_replicas']} added replicas of "
+              f"sample plan at CV {sp['cv']:.2f}: {sp['added_replicas']} added replicas of "
               f"{sp['replicated_experts']} experts, {sp['spag_bytes'] / 1e6:.1f} MB SpAG "
               f"({sp['spag_inter_node_bytes'] / 1e6:.1f} MB inter-node); max/mean device load "
               f"EP {sp['max_over_mean_load_ep']:.2f} -> Themis {sp['max_over_mean_load_themis']:.2f}"]
@@ -193,7 +197,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--memory-budget-gb", type=float, default=None)
     p.add_argument("--profile", default=None, help="profile JSON: t_attn_fwd_s per layer, bw_intra, bw_inter, psi")
-    p.add_argument("--skew", type=float, default=0.04, help="skew of the sample plan's synthetic load")
+    p.add_argument("--cv", type=float, default=None,
+                   help="CV of the sample plan's synthetic expert shares (default: the model's, traces.model_cv)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--png", default=None, help="write the device x expert heat maps here")
     p.add_argument("--json", action="store_true")
@@ -213,10 +218,12 @@ def main(argv: list[str] | None = None) -> None:
         profile = read_profile(args.profile) if args.profile else None
         setup = build_setup(cfg, cluster, batch=args.batch, profile=profile,
                             memory_budget_bytes=None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9)
-        report = inspect_model(setup, profile=profile, skew=args.skew, seed=args.seed)
+        cfg = setup.model
+        cv = args.cv if args.cv is not None else model_cv(cfg.experts_per_device, cfg.num_experts, setup.num_devices)
+        report = inspect_model(setup, profile=profile, cv=cv, seed=args.seed)
         symbolic = symbolic_report(setup, args.t) if args.symbolic else None
         if args.png:
-            report["png"] = str(plot_plan(setup, args.png, skew=args.skew, seed=args.seed))
+            report["png"] = str(plot_plan(setup, args.png, cv=cv, seed=args.seed))
     except ValueError as exc:
         raise SystemExit(f"themis-compile inspect: {exc}") from exc
     if symbolic:

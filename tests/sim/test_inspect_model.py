@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from themis_compile.cost_model import analytic
-from themis_compile.cost_model import inspect as insp
+from themis_compile.sim import inspect_model as insp
 from themis_compile.models.gpt_moe import MoEModelConfig
 
 TINY = ["--cluster", "A", "--nodes", "2", "--devices-per-node", "2"]
