@@ -62,7 +62,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from themis_compile.passes.replay import replay_mismatch
+from themis_compile.passes.replay import inline_expert_weights_reason, replay_mismatch
 from themis_compile.runtime.experts import ExpertBank, loop_combine
 
 logger = logging.getLogger(__name__)
@@ -869,6 +869,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         return found
     if reject is not None:
         raise reject
+    if (why := inline_expert_weights_reason(module)) is not None:
+        raise _Reject(why)
     return None
 
 

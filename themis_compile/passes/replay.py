@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from themis_compile.runtime.experts import loop_combine
@@ -391,4 +392,47 @@ def gradient_mismatch(original: nn.Module, rewritten: nn.Module, x: torch.Tensor
             if a is not None and not torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol):
                 err = float((a.double() - b.double()).abs().max())
                 return f"{'train' if training else 'eval'} mode: gradient of {name} differs by up to {err:.3g}"
+    return None
+
+
+# --- What the machinery cannot serve ------------------------------------------------------------------
+
+class _TopkSeen(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.topk, torch.Tensor.topk):
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+def inline_expert_weights_reason(module: nn.Module) -> str | None:
+    """Why a block whose experts are flat parameters of its own (MegaBlocks dMoE: ``w1 [E*F, H]`` sliced
+    per expert in the forward), next to a router of E experts and with a top-k on a probe, cannot be
+    sharded; None for any other module. Capture and replay intercepts expert *calls*: inline slices of
+    the block's own weights have no call whose input and output rows could be captured, and no experts
+    module for the runtime to replace."""
+    routers = [(n, c) for n, c in module.named_children() if isinstance(c, nn.Linear) and c.out_features >= 2]
+    for rname, router in routers:
+        E, H = router.out_features, router.in_features
+        flat = [(n, p) for n, p in module.named_parameters(recurse=False)
+                if p.dim() == 2 and H in p.shape and any(d % E == 0 and d >= 2 * E for d in p.shape if d != H)]
+        if len(flat) < 2:
+            continue
+        seen = _TopkSeen()
+        x = torch.randn(2, 4, H, generator=torch.Generator().manual_seed(0)).to(router.weight)
+        try:
+            with isolated(module), torch.no_grad(), seen:
+                module(x)
+        except Exception:  # noqa: BLE001 - not a block run on hidden states: not this case
+            return None
+        if not seen.seen:
+            continue
+        shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in flat)
+        return (f"its expert weights are flat parameters of the block itself ({shapes}, {E} experts scored by "
+                f"'{rname}') sliced per expert inline: there is no experts module for the runtime to replace and "
+                "no expert call to capture; hold them in a child module (stacked [E, F, H] weights called as "
+                "experts(x, ids, weights), or an nn.ModuleList called per expert)")
     return None

@@ -13,6 +13,9 @@ sorted by expert (``experts(rows, counts)``, torchtitan) keep their forward: whi
 attribute is seen as an adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`) serving that call with
 one ``experts(x, ids, weights)`` call, and the experts module's class gets that interface.
 
+Blocks whose forward calls ``experts[i](rows)`` in code FX cannot trace keep their forward too; it runs
+twice around one ``experts(x, ids, weights)`` call (capture and replay, :mod:`themis_compile.passes.replay`).
+
 Contract:
     ``rewrite_moe_layer(info)`` changes only the layer's class (a subclass of the user's whose forward
     is the rewritten graph, traced once per train/eval mode) and its experts attribute (an
