@@ -151,6 +151,18 @@ def test_rewritten_block_equals_the_original_with_gradients_and_state(name, trai
             torch.testing.assert_close(aux_b, aux_a)
 
 
+def test_capture_stops_at_the_last_expert_call_when_each_runs_once():
+    """The code after the expert loop (DeepSeek-V3: the shared expert) runs only in the replayed pass."""
+    for name, runs in (("deepseek_v3_no_skip", 1), ("slot_loop", 2)):
+        block = _block(name)
+        prepare_moe_layers(block)
+        probe = block.shared_experts if name == "deepseek_v3_no_skip" else block.router
+        calls = []
+        probe.register_forward_hook(lambda *_: calls.append(1))
+        block(torch.randn(2, 3, zoo.H))
+        assert len(calls) == runs, name
+
+
 def test_skipping_and_chained_blocks_are_rejected_with_the_reason():
     _, rejected = find_moe_layers(zoo.ZooLM("deepseek_v3"))
     assert [n for n, _ in rejected] == ["layers.0.moe", "layers.1.moe"]
