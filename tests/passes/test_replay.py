@@ -114,7 +114,8 @@ def test_untraceable_loops_are_found_as_replay(name):
     assert [i.name for i in infos] == ["layers.0.moe", "layers.1.moe"]
     assert {(i.rewrite, i.num_experts, i.top_k) for i in infos} == {("replay", zoo.E, zoo.K)}
     # Pass A stops at the E-th call only for a block seen calling every expert once.
-    assert infos[0].plan == ReplayPlan(num_experts=zoo.E, calls_each_once=name == "deepseek_v3_no_skip")
+    assert infos[0].plan == ReplayPlan(num_experts=zoo.E, calls_each_once=name == "deepseek_v3_no_skip",
+                                       hidden_size=zoo.H)
     assert "capture and replay" in themis_compile.explain(_lm(name))
 
 

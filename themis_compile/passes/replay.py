@@ -69,10 +69,11 @@ class _CaptureDone(BaseException):
 @dataclasses.dataclass(frozen=True)
 class ReplayPlan:
     """What a probe showed about a block's expert calls: ``calls_each_once`` when every expert was called
-    exactly once per forward, so that pass A may stop at the E-th call."""
+    exactly once per forward, so that pass A may stop at the E-th call; ``hidden_size`` H of the rows."""
 
     num_experts: int
     calls_each_once: bool = False
+    hidden_size: int = 0
 
 
 # --- The experts attribute as the block's forward sees it in either pass ------------------------------
@@ -170,12 +171,14 @@ class _Replay(_Pass):
 # --- Pass A's isolation -------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def isolated(module: nn.Module) -> Iterator[None]:
+def isolated(module: nn.Module, skip: nn.Module | None = None) -> Iterator[None]:
     """Run a forward of ``module`` without leaving traces: its buffers are clones while it runs (in-place
     statistics and bias updates land on the clones; the originals are not touched, so tensors saved for
     backward by other forwards stay valid), attributes it sets are restored, and the RNG is forked (the
-    next forward draws the same random numbers)."""
-    modules = list(module.modules())
+    next forward draws the same random numbers). ``skip`` (the experts, which pass A never runs) and its
+    submodules are left out."""
+    skipped = {id(m) for m in skip.modules()} if skip is not None else set()
+    modules = [m for m in module.modules() if id(m) not in skipped]
     dicts = {m: dict(m.__dict__) for m in modules}
     inner = {m: (dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules}
     for m in modules:
@@ -196,6 +199,12 @@ def isolated(module: nn.Module) -> Iterator[None]:
                     d.update(s)
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    flat: list[torch.Tensor] = []
+    tree_map(lambda v: flat.append(v) if isinstance(v, torch.Tensor) else None, value)
+    return flat
+
+
 def _clone_tensors(value: Any) -> Any:
     """Pass A's inputs: clones (differentiable), since a forward may update its input in place (jitter)."""
     return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
@@ -210,7 +219,7 @@ def capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: Re
     E = plan.num_experts
     # Step 1 (pass A): the rows each expert call gets; the forward's result and state changes are dropped.
     capture = _Capture(E, stop_at_last=plan.calls_each_once)
-    with isolated(module):
+    with isolated(module, skip=module._modules[attr]):
         module.__dict__[attr] = ExpertsView(capture, E)
         try:
             forward(module, *_clone_tensors(args), **_clone_tensors(kwargs))
@@ -222,19 +231,23 @@ def capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: Re
         raise ReplayError(f"MoE layer {layer!r}: this forward did not call experts {missing}; one process leaves "
                           "their gradient None where the sharded runtime gives zero (AdamW moves a zero-gradient "
                           "parameter by its momentum). Call every expert each step (an empty batch of rows)")
-    # Step 3: one runtime call, every captured row routed to its expert with weight 1.
+    # Step 3: one runtime call, every captured row routed to its expert with weight 1. Made even without
+    # rows (an eval forward that called no expert): every rank runs the runtime's collectives once.
     experts = module._modules[attr]
     if capture.rows:
         H = capture.rows[0].shape[-1]
         rows_NH = torch.cat([r.reshape(-1, H) for r in capture.rows])
-        sizes = [r.numel() // H for r in capture.rows]
-        ids_N1 = torch.repeat_interleave(torch.tensor(capture.ids, dtype=torch.long),
-                                         torch.tensor(sizes, dtype=torch.long)).view(-1, 1).to(rows_NH.device)
-        ones_N1 = torch.ones(ids_N1.shape, dtype=rows_NH.dtype, device=rows_NH.device)
-        y_NH = experts(rows_NH, ids_N1, ones_N1)
-        outputs = [y.view(r.shape) for y, r in zip(y_NH.split(sizes), capture.rows)]
     else:
-        outputs = []
+        like = next((t for t in _tensors((args, kwargs)) if t.is_floating_point()), None)
+        like = like if like is not None else next(module.parameters())
+        rows_NH = like.new_zeros((0, plan.hidden_size or like.shape[-1]))
+    H = rows_NH.shape[-1]
+    sizes = [r.numel() // H for r in capture.rows]
+    ids_N1 = torch.repeat_interleave(torch.tensor(capture.ids, dtype=torch.long),
+                                     torch.tensor(sizes, dtype=torch.long)).view(-1, 1).to(rows_NH.device)
+    ones_N1 = torch.ones(ids_N1.shape, dtype=rows_NH.dtype, device=rows_NH.device)
+    y_NH = experts(rows_NH, ids_N1, ones_N1)
+    outputs = [y.view(r.shape) for y, r in zip(y_NH.split(sizes), capture.rows)]
     # Step 4 (pass B): the forward as written, each expert call answered by its slice of the result.
     replay = _Replay(capture.ids, outputs, layer)
     module.__dict__[attr] = ExpertsView(replay, E)
@@ -248,6 +261,7 @@ def capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: Re
 
 def _experts_forward(self: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
                      weights_TK: torch.Tensor) -> torch.Tensor:
+    """The experts ModuleList (not yet replaced by the runtime) as ``experts(x, ids, weights)``."""
     return loop_combine(self, x_TH, ids_TK, weights_TK)
 
 
@@ -262,12 +276,11 @@ def replay_classes(block_cls: type, experts_cls: type, attr: str, plan: ReplayPl
 
     block_forward.__doc__ = (f"{block_cls.__name__}.forward run twice (capture, replay) around one "
                              f"{attr}(x, ids, weights) call.")
-    _experts_forward_doc = f"{experts_cls.__name__} called as experts(x_TH, ids_TK, weights_TK)."
     new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
                                                         "_themis_original_class": block_cls})
-    new_experts = type(experts_cls.__name__, (experts_cls,), {"forward": _experts_forward, "__doc__": _experts_forward_doc,
-                                                              "__module__": experts_cls.__module__,
-                                                              "_themis_original_class": experts_cls})
+    new_experts = type(experts_cls.__name__, (experts_cls,), {
+        "forward": _experts_forward, "__module__": experts_cls.__module__, "_themis_original_class": experts_cls,
+        "__doc__": f"{experts_cls.__name__} called as experts(x_TH, ids_TK, weights_TK)."})
     return new_block, new_experts
 
 
@@ -357,7 +370,7 @@ def replay_mismatch(module: nn.Module, attr: str, x: torch.Tensor, seed: int) ->
                           f"{called} of {E}): one process leaves their gradient None, the sharded runtime gives "
                           "zero, and AdamW moves a zero-gradient parameter by its momentum; call every expert "
                           "each step (an empty batch of rows)")
-    return ReplayPlan(num_experts=E, calls_each_once=each_once), None
+    return ReplayPlan(num_experts=E, calls_each_once=each_once, hidden_size=x.shape[-1]), None
 
 
 # --- Gradients on the probe ---------------------------------------------------------------------------
