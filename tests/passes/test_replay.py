@@ -16,7 +16,7 @@ from torch import nn
 import themis_compile
 from tests.passes import zoo_models as zoo
 from themis_compile.passes.detect import find_moe_layers
-from themis_compile.passes.replay import ReplayError, ReplayPlan, apply_replay
+from themis_compile.passes.replay import ReplayError, ReplayPlan, apply_replay, replay_mismatch
 from themis_compile.passes.shard import prepare_moe_layers
 
 
@@ -170,6 +170,25 @@ def test_skipping_and_chained_blocks_are_rejected_with_the_reason():
     assert "it skips experts that receive no tokens" in rejected[0][1], rejected
     infos, rejected = find_moe_layers(ChainedExperts())
     assert infos == [] and "depend on other experts' outputs" in rejected[0][1], rejected
+
+
+def test_a_block_skipping_empty_experts_replays_with_their_gradient_none():
+    """For a runtime that leaves experts without tokens ungraded: the skipping DeepSeek-V3 block served
+    by capture and replay equals the original, None gradients included (one token: 2 of 4 experts)."""
+    original = zoo.DeepseekV3MoE()
+    x = torch.randn(1, 1, zoo.H)
+    plan, why = replay_mismatch(original, "experts", x, seed=0, allow_skipping=True)
+    assert why is None and plan.skips_empty
+    rewritten = copy.deepcopy(original)
+    apply_replay(rewritten, "experts", plan, layer="skip")
+    for block in (original, rewritten):
+        block(x).sum().backward()
+    got = {n: p.grad for n, p in rewritten.named_parameters()}
+    for n, p in original.named_parameters():
+        assert (p.grad is None) == (got[n] is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(got[n], p.grad)
+    assert any(p.grad is None for p in original.experts.parameters())
 
 
 class _Drifting(SlotLoopMoE):

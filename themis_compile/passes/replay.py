@@ -69,11 +69,14 @@ class _CaptureDone(BaseException):
 @dataclasses.dataclass(frozen=True)
 class ReplayPlan:
     """What a probe showed about a block's expert calls: ``calls_each_once`` when every expert was called
-    exactly once per forward, so that pass A may stop at the E-th call; ``hidden_size`` H of the rows."""
+    exactly once per forward, so that pass A may stop at the E-th call; ``hidden_size`` H of the rows;
+    ``skips_empty`` when the block does not call experts that receive no tokens (accepted only where the
+    runtime leaves such experts without gradient, as one process does)."""
 
     num_experts: int
     calls_each_once: bool = False
     hidden_size: int = 0
+    skips_empty: bool = False
 
 
 # --- The experts attribute as the block's forward sees it in either pass ------------------------------
@@ -226,7 +229,7 @@ def capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: Re
         except _CaptureDone:
             pass
     # Step 2: an expert the forward skipped has no gradient in one process; the runtime would give zero.
-    if torch.is_grad_enabled() and len(set(capture.ids)) != E:
+    if torch.is_grad_enabled() and not plan.skips_empty and len(set(capture.ids)) != E:
         missing = sorted(set(range(E)) - set(capture.ids))
         raise ReplayError(f"MoE layer {layer!r}: this forward did not call experts {missing}; one process leaves "
                           "their gradient None where the sharded runtime gives zero (AdamW moves a zero-gradient "
@@ -265,6 +268,19 @@ def _experts_forward(self: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tens
     return loop_combine(self, x_TH, ids_TK, weights_TK)
 
 
+def _experts_forward_skipping_empty(self: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                                    weights_TK: torch.Tensor) -> torch.Tensor:
+    """As :func:`_experts_forward`, but an expert without rows is not run (no gradient), as the block's own
+    loop does."""
+    out_TH = torch.zeros_like(x_TH)
+    for e, expert in enumerate(self):
+        token_N, k_N = torch.where(ids_TK == e)
+        if token_N.numel():
+            y_NH = expert(x_TH[token_N]) * weights_TK[token_N, k_N, None]
+            out_TH.index_add_(0, token_N, y_NH.to(out_TH.dtype))
+    return out_TH
+
+
 def replay_classes(block_cls: type, experts_cls: type, attr: str, plan: ReplayPlan, layer: str
                    ) -> tuple[type, type]:
     """(block class, experts class) of the capture-and-replay rewrite: subclasses of the user's whose
@@ -279,7 +295,8 @@ def replay_classes(block_cls: type, experts_cls: type, attr: str, plan: ReplayPl
     new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
                                                         "_themis_original_class": block_cls})
     new_experts = type(experts_cls.__name__, (experts_cls,), {
-        "forward": _experts_forward, "__module__": experts_cls.__module__, "_themis_original_class": experts_cls,
+        "forward": _experts_forward_skipping_empty if plan.skips_empty else _experts_forward,
+        "__module__": experts_cls.__module__, "_themis_original_class": experts_cls,
         "__doc__": f"{experts_cls.__name__} called as experts(x_TH, ids_TK, weights_TK)."})
     return new_block, new_experts
 
@@ -328,9 +345,12 @@ def _probe_pass(module: nn.Module, attr: str, run: _Pass, E: int, x: torch.Tenso
                 m.training = mode
 
 
-def replay_mismatch(module: nn.Module, attr: str, x: torch.Tensor, seed: int) -> tuple[ReplayPlan | None, str | None]:
+def replay_mismatch(module: nn.Module, attr: str, x: torch.Tensor, seed: int, *, allow_skipping: bool = False
+                    ) -> tuple[ReplayPlan | None, str | None]:
     """(plan, None) when capture and replay serves ``module``'s expert calls on the probe ``x``
-    (train and eval mode), else (None, why). Read-only: every pass runs :func:`isolated`, without grad."""
+    (train and eval mode), else (None, why). Read-only: every pass runs :func:`isolated`, without grad.
+    A block that skips experts without tokens is rejected unless ``allow_skipping`` (the runtime then
+    has to leave those experts without gradient: ``plan.skips_empty``)."""
     experts = module._modules[attr]
     E = len(experts)
     each_once = True
@@ -364,6 +384,8 @@ def replay_mismatch(module: nn.Module, attr: str, x: torch.Tensor, seed: int) ->
     except Exception as exc:  # noqa: BLE001 - a block that cannot run one token is probed with more
         logger.debug("one-token probe of %s failed: %s", type(module).__name__, exc)
     else:
+        if len(set(capture.ids)) != E and allow_skipping:
+            return ReplayPlan(num_experts=E, hidden_size=x.shape[-1], skips_empty=True), None
         if len(set(capture.ids)) != E:
             called = sorted(set(capture.ids))
             return None, (f"it skips experts that receive no tokens (on a one-token probe it calls only experts "
