@@ -26,6 +26,8 @@ Contract:
     itself, which :mod:`themis_compile.passes.shard` rewrites.
     ``"per-slot"`` / ``"sorted-rows"`` when the experts are called per slot or on sorted rows (found by
     behaviour; :mod:`themis_compile.passes.shard` rewrites the call, not the forward).
+    ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace (the
+    loop stays as written, served by :mod:`themis_compile.passes.replay`).
     Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
     their forward, or an experts child called otherwise) but fail a check are returned as
     ``(name, reason)``, the reason saying what would make the layer work.
@@ -60,6 +62,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from themis_compile.passes.replay import inline_expert_weights_reason, replay_mismatch
 from themis_compile.runtime.experts import ExpertBank, loop_combine
 
 logger = logging.getLogger(__name__)
@@ -81,7 +84,7 @@ class MoELayerInfo:
     activation: str
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
-    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" (docstring)
+    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" | "replay"
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -90,6 +93,7 @@ class MoELayerInfo:
     rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
     probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
     plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
+                                                                 # (passes.replay.ReplayPlan for "replay")
 
     @property
     def experts(self) -> nn.Module:
@@ -101,7 +105,9 @@ class MoELayerInfo:
                 "inline-loop": "loops over its experts inline (rewritten to one experts call)",
                 "per-slot": f"calls {self.experts_attr}(x, ids) -> [T, K, H] (rewritten to one experts call)",
                 "sorted-rows": f"calls {self.experts_attr}(rows sorted by expert, counts) (rewritten to one "
-                               "experts call)"}.get(self.rewrite,
+                               "experts call)",
+                "replay": "calls its experts one by one in an untraceable forward (capture and replay: one "
+                          "experts call between two passes of the forward)"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -863,6 +869,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         return found
     if reject is not None:
         raise reject
+    if (why := inline_expert_weights_reason(module)) is not None:
+        raise _Reject(why)
     return None
 
 
@@ -1128,10 +1136,14 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     form, detail = experts_call_form(module, child.attr, x, top_k)
     if form == "unsupported":
         raise _Reject(detail)
+    replay_plan = None
     if form == "inline-loop" and traced is None:
-        raise _Reject(f"its forward loops over the experts inline and cannot be traced to rewrite it ({fx_error}); "
-                      "call the experts once as experts(x, ids, weights) (an nn.Module doing the loop), or "
-                      "keep the loop free of Python control flow on tensor values (.tolist(), .numpy(), int())")
+        # Not traceable: the loop stays as written, served by capture and replay (passes.replay).
+        replay_plan, why = replay_mismatch(module, child.attr, x, PROBE_SEED)
+        if why is not None:
+            raise _Reject(f"its forward loops over the experts inline and cannot be traced to rewrite it ({fx_error}); "
+                          f"capture and replay cannot serve it either: {why}")
+        form = "replay"
 
     # Step 5: description.
     score = sorted(before)[0] if before else (sorted(after)[0] if after else "none")
@@ -1151,7 +1163,7 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
         name=name, module=module, num_experts=E, top_k=int(top_k), experts_form=child.form, router=router_text,
         activation=describe_activation(expert0), shared_experts=bool(shared), experts_attr=child.attr,
         rewrite=form, router_path=router_path, score_fn=score, hidden_size=H, shared_expert_names=shared,
-        aux_losses=aux, probe_flat=x.dim() == 2,
+        aux_losses=aux, probe_flat=x.dim() == 2, plan=replay_plan,
     )
 
 
@@ -1205,7 +1217,9 @@ def explain_moe_layers(model: nn.Module) -> str:
         lines.append(f"    experts call:   " + {"none": "experts(x, ids, weights)",
                                                 "per-slot": "experts(x, ids) -> [T, K, H] (rewritten by optimize)",
                                                 "sorted-rows": "experts(rows sorted by expert, counts) (rewritten "
-                                                               "by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
+                                                               "by optimize)",
+                                                "replay": "experts[i](rows) in an untraceable forward (capture "
+                                                          "and replay by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

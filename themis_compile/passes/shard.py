@@ -13,6 +13,9 @@ sorted by expert (``experts(rows, counts)``, torchtitan) keep their forward: whi
 attribute is seen as an adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`) serving that call with
 one ``experts(x, ids, weights)`` call, and the experts module's class gets that interface.
 
+Blocks whose forward calls ``experts[i](rows)`` in code FX cannot trace keep their forward too; it runs
+twice around one ``experts(x, ids, weights)`` call (capture and replay, :mod:`themis_compile.passes.replay`).
+
 Contract:
     ``rewrite_moe_layer(info)`` changes only the layer's class (a subclass of the user's whose forward
     is the rewritten graph, traced once per train/eval mode) and its experts attribute (an
@@ -47,6 +50,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from themis_compile.passes.detect import (
+    PROBE_SEED,
     SEARCHED,
     MoELayerInfo,
     RuntimeReference,
@@ -67,6 +71,7 @@ from themis_compile.passes.detect import (
     topk_outputs,
     trace_block,
 )
+from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch
 from themis_compile.runtime.experts import loop_combine
 
 logger = logging.getLogger(__name__)
@@ -408,6 +413,13 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
         logger.info("MoE layer %s: %s(x, ids) served by one %s(x, ids, weights) call", info.name,
                     info.experts_attr, info.experts_attr)
         return
+    if info.rewrite == "replay":
+        plan = info.plan if isinstance(info.plan, ReplayPlan) else ReplayPlan(num_experts=info.num_experts)
+        apply_replay(info.module, info.experts_attr, plan, layer=info.name)
+        info.rewritten = True
+        logger.info("MoE layer %s: expert calls served by one %s(x, ids, weights) call (capture and replay)",
+                    info.name, info.experts_attr)
+        return
     if info.rewrite != "inline-loop":
         raise ValueError(f"MoE layer {info.name!r}: unknown rewrite {info.rewrite!r}")
     plan = info.plan if info.plan is not None else plan_rewrite(info)
@@ -488,10 +500,14 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
-        if info.rewrite in ("per-slot", "sorted-rows"):
+        if info.rewrite in ("per-slot", "sorted-rows", "replay"):
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr])
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
+        if info.rewrite == "replay" and (why := gradient_mismatch(info.module, trial, _probe_for(info),
+                                                                 PROBE_SEED)) is not None:
+            raise ValueError(f"MoE layer {info.name!r}: the capture-and-replay rewrite does not reproduce the "
+                             f"gradients of the original on a probe input ({why}); the model was left unchanged")
     for info in todo:
         rewrite_moe_layer(info)
     return infos

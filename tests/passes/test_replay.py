@@ -1,0 +1,272 @@
+"""Capture and replay (themis_compile/passes/replay.py): blocks whose untraceable forward calls
+``experts[i](rows)`` itself keep their routing code and are served by one ``experts(x, ids, weights)``
+call. Held equal to the original on a probe (outputs, gradients, buffer updates, stored attributes),
+and 2 gloo ranks under ``themis`` equal to one process (one process group for every block)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import themis_compile
+from tests.passes import zoo_models as zoo
+from themis_compile.passes.detect import find_moe_layers
+from themis_compile.passes.replay import ReplayError, ReplayPlan, apply_replay, replay_mismatch
+from themis_compile.passes.shard import prepare_moe_layers
+
+
+class DeepseekV3NoSkip(zoo.DeepseekV3MoE):
+    """The DeepSeek-V3 reference block with one line less: experts without tokens are called on an empty
+    batch of rows instead of skipped (``if num_tokens == 0: continue`` removed)."""
+
+    def moe_infer(self, x, topk_ids, topk_weight):
+        cnts = topk_ids.new_zeros((topk_ids.shape[0], len(self.experts)))
+        cnts.scatter_(1, topk_ids, 1)
+        tokens_per_expert = cnts.sum(dim=0)
+        idxs = topk_ids.view(-1).argsort()
+        sorted_tokens = x[idxs // topk_ids.shape[1]]
+        outputs = []
+        start_idx = 0
+        for i, num_tokens in enumerate(tokens_per_expert.cpu().numpy()):
+            end_idx = start_idx + num_tokens
+            outputs.append(self.experts[i](sorted_tokens[start_idx:end_idx]))
+            start_idx = end_idx
+        outs = torch.cat(outputs, dim=0)
+        new_x = torch.empty_like(outs)
+        new_x[idxs] = outs
+        return new_x.view(*topk_ids.shape, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(dim=-1)).sum(dim=1)
+
+
+class SlotLoopMoE(nn.Module):
+    """Each slot k, each expert (in reverse order): ``experts[e](x[rows])`` with rows from ``.tolist()``
+    (untraceable); every expert called K times, some with no rows. In-place jitter on the input in
+    training (RNG), a statistics buffer updated in place, a load-balancing loss stored on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(zoo.H, zoo.E, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(zoo.H, zoo.FFN), nn.GELU(), nn.Linear(zoo.FFN, zoo.H))
+                                     for _ in range(zoo.E))
+        self.register_buffer("tokens_per_expert", torch.zeros(zoo.E))
+        self.jitter = 0.05
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shape = hidden.shape
+        if self.training:
+            hidden *= torch.empty_like(hidden).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        x = hidden.reshape(-1, shape[-1])
+        probs = self.router(x).softmax(dim=-1)
+        weights, ids = probs.topk(zoo.K, dim=-1)
+        with torch.no_grad():
+            self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=zoo.E).float()
+        self.aux_loss = (probs.mean(0) * F.one_hot(ids[:, 0], zoo.E).float().mean(0)).sum() * zoo.E
+        out = torch.zeros_like(x)
+        for k in range(zoo.K):
+            for e in reversed(range(len(self.experts))):
+                rows = [t for t, i in enumerate(ids[:, k].tolist()) if i == e]
+                y = self.experts[e](x[rows])
+                out = out.index_add(0, torch.tensor(rows, dtype=torch.long), y * weights[rows, k, None])
+        return out.view(shape)
+
+
+class ChainedExperts(SlotLoopMoE):
+    """Expert 1 runs on expert 0's output: not servable (pass A answers zeros)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        ids = self.router(x).topk(zoo.K, dim=-1).indices
+        first = self.experts[0](x)
+        rows = [t for t, i in enumerate(ids[:, 0].tolist()) if i != 0]
+        out = first
+        for e in range(1, len(self.experts)):
+            out = out + self.experts[e](first[rows]).sum(0)
+        return out.view(hidden.shape)
+
+
+BLOCKS = {"deepseek_v3_no_skip": DeepseekV3NoSkip, "slot_loop": SlotLoopMoE}
+
+
+def _lm(name: str) -> zoo.ZooLM:
+    torch.manual_seed(0)
+    model = zoo.ZooLM("deepseek_v3")
+    for layer in model.layers:
+        layer.moe = BLOCKS[name]()
+        # Jitter draws one random number per token: R ranks draw other numbers than one process on the
+        # whole batch, whatever the rewrite. The probe tests keep it.
+        layer.moe.jitter = 0.0
+    return model
+
+
+def _block(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return BLOCKS[name]()
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_untraceable_loops_are_found_as_replay(name):
+    infos, rejected = find_moe_layers(_lm(name))
+    assert rejected == []
+    assert [i.name for i in infos] == ["layers.0.moe", "layers.1.moe"]
+    assert {(i.rewrite, i.num_experts, i.top_k) for i in infos} == {("replay", zoo.E, zoo.K)}
+    # Pass A stops at the E-th call only for a block seen calling every expert once.
+    assert infos[0].plan == ReplayPlan(num_experts=zoo.E, calls_each_once=name == "deepseek_v3_no_skip",
+                                       hidden_size=zoo.H)
+    assert "capture and replay" in themis_compile.explain(_lm(name))
+
+
+def _outputs_and_grads(block: nn.Module, x: torch.Tensor, training: bool):
+    block.train(training)
+    torch.manual_seed(7)
+    x = x.clone().requires_grad_(True)
+    out = block(x.clone())
+    params = list(block.parameters())
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), [x] + params)
+    return out.detach(), grads, block.tokens_per_expert.clone() if hasattr(block, "tokens_per_expert") else None, \
+        getattr(block, "aux_loss", None)
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+@pytest.mark.parametrize("training", [True, False])
+def test_rewritten_block_equals_the_original_with_gradients_and_state(name, training):
+    original = _block(name)
+    rewritten = copy.deepcopy(original)
+    (info,) = prepare_moe_layers(rewritten)
+    assert info.rewritten and type(rewritten).__name__ == type(original).__name__
+    assert [n for n, _ in rewritten.named_parameters()] == [n for n, _ in original.named_parameters()]
+    x = torch.randn(3, 5, zoo.H, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):   # twice: the statistics buffer is updated once per forward, not twice
+        out_a, grads_a, buf_a, aux_a = _outputs_and_grads(original, x, training)
+        out_b, grads_b, buf_b, aux_b = _outputs_and_grads(rewritten, x, training)
+        torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads_a, grads_b):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        if buf_a is not None:
+            assert buf_a.sum() > 0
+            torch.testing.assert_close(buf_b, buf_a)
+        if aux_a is not None:
+            torch.testing.assert_close(aux_b, aux_a)
+
+
+def test_capture_stops_at_the_last_expert_call_when_each_runs_once():
+    """The code after the expert loop (DeepSeek-V3: the shared expert) runs only in the replayed pass."""
+    for name, runs in (("deepseek_v3_no_skip", 1), ("slot_loop", 2)):
+        block = _block(name)
+        prepare_moe_layers(block)
+        probe = block.shared_experts if name == "deepseek_v3_no_skip" else block.router
+        calls = []
+        probe.register_forward_hook(lambda *_: calls.append(1))
+        block(torch.randn(2, 3, zoo.H))
+        assert len(calls) == runs, name
+
+
+def test_skipping_and_chained_blocks_are_rejected_with_the_reason():
+    _, rejected = find_moe_layers(zoo.ZooLM("deepseek_v3"))
+    assert [n for n, _ in rejected] == ["layers.0.moe", "layers.1.moe"]
+    assert "it skips experts that receive no tokens" in rejected[0][1], rejected
+    infos, rejected = find_moe_layers(ChainedExperts())
+    assert infos == [] and "depend on other experts' outputs" in rejected[0][1], rejected
+
+
+def test_a_block_skipping_empty_experts_replays_with_their_gradient_none():
+    """For a runtime that leaves experts without tokens ungraded: the skipping DeepSeek-V3 block served
+    by capture and replay equals the original, None gradients included (one token: 2 of 4 experts)."""
+    original = zoo.DeepseekV3MoE()
+    x = torch.randn(1, 1, zoo.H)
+    plan, why = replay_mismatch(original, "experts", x, seed=0, allow_skipping=True)
+    assert why is None and plan.skips_empty
+    rewritten = copy.deepcopy(original)
+    apply_replay(rewritten, "experts", plan, layer="skip")
+    for block in (original, rewritten):
+        block(x).sum().backward()
+    got = {n: p.grad for n, p in rewritten.named_parameters()}
+    for n, p in original.named_parameters():
+        assert (p.grad is None) == (got[n] is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(got[n], p.grad)
+    assert any(p.grad is None for p in original.experts.parameters())
+
+
+class _Drifting(SlotLoopMoE):
+    """Row selection driven by state outside the module's attributes and buffers (a list it appends to):
+    the replayed forward calls its experts otherwise than the captured one."""
+
+    log: list = []
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.log.append(1)
+        x = hidden.reshape(-1, hidden.shape[-1])
+        return sum(self.experts[e](x[: len(self.log) % 2 + 1]).sum() for e in range(len(self.experts))) + x
+
+
+def test_replayed_calls_that_differ_from_the_captured_ones_raise():
+    block = _Drifting()
+    apply_replay(block, "experts", ReplayPlan(num_experts=zoo.E), layer="drift")
+    with pytest.raises(ReplayError, match="expert call 0 is expert 0 on rows"):
+        block(torch.randn(4, zoo.H))
+    skipping = zoo.DeepseekV3MoE()
+    apply_replay(skipping, "experts", ReplayPlan(num_experts=zoo.E), layer="skip")
+    with pytest.raises(ReplayError, match="did not call experts"):
+        skipping(torch.randn(1, 1, zoo.H))
+
+
+STEPS, BATCH, SEQ = 3, 4, 8
+
+
+def _dense(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        if ".experts." not in n:
+            p = p.detach()
+            out[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).clone()
+    return out
+
+
+def _train(model: nn.Module, rank: int, world_size: int):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    local = BATCH // world_size
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, zoo.VOCAB, (BATCH, SEQ), generator=g)
+        loss = model.loss(tokens[rank * local:(rank + 1) * local])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        if world_size > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / world_size)
+    return losses, _dense(model)
+
+
+def _ranks(rank: int, world_size: int, names: list[str]):
+    out = {}
+    for name in names:
+        model = themis_compile.optimize(_lm(name), themis_compile.ThemisConfig(policy="themis"), strict=True)
+        out[name] = _train(model, rank, world_size)
+    return out
+
+
+def test_two_ranks_under_themis_train_like_one_process():
+    from themis_compile.testing.multirank import run_multirank
+
+    names = sorted(BLOCKS)
+    results = run_multirank(_ranks, 2, args=(names,), timeout_s=180)
+    for name in names:
+        ref_losses, ref_dense = _train(_lm(name), 0, 1)
+        losses, dense = results[0][name]
+        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs {b}"
+        assert dense.keys() == ref_dense.keys()
+        for n in ref_dense:
+            a, b = dense[n], ref_dense[n]
+            if n.endswith("qkv.bias"):
+                # The key bias has a gradient of exactly zero (softmax is shift-invariant per query), so
+                # AdamW turns reduction-order noise into whole steps there: compared for q and v only.
+                a, b = torch.cat([a[:zoo.H], a[2 * zoo.H:]]), torch.cat([b[:zoo.H], b[2 * zoo.H:]])
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-4, msg=f"{name}: {n}")
