@@ -8,8 +8,10 @@
     results = run_multirank(check, 4, args=(2.0,))       # [result of rank 0, ..., rank 3]
 
 Guarantees:
-- every rank runs in its own spawned process with one CPU thread and a gloo process group whose
-  collectives time out after ``timeout_s`` (so a collective that never completes raises instead of hanging);
+- every rank runs in its own process (forked from a server that imported torch once,
+  `themis_compile.testing._rank_preload`; the rank sees the caller's environment as of the call) with one
+  CPU thread and a gloo process group whose collectives time out after ``timeout_s`` (so a collective that
+  never completes raises instead of hanging);
 - the rendezvous store is created by the parent on a free port (no port races between tests);
 - the first failing rank's traceback is re-raised in the caller as :class:`RankError`;
 - the whole run has a deadline: ranks still alive after it are killed and :class:`TimeoutError` names them;
@@ -53,7 +55,12 @@ def _worker(
     env: dict[str, str],
     results: "mp.Queue[tuple[str, int, Any]]",
     netns: str | None = None,
+    caller_env: dict[str, str] | None = None,
 ) -> None:
+    if caller_env is not None:
+        # Forked from the server: take the caller's environment as it is now, as a spawned child would.
+        os.environ.clear()
+        os.environ.update(caller_env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -87,6 +94,19 @@ def _worker(
         results.put(("ok", rank, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure is reported to the parent
         results.put(("err", rank, traceback.format_exc()))
+
+
+_PRELOAD = ["themis_compile.testing._rank_preload"]
+
+
+def _context():
+    """Ranks are forked from a server that has imported torch (see `_rank_preload`); where fork servers do
+    not exist (not POSIX), they are spawned."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _is_collateral(tb: str) -> bool:
@@ -154,14 +174,14 @@ def run_multirank(
         "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: mp.Queue = ctx.Queue()
     procs = [
         ctx.Process(
             target=_worker,
             args=(rank, world_size, store.port, fn, tuple(args), dict(kwargs or {}), devices_per_node,
                   timeout_s, {**(network.rank_env(rank // devices_per_node) if network else {}), **(env or {})},
-                  results, network.netns_of(rank // devices_per_node) if network else None),
+                  results, network.netns_of(rank // devices_per_node) if network else None, dict(os.environ)),
             daemon=True,
         )
         for rank in range(world_size)
