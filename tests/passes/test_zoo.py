@@ -18,8 +18,8 @@ EXPECTED = {
     "torchtitan": None,    # experts(rows sorted by expert, counts): the sorted-rows rewrite
     "jetmoe": "called as input_linear(Tensor[16, 32], list)",
     "deepseek_v3": "loops over the experts inline and cannot be traced",
-    "switch": "no top-k selection",
-    "fairseq_top2": "no top-k selection",
+    "switch": None,        # top-1 by max, weight after the loop: inline-loop rewrite with weights 1
+    "fairseq_top2": "loops over the experts inline and cannot be traced",
     "megablocks": None,    # not MoE-like to the detector at all: stacked weights live on the block itself
 }
 FOUND = [s for s, why in EXPECTED.items() if why is None and s != "megablocks"]

@@ -472,6 +472,59 @@ def _topk_k(node: fx.Node, meta: dict) -> int | None:
     return m[0].shape[-1] if m else None
 
 
+# A top-1 selection: ``torch.max(scores, dim)`` (values and ids) or ``torch.argmax(scores, dim)`` (ids), the
+# Switch / GShard routers. It counts as a selection wherever a top-k does, with k = 1.
+_TOP1 = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax"}
+
+
+def _has_dim(args: tuple, kwargs: dict) -> bool:
+    """A reduction along one dimension (``max(x, -1)``, ``max(x, dim=1)``), not ``max(a, b)`` or ``max(x)``."""
+    return (len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool)) or "dim" in kwargs
+
+
+def is_top1(node: fx.Node) -> bool:
+    """``torch.max`` / ``torch.argmax`` along one dimension (a top-1 selection)."""
+    named = ((node.op == "call_function" and node.target in (torch.max, torch.argmax))
+             or (node.op == "call_method" and node.target in ("max", "argmax")))
+    return named and _has_dim(node.args, node.kwargs)
+
+
+def is_selection(node: fx.Node) -> bool:
+    """A per-token selection of experts: a top-k, or a top-1 by max / argmax."""
+    return is_topk(node) or is_top1(node)
+
+
+def selections_of(graph: fx.Graph) -> list[fx.Node]:
+    """The selections of a traced forward: its top-k nodes, else (no top-k) its top-1 selections. A block
+    with a top-k that also takes a max (statistics, capacity) selects by the top-k."""
+    topks = [n for n in graph.nodes if is_topk(n)]
+    return topks or [n for n in graph.nodes if is_top1(n)]
+
+
+def selection_outputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(values nodes, ids nodes) of a selection: a top-k's or max's outputs, an argmax itself (no values)."""
+    if node.target in (torch.argmax, "argmax"):
+        return [], [node]
+    return topk_outputs(node)
+
+
+def selection_k(node: fx.Node, meta: dict) -> int | None:
+    """k of a selection: a top-k's k, 1 for max / argmax."""
+    return _topk_k(node, meta) if is_topk(node) else 1
+
+
+def selection_tokens(node: fx.Node, meta: dict) -> tuple[tuple[int, ...], int] | None:
+    """(token shape, k) of a selection from the probe's shapes: ``[T, K]`` values of a top-k give ``((T,),
+    K)``; a top-1's ``[T]`` ids give ``((T,), 1)``. None when the probe did not record it."""
+    m = meta.get(node)
+    if m is None:
+        return None
+    if is_topk(node):
+        return m[0].shape[:-1], m[0].shape[-1]
+    ids = m if isinstance(m, TensorMeta) else m[1]
+    return ids.shape, 1
+
+
 _SELECTIONS = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax",
                torch.sort: "sort", torch.Tensor.sort: "sort", torch.argsort: "argsort",
                torch.Tensor.argsort: "argsort"}
@@ -486,6 +539,7 @@ class _CallRecorder(TorchFunctionMode):
         self.ks: list[int] = []
         self.scores: list[str] = []
         self.selections: list[str] = []
+        self.top1 = 0                 # top-1 selections (max / argmax along a dimension)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -499,6 +553,8 @@ class _CallRecorder(TorchFunctionMode):
             self.scores.append("sigmoid")
         elif func in _SELECTIONS and (len(args) > 1 or "dim" in kwargs):
             self.selections.append(_SELECTIONS[func])
+            if func in _TOP1 and _has_dim(args, kwargs):
+                self.top1 += 1
         return func(*args, **kwargs)
 
 
@@ -514,12 +570,13 @@ def record_calls(module: nn.Module, x: torch.Tensor) -> _CallRecorder:
 def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
     """When FX cannot trace the forward (``len(proxy)``, iterating a traced tensor ...): record it while it
     runs on a probe. ``make_fx`` is no help there: it stops at the same data-dependent code (``one_hot``,
-    ``nonzero`` loops). Returns the k of every top-k and the score functions seen, in call order."""
+    ``nonzero`` loops). Returns the k of every top-k (1 for each max / argmax when there is no top-k) and the score functions
+    seen, in call order."""
     rec = _CallRecorder()
     with preserved_state(module), torch.no_grad(), rec:
         torch.manual_seed(PROBE_SEED)
         module(x.clone())
-    return rec.ks, rec.scores
+    return rec.ks or [1] * rec.top1, rec.scores   # no top-k: each max / argmax selects one expert
 
 
 # --- Step 4: how the experts are called --------------------------------------------------------------
@@ -1050,7 +1107,7 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
         traced = trace_block(module, child.module)
     except Exception as exc:
         fx_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-    topks = [n for n in traced.gm.graph.nodes if is_topk(n)] if traced else []
+    topks = selections_of(traced.gm.graph) if traced else []   # top-k, else top-1 (max / argmax)
     if not topks and not any(w == E for _, w, _ in routers):
         return None   # not MoE-like: no top-k and no router of the experts' width
 
@@ -1063,8 +1120,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     router = None
     if traced is not None:
         if not topks:
-            raise _Reject("no top-k selection (torch.topk) in the traced forward of the block or its router, and "
-                          "its experts are not called once as experts(x, ids, weights); select with topk, or "
+            raise _Reject("no top-k selection (torch.topk, or max / argmax for top-1) in the traced forward of the "
+                          "block or its router, and its experts are not called once as experts(x, ids, weights); "
+                          "select with topk, max or argmax, or "
                           "call the experts that way (integer ids [T, K], weights [T, K])")
         router = _router_of(traced.gm, topks[-1])
         if router is None:
@@ -1072,7 +1130,7 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
                           "before it)")
         if router[1] != E:
             raise _Reject(f"router '{router[0]}' scores {router[1]} experts but '{child.attr}' holds {E}")
-        k = _topk_k(topks[-1], {})
+        k = selection_k(topks[-1], {})
         if isinstance(k, int) and not 1 <= k <= E:
             # An MoE layer with a broken top-k: reported as found so that sharding it fails loudly,
             # naming the layer (check_layer), rather than leaving it silently unsharded.
@@ -1100,9 +1158,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
         except Exception as exc:
             raise _Reject(f"the traced forward does not run on a probe: {exc}")
         topk = topks[-1]
-        top_k = _topk_k(topk, traced.meta)
+        top_k = selection_k(topk, traced.meta)
         router_path, width, H_router = router
-        values, indices = topk_outputs(topk)
+        values, indices = selection_outputs(topk)
         before = {_score_kind(n) for n in _ancestors(topk)} - {None}
         after = {_score_kind(n) for n in _descendants(values)} - {None}
         succ = effective_users(traced.gm.graph)
@@ -1112,8 +1170,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     else:
         ks, scores = _recorded_topk(module, x)
         if not ks:
-            raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and none ran on a probe; select "
-                          "with torch.topk, or call the experts once as experts(x, ids, weights)")
+            raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and no topk, max or argmax ran on a "
+                          "probe; select with torch.topk (max / argmax for top-1), or call the experts once as "
+                          "experts(x, ids, weights)")
         top_k = ks[-1]
         router_path, width, H_router = next((r for r in routers if r[1] == E), None) or (None, None, H)
         if router_path is None:

@@ -64,7 +64,9 @@ from themis_compile.passes.detect import (
     reachable,
     record_meta,
     run_probe,
-    topk_outputs,
+    selection_outputs,
+    selection_tokens,
+    selections_of,
     trace_block,
 )
 from themis_compile.runtime.experts import loop_combine
@@ -116,6 +118,24 @@ class RewriteError(ValueError):
     pass
 
 
+_UNWEIGHTED = object()   # the loop combines its experts' outputs unweighted (see _slots_of)
+
+
+def _slots_of(graph: fx.Graph, meta: dict, x: fx.Node, ids: fx.Node, weights: Any, slots: tuple[int, ...]
+              ) -> tuple[fx.Node, fx.Node]:
+    """(ids, weights) shaped ``slots`` (tokens + (K,)) for the experts call, inserted at the graph's
+    insertion point. A top-1 selection's ``[T]`` ids / values get their slot dimension back; a loop
+    whose experts' outputs are combined unweighted (Switch: the router probability multiplies the
+    combined output after the loop, as written, or no weight at all) is served with weights 1."""
+    if meta[ids].shape != slots:
+        ids = graph.call_method("unsqueeze", (ids, -1))
+    if weights is _UNWEIGHTED:
+        return ids, graph.call_method("new_ones", (x, graph.call_method("size", (ids,))))
+    if meta[weights].shape != slots:
+        weights = graph.call_method("unsqueeze", (weights, -1))
+    return ids, weights
+
+
 def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModule:
     """Replace the inline expert loop + weighted combine of a traced block with one
     ``self.<experts_attr>(x, ids, weights)`` call; needs ``traced.meta`` (shapes from a probe)."""
@@ -156,14 +176,13 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
                 return n
         return None
 
-    topks = [t for t in graph.nodes if is_topk(t) and set(topk_outputs(t)[1]) & before_y]
+    topks = [t for t in selections_of(graph) if set(selection_outputs(t)[1]) & before_y]
     if not topks:
         raise RewriteError(f"MoE layer {layer!r}: no top-k ids feed the expert loop")
     topk = topks[-1]
-    values_meta = meta[topk][0]
-    tok, K, H = values_meta.shape[:-1], values_meta.shape[-1], info.hidden_size
+    (tok, K), H = selection_tokens(topk, meta), info.hidden_size
     after_topk = reachable([topk], lambda n: succ[n])
-    after_ids = reachable(topk_outputs(topk)[1], lambda n: succ[n])
+    after_ids = reachable(selection_outputs(topk)[1], lambda n: succ[n])
 
     def tensor(n: fx.Node, shape: tuple, floating: bool) -> bool:
         m = meta.get(n)
@@ -171,8 +190,12 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
                 and m.dtype != torch.bool)
 
     region_in = [n for n in before_y if n not in after_calls]
-    ids = last([n for n in region_in if n in after_ids and tensor(n, tok + (K,), False)])
-    weights = last([n for n in region_in if n in after_topk and tensor(n, tok + (K,), True)])
+    # A top-1 selection's ids and values may keep the token shape alone ([T], not [T, 1]).
+    slot_shapes = (tok + (K,),) + ((tok,) if not is_topk(topk) else ())
+    ids = last([n for n in region_in if n in after_ids and any(tensor(n, s, False) for s in slot_shapes)])
+    weights = last([n for n in region_in if n in after_topk and any(tensor(n, s, True) for s in slot_shapes)])
+    if weights is None and not set(selection_outputs(topk)[0]) & before_y:
+        weights = _UNWEIGHTED   # no selected weight reaches the combine (applied after it, or none): ones
     x = last([n for n in before_calls if n not in after_calls and n not in after_topk
               and tensor(n, tok + (H,), True)])
     for what, node in (("hidden states [T, H]", x), ("top-k ids [T, K]", ids), ("top-k weights [T, K]", weights)):
@@ -185,6 +208,7 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
         raise RewriteError(f"MoE layer {layer!r}: the combined value has shape {getattr(y_meta, 'shape', None)}, "
                            f"not {tok + (H,)}")
     with graph.inserting_before(y):
+        ids, weights = _slots_of(graph, meta, x, ids, weights, tok + (K,))
         args = (x, ids, weights)
         if len(tok) != 1:
             args = (graph.call_method("reshape", (x, -1, H)), graph.call_method("reshape", (ids, -1, K)),
