@@ -48,6 +48,8 @@ Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -81,7 +83,8 @@ class MoELayerInfo:
     activation: str
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
-    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" (docstring)
+    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
+                                               # "dense-dispatch" (docstring)
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -101,7 +104,9 @@ class MoELayerInfo:
                 "inline-loop": "loops over its experts inline (rewritten to one experts call)",
                 "per-slot": f"calls {self.experts_attr}(x, ids) -> [T, K, H] (rewritten to one experts call)",
                 "sorted-rows": f"calls {self.experts_attr}(rows sorted by expert, counts) (rewritten to one "
-                               "experts call)"}.get(self.rewrite,
+                               "experts call)",
+                "dense-dispatch": "dispatches and combines through [T, E, C] tensors (rewritten to one experts "
+                                  "call)"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -295,6 +300,7 @@ class TracedBlock:
     branch_nodes: list[fx.Node]
     attr_stores: dict[tuple[str, str], Any]      # (submodule path, attribute) -> Node / constant set by forward
     meta: dict[fx.Node, Any] = field(default_factory=dict)   # node -> (shape, dtype) per tensor, from a probe
+    owner_input: bool = False    # the graph's first input is the block itself (methods traced as leaves)
 
 
 def leaf_modules(module: nn.Module, experts: nn.Module) -> set[int]:
@@ -357,7 +363,7 @@ def record_meta(traced: TracedBlock, module: nn.Module, x: torch.Tensor) -> None
     rec = _MetaRecorder(traced.gm)
     with preserved_state(module), torch.no_grad():
         torch.manual_seed(PROBE_SEED)
-        rec.run(x.clone())
+        rec.run(*((module,) if traced.owner_input else ()), x.clone())
     traced.meta = rec.meta
 
 
@@ -908,6 +914,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         reject = None
     if info is not None:
         return info
+    if reject is not None and (dense := _inspect_dense_dispatch(name, module)) is not None:
+        return dense
     try:
         found = _inspect_by_behaviour(name, module)
     except _Reject as behaviour:
@@ -1214,6 +1222,183 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     )
 
 
+# --- Dense dispatch tensors (GShard, fairseq Top2Gate) ------------------------------------------------
+
+OWNER_INPUT = "_themis_self"   # the block itself, first input of a graph traced with its methods as leaves
+
+
+def _own_methods(module: nn.Module) -> list[str]:
+    """Names of the plain methods the block's own classes define (not ``forward``, not torch's)."""
+    names: list[str] = []
+    for cls in type(module).__mro__:
+        if cls is nn.Module or cls.__module__.startswith("torch."):
+            break
+        names += [k for k, v in vars(cls).items() if inspect.isfunction(v) and not k.startswith("__")
+                  and k != "forward" and k not in names]
+    return names
+
+
+class _MethodLeafTracer(_LeafTracer):
+    """A :class:`_LeafTracer` for blocks whose routing helper holds Python-level shape code that FX cannot
+    trace (``math.ceil`` of a shape, ``torch.finfo(x.dtype)``, ``one_hot(num_classes=capacity)``): the
+    block's own methods are recorded as calls on the block, which becomes the graph's first input (so a
+    rewritten forward runs them as written), and ``x.chunk(n)`` with a constant ``n`` can be iterated
+    (``zip(x.chunk(E), self.experts)``)."""
+
+    def __init__(self, leaves: set[int]) -> None:
+        super().__init__(leaves)
+        self.owner: fx.Proxy | None = None
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        self.owner = self.create_proxy("placeholder", OWNER_INPUT, (), {})
+        return super().create_args_for_root(root_fn, is_module, concrete_args)
+
+    def call_own_method(self, name: str, *args: Any, **kwargs: Any) -> fx.Proxy:
+        return self.create_proxy("call_method", name, (self.owner, *args), kwargs)
+
+    def iter(self, obj: fx.Proxy) -> Iterator:
+        n = obj.node
+        count = None
+        if (n.op == "call_method" and n.target == "chunk") or (n.op == "call_function" and n.target is torch.chunk):
+            count = n.args[1] if len(n.args) > 1 else n.kwargs.get("chunks")
+        if isinstance(count, int):
+            return iter([obj[i] for i in range(count)])
+        return super().iter(obj)
+
+
+def trace_block_with_method_leaves(module: nn.Module, experts: nn.Module, *, training: bool | None = None
+                                   ) -> TracedBlock:
+    """:func:`trace_block` with the block's own methods kept as calls (see :class:`_MethodLeafTracer`);
+    the graph takes the block as its first input (``traced.owner_input``)."""
+    tracer = _MethodLeafTracer(leaf_modules(module, experts))
+    mode = module.training if training is None else training
+    with preserved_state(module):
+        modes = [(m, m.training) for m in module.modules()]
+        module.train(mode)
+        for name in _own_methods(module):
+            module.__dict__[name] = functools.partial(tracer.call_own_method, name)
+        try:
+            graph = tracer.trace(module)
+            stores = _attribute_stores(module)
+            gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
+        finally:
+            for m, old in modes:
+                m.training = old
+    return TracedBlock(gm=gm, training=mode, branch_nodes=tracer.branch_nodes, attr_stores=stores,
+                       owner_input=True)
+
+
+@dataclass(frozen=True)
+class DenseDispatch:
+    """Where a dense-dispatch block's parts are in its traced graph: hidden states ``x [T, H]`` dispatched
+    into per-expert capacity slots, the combine weights ``[T, E, C]``, the combined output ``y [T, H]``."""
+
+    x: fx.Node
+    combine: fx.Node
+    y: fx.Node
+
+
+def _reach_avoiding(starts: list[fx.Node], succ: dict[fx.Node, list[fx.Node]], avoid: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [s for s in starts if s not in avoid]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(u for u in succ[n] if u not in avoid and u not in seen)
+    return seen
+
+
+def dense_dispatch_of(traced: TracedBlock, attr: str, num_experts: int) -> DenseDispatch | None:
+    """The dense dispatch of a traced block (needs ``traced.meta``), or None when it has none.
+
+    Every expert is called once (on its capacity slots); ``y`` is the first ``[T, H]`` value all their
+    outputs flow through on the way to the output; ``combine`` the nearest ``[T, E, C]`` floating value
+    that reaches ``y`` other than through the experts; ``x`` the last ``[T, H]`` floating value that feeds
+    every expert and is not computed from ``combine``."""
+    graph, meta = traced.gm.graph, traced.meta
+    calls = expert_nodes(graph, attr)
+    ids = [expert_index(c, attr) for c in calls]
+    if (not calls or any(c.op != "call_module" for c in calls) or len(set(ids)) != len(ids)
+            or len(ids) != num_experts):
+        return None
+    succ = effective_users(graph)
+    out = output_node(graph)
+    reach = reach_by_expert(calls, attr, succ)
+    common = set.intersection(*reach.values())
+    after_calls = reachable(calls, lambda n: succ[n])
+
+    def floating(n: fx.Node, dims: int) -> TensorMeta | None:
+        m = meta.get(n)
+        return m if isinstance(m, TensorMeta) and len(m.shape) == dims and m.dtype.is_floating_point else None
+
+    y = next((n for n in graph.nodes if n in common and n not in calls and n is not out and floating(n, 2)
+              and not is_inplace(n) and out not in _reach_avoiding(calls, succ, {n})), None)
+    if y is None:
+        return None
+    T, H = meta[y].shape
+    combine = [n for n in graph.nodes if n not in after_calls and (m := floating(n, 3)) is not None
+               and m.shape[:2] == (T, num_experts) and y in _reach_avoiding([n], succ, set(calls))]
+    if not combine:
+        return None
+    after_combine = reachable([combine[-1]], lambda n: succ[n])
+    feeds = [reachable([c], lambda n: n.all_input_nodes) for c in calls]
+    xs = [n for n in graph.nodes if n not in after_calls and n not in after_combine
+          and (m := floating(n, 2)) is not None and m.shape == (T, H) and all(n in f for f in feeds)]
+    return DenseDispatch(x=xs[-1], combine=combine[-1], y=y) if xs else None
+
+
+def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """A block that dispatches tokens to its ``ModuleList`` experts through dense ``[T, E, C]`` tensors
+    (GShard / fairseq ``Top2Gate``: one-hot dispatch mask, experts on ``[E, C, H]`` capacity slots,
+    combine ``einsum("sec,ecm->sm", combine, expert_outputs)``), or None when it is not one.
+
+    K is the number of selections its routing makes on a probe (a top-k's k, else one per max / argmax).
+    :mod:`themis_compile.passes.shard` rewrites dispatch, experts and combine into one
+    ``experts(x, ids, weights)`` call with (ids, weights) read from the combine tensor."""
+    children = [c for c in _experts_children(module) if c.form == "modulelist"]
+    if not children or _non_identical_reason(children[0].module):
+        return None
+    child = children[0]
+    routers = _router_widths(module, child.module)
+    E, H = child.num_experts, _hidden_size(child, routers)
+    if H is None:
+        return None
+    try:
+        traced = trace_block_with_method_leaves(module, child.module)
+    except Exception:
+        return None
+    for flat in (False, True):
+        x = probe_input(module, H, flat=flat)
+        try:
+            record_meta(traced, module, x)
+            break
+        except Exception:
+            x = None
+    if x is None or (found := dense_dispatch_of(traced, child.attr, E)) is None:
+        return None
+    # From here on the block is a dense-dispatch block: what stops it is said.
+    if traced.branch_nodes:
+        raise _Reject("it dispatches through dense [T, E, C] tensors but its forward branches on a traced value; "
+                      "a rewritten forward cannot keep that branch (move it into a method of the block)")
+    rec = record_calls(module, x)
+    K = rec.ks[-1] if rec.ks else rec.top1
+    if not 1 <= K <= E:
+        raise _Reject(f"it dispatches through dense [T, E, C] tensors but makes {K} selections (topk, max or "
+                      f"argmax) on a probe, not 1 to {E}: the number of experts a token is sent to is unknown")
+    router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(rec.selections) or "none"
+    C = traced.meta[found.combine].shape[-1]
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=K, experts_form="modulelist",
+        router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}; top-{K} read "
+                f"from the combine tensor [T, E, C={C}] (FX graph, methods kept)"),
+        activation=describe_activation(child.module[0]), shared_experts=False, experts_attr=child.attr,
+        rewrite="dense-dispatch", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        hidden_size=H, aux_losses=_auxiliary(traced, [found.y]), probe_flat=flat)
+
+
 def check_layer(info: MoELayerInfo) -> None:
     """Raise ValueError naming the layer when it cannot be sharded as found (a top-k outside [1, E])."""
     if info.top_k < 1:
@@ -1264,7 +1449,10 @@ def explain_moe_layers(model: nn.Module) -> str:
         lines.append(f"    experts call:   " + {"none": "experts(x, ids, weights)",
                                                 "per-slot": "experts(x, ids) -> [T, K, H] (rewritten by optimize)",
                                                 "sorted-rows": "experts(rows sorted by expert, counts) (rewritten "
-                                                               "by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
+                                                               "by optimize)",
+                                                "dense-dispatch": "each expert on its [C, H] capacity slots between "
+                                                                  "[T, E, C] dispatch and combine tensors "
+                                                                  "(rewritten by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

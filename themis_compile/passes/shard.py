@@ -38,6 +38,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import operator
 import warnings
 from typing import Any, Callable
 
@@ -59,6 +60,8 @@ from themis_compile.passes.detect import (
     effective_users,
     find_moe_layers,
     is_inplace,
+    preserved_state,
+    PROBE_SEED,
     is_topk,
     probe_input,
     reachable,
@@ -68,6 +71,8 @@ from themis_compile.passes.detect import (
     selection_tokens,
     selections_of,
     trace_block,
+    trace_block_with_method_leaves,
+    dense_dispatch_of,
 )
 from themis_compile.runtime.experts import loop_combine
 
@@ -261,6 +266,83 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     return gm
 
 
+# --- Dense dispatch tensors (GShard): dispatch, experts and combine become one experts call -----------
+
+def dense_dispatch_slots(combine_TEC: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_TK, weights_TK) that combine like a GShard combine tensor ``combine_TEC`` (token t's weight
+    for expert e's capacity slot c; zero where t is not in that slot).
+
+    A slot holds one token, so ``sum_{e,c} combine[t, e, c] * expert_e(slot_{e,c})`` is
+    ``sum_e w[t, e] * expert_e(x[t])`` with ``w = combine.sum(-1)``: the experts token t has a weight for
+    come first (in expert order), then any others with weight 0, cut to k. A token capacity dropped has
+    weight 0 in that slot and adds nothing, as in the block's own combine. More than k experts with a
+    weight for one token would be cut: that fails here (``torch._assert_async``) instead."""
+    w_TE = combine_TEC.sum(dim=-1)
+    nonzero_TE = w_TE != 0
+    torch._assert_async(nonzero_TE.sum(dim=-1).max() <= k,
+                        "a token has combine weights for more experts than the block selects")
+    ids_TK = torch.argsort((~nonzero_TE).to(torch.int8), dim=-1, stable=True)[:, :k]
+    return ids_TK, w_TE.gather(1, ids_TK)
+
+
+def replace_dense_dispatch(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModule:
+    """Replace a dense-dispatch block's dispatch, per-expert calls and combine with one
+    ``self.<experts_attr>(x, ids, weights)`` call, (ids, weights) read from its combine tensor
+    (:func:`dense_dispatch_slots`); needs ``traced.meta``. The routing (its methods included) runs as
+    written, so capacity, auxiliary losses and statistics see the real routing.
+
+    Pseudo-code:
+        x [T, H], combine [T, E, C], y [T, H] = dense_dispatch_of(graph)     # Step 1
+        out = self.experts(x, *dense_dispatch_slots(combine, K)); reads of y read out   # Step 2
+        erase what only served y: dispatch einsum, capacity slots, expert calls, cat   # Step 3
+    """
+    gm, attr, layer = traced.gm, info.experts_attr, info.name
+    graph = gm.graph
+    # Step 1: the parts, from the probe's shapes.
+    found = dense_dispatch_of(traced, attr, info.num_experts)
+    if found is None:
+        raise RewriteError(f"MoE layer {layer!r}: no dense [T, E, C] dispatch and combine around its experts")
+    calls = expert_nodes(graph, attr)
+    served = reachable([found.y], lambda n: n.all_input_nodes)
+
+    # Step 2: one experts call in place of y.
+    with graph.inserting_before(found.y):
+        slots = graph.call_function(dense_dispatch_slots, (found.combine, info.top_k))
+        ids = graph.call_function(operator.getitem, (slots, 0))
+        weights = graph.call_function(operator.getitem, (slots, 1))
+        out = graph.call_module(attr, (found.x, ids, weights))
+        if traced.meta[found.y].dtype != traced.meta[found.x].dtype:
+            out = graph.call_method("to", (out, traced.meta[found.y].dtype))
+    found.y.replace_all_uses_with(out)
+
+    # Step 3: erase what only served y (pure values; the block's method calls and in-place updates stay).
+    for n in reversed(list(graph.nodes)):
+        if (n in served and not n.users and n.op in ("call_function", "call_method", "call_module", "get_attr")
+                and not is_inplace(n) and not (n.op == "call_method" and n.args and getattr(n.args[0], "op", None) == "placeholder")):
+            if n.op == "call_module" and n not in calls and n is not found.y:
+                continue
+            graph.erase_node(n)
+    if any(c in graph.nodes for c in calls):
+        raise RewriteError(f"MoE layer {layer!r}: expert outputs are used besides the combine")
+    for (path, name), node in traced.attr_stores.items():
+        if node not in graph.nodes:
+            raise RewriteError(f"MoE layer {layer!r}: the forward stores {name!r} computed from the experts")
+    owner = next(n for n in graph.nodes if n.op == "placeholder")
+    for (path, name), node in traced.attr_stores.items():
+        with graph.inserting_after(node):
+            graph.call_function(_store_attribute, (owner, path, name, node))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+# How each graph rewrite traces its block and rewrites the graph.
+GRAPH_REWRITES: dict[str, tuple[Callable, Callable]] = {
+    "inline-loop": (trace_block, replace_expert_loop),
+    "dense-dispatch": (trace_block_with_method_leaves, replace_dense_dispatch),
+}
+
+
 # --- Applying and verifying a rewrite -----------------------------------------------------------------
 
 def _rewritten_class(base: type, forwards: dict[bool, Callable], placeholders: list[fx.Node]) -> type:
@@ -311,16 +393,18 @@ def _has_path(module: nn.Module, target: str) -> bool:
 
 
 def plan_rewrite(info: MoELayerInfo) -> RewritePlan:
-    """Trace ``info.module`` in train and in eval mode and rewrite each graph (:func:`replace_expert_loop`)."""
+    """Trace ``info.module`` in train and in eval mode and rewrite each graph (:func:`replace_expert_loop`,
+    or :func:`replace_dense_dispatch` for a dense-dispatch block)."""
     module, experts = info.module, info.experts
     if not isinstance(experts, nn.ModuleList):
         raise ValueError(f"MoE layer {info.name!r}: an inline expert loop needs an nn.ModuleList of experts")
     forwards, constants = {}, {}
     x = probe_input(module, info.hidden_size, flat=info.probe_flat)
+    trace, replace = GRAPH_REWRITES[info.rewrite]
     for training in (True, False):
-        traced = trace_block(module, experts, training=training)
+        traced = trace(module, experts, training=training)
         record_meta(traced, module, x)
-        gm = replace_expert_loop(traced, info)
+        gm = replace(traced, info)
         forwards[training] = type(gm).forward
         for n in gm.graph.nodes:
             if n.op == "get_attr" and not _has_path(module, n.target):
@@ -432,7 +516,7 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
         logger.info("MoE layer %s: %s(x, ids) served by one %s(x, ids, weights) call", info.name,
                     info.experts_attr, info.experts_attr)
         return
-    if info.rewrite != "inline-loop":
+    if info.rewrite not in GRAPH_REWRITES:
         raise ValueError(f"MoE layer {info.name!r}: unknown rewrite {info.rewrite!r}")
     plan = info.plan if info.plan is not None else plan_rewrite(info)
     module = info.module
@@ -477,6 +561,38 @@ def verify_rewrite(original: nn.Module, rewritten: nn.Module, probe: torch.Tenso
                              f"input ({'train' if training else 'eval'} mode: {why}); the model was left unchanged")
 
 
+def verify_rewrite_gradients(original: nn.Module, rewritten: nn.Module, probe: torch.Tensor, *, layer: str = ""
+                             ) -> None:
+    """Like :func:`verify_rewrite` for the gradients: the parameters' and the probe's gradients of a seeded
+    random projection of the output, in train mode, must agree within fp32 tolerance. For rewrites whose
+    forward equality does not imply it by construction (a dense-dispatch rewrite drops the combine
+    tensor's entries outside each token's slots, which the user's code could still differentiate)."""
+    params = [p for p in original.parameters() if p.requires_grad]
+    grads = []
+    for module in (original, rewritten):
+        x = probe.detach().clone().requires_grad_(probe.is_floating_point())
+        with preserved_state(module):
+            modes = [(m, m.training) for m in module.modules()]
+            module.train(True)
+            try:
+                torch.manual_seed(PROBE_SEED)
+                flat: list[torch.Tensor] = []
+                tree_map(lambda v: flat.append(v) if isinstance(v, torch.Tensor) and v.requires_grad else None,
+                         module(x))
+                gen = torch.Generator().manual_seed(PROBE_SEED)
+                loss = sum((v * torch.randn(v.shape, generator=gen).to(v)).sum() for v in flat)
+                grads.append(torch.autograd.grad(loss, params + [x], allow_unused=True))
+            finally:
+                for m, mode in modes:
+                    m.training = mode
+    for (name, _), a, b in zip(list(((n, p) for n, p in original.named_parameters() if p.requires_grad))
+                               + [("hidden states", None)], *grads):
+        if (a is None) != (b is None) or (a is not None and not torch.allclose(
+                a.double(), b.double(), rtol=1e-4, atol=1e-5)):
+            raise ValueError(f"MoE layer {layer!r}: the rewritten layer's gradient of {name} does not match the "
+                             "original's on a probe input; the model was left unchanged")
+
+
 def _probe_for(info: MoELayerInfo) -> torch.Tensor:
     return probe_input(info.module, info.hidden_size, flat=info.probe_flat)
 
@@ -507,7 +623,7 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
     # Rewrite copies (sharing parameters and buffers) and compare with the originals before touching any.
     todo = [info for info in infos if info.rewrite != "none" and not info.rewritten]
     for info in todo:
-        if info.rewrite == "inline-loop":
+        if info.rewrite in GRAPH_REWRITES:
             info.plan = plan_rewrite(info)
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
         trial = copy.deepcopy(info.module, shared)
@@ -516,6 +632,8 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr])
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
+        if info.rewrite == "dense-dispatch":
+            verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
     for info in todo:
         rewrite_moe_layer(info)
     return infos
