@@ -62,7 +62,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from themis_compile.runtime.experts import ExpertBank, loop_combine
+from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,11 @@ class MoELayerInfo:
                 "sorted-rows": f"calls {self.experts_attr}(rows sorted by expert, counts) (rewritten to one "
                                "experts call)",
                 "dense-dispatch": "dispatches and combines through [T, E, C] tensors (rewritten to one experts "
-                                  "call)"}.get(self.rewrite,
+                                  "call)",
+                "dispatch-mask": f"calls {self.experts_attr}(x, one-hot mask [T, K, E], weights) (rewritten to one "
+                                 "experts call)",
+                "flatten": f"calls {self.experts_attr}(x [B, S, H], ids, weights) (rewritten to one call on flat "
+                           "x [T, H])"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -689,9 +693,10 @@ def _skipped_expert_gradient(experts: nn.Module, x_TH: torch.Tensor, ids_TK: tor
     modules = expert_modules(experts)
     ids_TK = torch.where(ids_TK == 0, torch.ones_like(ids_TK), ids_TK) if E > 1 else ids_TK
     params = list(modules[0].parameters())
-    saved = [p.grad for p in params]
+    touched = list(experts.parameters())      # the backward reaches every expert's parameters: all restored
+    saved = [p.grad for p in touched]
     try:
-        for p in params:
+        for p in touched:
             p.grad = None
         with torch.enable_grad(), preserved_state(experts):
             out = experts(x_TH.detach(), ids_TK, weights_TK.detach())
@@ -699,7 +704,7 @@ def _skipped_expert_gradient(experts: nn.Module, x_TH: torch.Tensor, ids_TK: tor
                 out.sum().backward()
         skipped = any(p.grad is None for p in params)
     finally:
-        for p, g in zip(params, saved):
+        for p, g in zip(touched, saved):
             p.grad = g
     if skipped:
         return (f"{type(experts).__name__} runs only the experts that receive tokens: an expert without tokens "
@@ -984,6 +989,142 @@ def _unsupported_call(attr: str, calls: list[tuple], T: int) -> str:
             f"(x [T, H], integer ids [T, K], floating weights [T, K], T = {T} probe tokens)")
 
 
+def dispatch_mask_call(calls: list[tuple], num_experts: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(x_TH, mask_TKE, weights_TK) when the experts were called once with a one-hot dispatch mask in place
+    of ids (HF Switch Transformers: ``experts(x [T, H], mask [T, K, E], weights [T, K])``), else None."""
+    if len(calls) != 1 or len(calls[0]) != 3 or not all(isinstance(a, torch.Tensor) for a in calls[0]):
+        return None
+    x_TH, mask_TKE, weights_TK = calls[0]
+    if not (x_TH.is_floating_point() and x_TH.dim() == 2 and weights_TK.is_floating_point()
+            and not mask_TKE.is_floating_point() and mask_TKE.dim() == 3
+            and mask_TKE.shape == (x_TH.shape[0],) + tuple(weights_TK.shape[1:2]) + (num_experts,)
+            and weights_TK.shape == mask_TKE.shape[:2]):
+        return None
+    if mask_TKE.numel() and (((mask_TKE != 0) & (mask_TKE != 1)).any() or int(mask_TKE.sum(-1).max()) > 1):
+        return None   # not one-hot: at most one expert per slot
+    return x_TH, mask_TKE, weights_TK
+
+
+def mask_slots(mask_TKE: torch.Tensor, weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_TK, weights_TK) of a one-hot dispatch mask: each slot's expert, and its weight where the slot
+    is routed (0 where the mask is empty: a token dropped by capacity is sent nowhere, so it adds nothing)."""
+    routed_TK = mask_TKE.any(dim=-1)
+    return mask_TKE.argmax(dim=-1), weights_TK * routed_TK.to(weights_TK.dtype)
+
+
+def mask_call_experts_class(experts_cls: type, num_experts: int) -> type:
+    """A subclass of a mask-called experts module's class called as ``experts(x_TH, ids_TK, weights_TK)``:
+    its own forward on the one-hot mask of the ids (the runtime's interface, same computation)."""
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return experts_cls.forward(self, x_TH, F.one_hot(ids_TK, num_experts), weights_TK)
+
+    forward.__doc__ = f"{experts_cls.__name__}.forward on the one-hot dispatch mask of the ids."
+    return type(experts_cls.__name__, (experts_cls,), {"forward": forward, "__module__": experts_cls.__module__,
+                                                       "_themis_original_class": experts_cls})
+
+
+def _dispatch_mask_layer(name: str, module: nn.Module, child: _ExpertsChild,
+                         mask: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x: torch.Tensor,
+                         routers: list[tuple[str, int, int]], H: int, flat: bool) -> MoELayerInfo:
+    """The layer whose experts are called with a one-hot dispatch mask: accepted when its experts, called
+    with the ids and weights the mask means (:func:`mask_slots`), compute what the sharded runtime
+    computes (:func:`combine_mismatch`); the rewrite serves the block's call with one
+    ``experts(x, ids, weights)``."""
+    x_TH, mask_TKE, weights_TK = mask
+    E, K = child.num_experts, int(mask_TKE.shape[1])
+    experts = child.module
+    ids_TK, slot_weights_TK = mask_slots(mask_TKE, weights_TK)
+    original_cls = type(experts)
+    experts.__class__ = mask_call_experts_class(original_cls, E)
+    try:
+        why = combine_mismatch(experts, x_TH, ids_TK, slot_weights_TK)
+    finally:
+        experts.__class__ = original_cls
+    if why is not None:
+        raise _Reject(f"'{child.attr}' is called with a one-hot dispatch mask ({_describe_call(mask)}), read as "
+                      f"ids and weights; but {why}")
+    rec = record_calls(module, x)
+    router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(dict.fromkeys(rec.selections)) or "masks"
+    expert0 = expert_modules(experts)[0] if expert_modules(experts) else experts
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=K, experts_form=child.form,
+        router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} "
+                "one-hot dispatch mask at the experts call (behaviour)"),
+        activation=describe_activation(expert0), shared_experts=False, experts_attr=child.attr,
+        rewrite="dispatch-mask", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        hidden_size=H, probe_flat=flat)
+
+
+def flat_call_experts_class(experts_cls: type) -> type:
+    """A subclass of an experts module's class that takes unflattened hidden states
+    (``experts(x [B, S, H], ids_TK, weights_TK) -> [B, S, H]``, DBRX) whose forward is its own on flat
+    ``x_TH``, the result read as ``[T, H]``: the runtime's interface."""
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return experts_cls.forward(self, x_TH, ids_TK, weights_TK).reshape(x_TH.shape)
+
+    forward.__doc__ = f"{experts_cls.__name__}.forward on flat hidden states [T, H]."
+    return type(experts_cls.__name__, (experts_cls,), {"forward": forward, "__module__": experts_cls.__module__,
+                                                       "_themis_original_class": experts_cls})
+
+
+def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, call: tuple, x: torch.Tensor,
+                          routers: list[tuple[str, int, int]], H: int, flat: bool) -> MoELayerInfo:
+    """The layer whose experts are called on unflattened hidden states with flat ids and weights
+    (``experts(x [B, S, H], ids [T, K], weights [T, K]) -> [B, S, H]``): accepted when its experts give the
+    same result on ``x`` flattened to ``[T, H]`` and compute what the sharded runtime computes
+    (:func:`combine_mismatch`); the rewrite flattens ``x`` for one ``experts(x_TH, ids, weights)`` call and
+    reshapes the result back."""
+    x_BSH, ids_TK, weights_TK = call
+    experts, E = child.module, child.num_experts
+    x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+    where = f"'{child.attr}' is called on unflattened hidden states ({_describe_call(call)})"
+    with torch.no_grad(), preserved_state(experts):
+        expected = experts(x_BSH, ids_TK, weights_TK)
+    if not isinstance(expected, torch.Tensor) or expected.shape != x_BSH.shape:
+        raise _Reject(f"{where} and returns {getattr(expected, 'shape', type(expected).__name__)}, not the shape of "
+                      f"its input; call {child.attr}(x_TH, ids_TK, weights_TK) -> [T, H]")
+    try:
+        bank = ExpertBank(experts)
+    except ValueError as exc:
+        raise _Reject(f"{where}; its experts cannot be cut into equal per-expert chunks "
+                      f"({str(exc).split(': ', 1)[-1]})")
+    if E and bank.num_experts != E:
+        shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in experts.named_parameters())
+        raise _Reject(f"{where}; its {E} experts' weights are stored flat along one leading dimension ({shapes}: "
+                      f"{bank.num_experts} rows, not {E} experts), so they cannot be cut into per-expert chunks "
+                      f"along it; store them stacked [E, ...] ([{E}, {bank.num_experts // E}, ...])")
+    original_cls = type(experts)
+    experts.__class__ = flat_call_experts_class(original_cls)
+    try:
+        with torch.no_grad(), preserved_state(experts):
+            got = experts(x_TH, ids_TK, weights_TK)
+        if not _outputs_close(expected.reshape(got.shape), got):
+            raise _Reject(f"{where} and computes otherwise on the same hidden states flattened to [T, H]")
+        why = combine_mismatch(experts, x_TH, ids_TK, weights_TK)
+    finally:
+        experts.__class__ = original_cls
+    if why is not None:
+        raise _Reject(f"{where}, read flat; but {why}")
+    rec = record_calls(module, x)
+    K = int(ids_TK.shape[1])
+    router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    expert0 = expert_modules(experts)[0] if expert_modules(experts) else experts
+    return MoELayerInfo(
+        name=name, module=module, num_experts=bank.num_experts, top_k=K, experts_form=child.form,
+        router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} ids "
+                "seen at the experts call on unflattened hidden states (behaviour)"),
+        activation=describe_activation(expert0), shared_experts=False, experts_attr=child.attr,
+        rewrite="flatten", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        hidden_size=H, probe_flat=flat)
+
+
 def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
     """An MoE layer recognised by what it does, whatever its routing code looks like (``max``, sorts,
     masks, group limits, bias corrections ...): its experts child, swapped for a stand-in, is called once
@@ -1039,6 +1180,8 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                               f"maps rows of width {calls[0][0].shape[-1]} to {stand_in.outputs[0].shape[-1]}: "
                               "only part of each expert (JetMoE ParallelExperts); an experts module must hold "
                               "whole experts, mapping [N, H] rows to [N, H]")
+            if (mask := dispatch_mask_call(calls, child.num_experts)) is not None:
+                return _dispatch_mask_layer(name, module, child, mask, x, routers, H, flat)
             if sorted_rows or per_slot:
                 # torchtitan: experts(rows sorted by expert, rows per expert) -> one output row per row;
                 # gpt-fast: experts(x_TH, ids_TK) -> y_TKH, combined by the block itself. passes.shard
@@ -1071,6 +1214,8 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             x_TH, ids_TK, weights_TK = calls[0]
             if child.form == "modulelist" and (why := _non_identical_reason(child.module)):
                 raise _Reject(why)
+            if x_TH.dim() > 2 and x_TH.shape[:-1].numel() == ids_TK.shape[0]:
+                return _flattened_call_layer(name, module, child, calls[0], x, routers, H, flat)
             form, detail = experts_call_form(module, child.attr, x, ids_TK.shape[1])
             if form != "none":
                 raise _Reject(detail)
@@ -1452,7 +1597,11 @@ def explain_moe_layers(model: nn.Module) -> str:
                                                                "by optimize)",
                                                 "dense-dispatch": "each expert on its [C, H] capacity slots between "
                                                                   "[T, E, C] dispatch and combine tensors "
-                                                                  "(rewritten by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
+                                                                  "(rewritten by optimize)",
+                                                "dispatch-mask": "experts(x, one-hot mask [T, K, E], weights) "
+                                                                 "(rewritten by optimize)",
+                                                "flatten": "experts(x [B, S, H], ids, weights) (rewritten by "
+                                                           "optimize to flat x [T, H])"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

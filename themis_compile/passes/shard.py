@@ -63,6 +63,9 @@ from themis_compile.passes.detect import (
     preserved_state,
     PROBE_SEED,
     is_topk,
+    flat_call_experts_class,
+    mask_call_experts_class,
+    mask_slots,
     probe_input,
     reachable,
     record_meta,
@@ -445,6 +448,35 @@ class SortedRowsCall:
         return self.experts(rows_NH, ids_N1, ones_N1)
 
 
+class DispatchMaskCall:
+    """``self.<experts>`` as a dispatch-mask block's forward sees it: ``experts(x_TH, mask_TKE, weights_TK)``
+    with a one-hot mask in place of ids (HF Switch Transformers). Computed with one call of the runtime's
+    interface on the ids and weights the mask means (:func:`~themis_compile.passes.detect.mask_slots`:
+    a slot with an empty mask, a token dropped by capacity, has weight 0)."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+
+    def __call__(self, x_TH: torch.Tensor, mask_TKE: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return self.experts(x_TH, *mask_slots(mask_TKE, weights_TK))
+
+
+class FlattenCall:
+    """``self.<experts>`` as a block calling it on unflattened hidden states sees it:
+    ``experts(x_BSH, ids_TK, weights_TK) -> y_BSH`` (DBRX). Computed with one call of the runtime's
+    interface on ``x`` flattened to ``[T, H]``, the result reshaped back."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+
+    def __call__(self, x_BSH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return self.experts(x_BSH.reshape(-1, x_BSH.shape[-1]), ids_TK, weights_TK).view(x_BSH.shape)
+
+
+# The rewrites that keep the block's forward and serve its experts call through an adapter.
+CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten")
+
+
 def _sorted_rows_experts_forward(experts_cls: type):
     def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         T, K = ids_TK.shape
@@ -461,11 +493,13 @@ def _sorted_rows_experts_forward(experts_cls: type):
     return experts_forward
 
 
-def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str) -> tuple[type, type]:
-    """(block class, experts class) of a per-slot or sorted-rows rewrite: the block's forward runs
-    unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall`; the experts
-    module is called as ``experts(x_TH, ids_TK, weights_TK)``."""
-    call = PerSlotCall if form == "per-slot" else SortedRowsCall
+def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str, num_experts: int = 0
+                          ) -> tuple[type, type]:
+    """(block class, experts class) of a per-slot, sorted-rows or dispatch-mask rewrite: the block's forward
+    runs unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall` /
+    :class:`DispatchMaskCall`; the experts module is called as ``experts(x_TH, ids_TK, weights_TK)``."""
+    call = {"per-slot": PerSlotCall, "sorted-rows": SortedRowsCall, "dispatch-mask": DispatchMaskCall,
+            "flatten": FlattenCall}[form]
 
     def block_forward(self, *args, **kwargs):
         self.__dict__[attr] = call(self._modules[attr])   # shadows the submodule inside forward only
@@ -476,6 +510,8 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
 
     block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr} served by one experts(x, ids, weights) call."
     experts_forward = (_per_slot_experts_forward(experts_cls) if form == "per-slot"
+                       else mask_call_experts_class(experts_cls, num_experts).forward if form == "dispatch-mask"
+                       else flat_call_experts_class(experts_cls).forward if form == "flatten"
                        else _sorted_rows_experts_forward(experts_cls))
     new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
                                                         "_themis_original_class": block_cls})
@@ -506,10 +542,10 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     :class:`ExpertLoop` of the same modules. ``info.plan``, when set, is used instead of tracing again."""
     if info.rewrite == "none" or info.rewritten:
         return
-    if info.rewrite in ("per-slot", "sorted-rows"):
+    if info.rewrite in CALL_REWRITES:
         experts = info.experts
         block_cls, experts_cls = _call_rewrite_classes(type(info.module), type(experts), info.experts_attr,
-                                                       info.rewrite)
+                                                       info.rewrite, info.num_experts)
         info.module.__class__ = block_cls
         experts.__class__ = experts_cls
         info.rewritten = True
@@ -628,7 +664,7 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
-        if info.rewrite in ("per-slot", "sorted-rows"):
+        if info.rewrite in CALL_REWRITES:
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr])
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
