@@ -1570,7 +1570,15 @@ def find_moe_layers(model: nn.Module) -> tuple[list[MoELayerInfo], list[tuple[st
         if info is not None:
             found.append(info)
             logger.debug("MoE layer %s: %s", name, info.describe())
-    return found, rejected
+    return found, _outside_found_experts(found, rejected)
+
+
+def _outside_found_experts(found: list[MoELayerInfo], rejected: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The rejected modules that are not part of a found layer's experts: an experts module called with
+    more than hidden states (a dispatch mask, ids) fails a probe of its own, but it is sharded with its
+    layer, not left unsharded."""
+    inside = [info.experts_attr if info.name == "<root>" else f"{info.name}.{info.experts_attr}" for info in found]
+    return [(n, why) for n, why in rejected if not any(n == p or n.startswith(p + ".") for p in inside)]
 
 
 SEARCHED = ("modules with a child holding E experts (an nn.ModuleList of identical MLPs or stacked [E, ...] "
