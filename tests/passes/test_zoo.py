@@ -20,6 +20,7 @@ EXPECTED = {
     "deepseek_v3": "loops over the experts inline and cannot be traced",
     "switch": None,        # top-1 by max, weight after the loop: inline-loop rewrite with weights 1
     "fairseq_top2": None,  # [T, E, C] dispatch and combine tensors: the dense-dispatch rewrite
+    "hf_switch_v4": "runs the experts in 'experts' (ModuleDict) one by one itself",
     "megablocks": None,    # not MoE-like to the detector at all: stacked weights live on the block itself
 }
 FOUND = [s for s, why in EXPECTED.items() if why is None and s != "megablocks"]

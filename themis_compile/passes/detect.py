@@ -911,6 +911,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
 
     The routing analysis (FX graph or recorded top-k) comes first, as it describes the router best;
     when it does not find a layer, the behaviour decides (:func:`_inspect_by_behaviour`)."""
+    if type(module).forward is nn.Module.forward:
+        return None   # a container without a forward of its own (a ModuleDict of experts) is never called
     try:
         info = _inspect_routing(name, module)
     except _Reject as why:
@@ -1153,7 +1155,16 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             setattr(module, child.attr, stand_in)
             try:
                 run_probe(module, x)
-            except Exception:
+            except Exception as exc:
+                if "expert" in child.attr.lower() and not stand_in.calls and not isinstance(
+                        child.module, nn.ModuleList):
+                    # The forward reaches into the experts container (getattr(self.experts, f"expert_{i}"))
+                    # instead of calling it: it runs the experts itself.
+                    reject = reject or _Reject(
+                        f"the forward runs the experts in '{child.attr}' ({type(child.module).__name__}) one by one "
+                        f"itself instead of calling '{child.attr}' ({type(exc).__name__} when it is a module "
+                        f"called as {child.attr}(x, ids, weights)); give the container a forward called once "
+                        "that way, running every expert")
                 continue
             finally:
                 setattr(module, child.attr, child.module)
