@@ -6,14 +6,19 @@ A module is an MoE layer (the unit FSSDP shards, paper §3.1) when
   stacked ``[E, ...]``;
 - its forward (FX-traced with the experts, each expert and MLP-like children kept as leaves, the router
   traced through) scores E experts with a learned router (an ``nn.Linear`` with E outputs or a weight
-  ``[E, H]``), optionally through softmax or sigmoid, and selects the top-k with ``torch.topk``; when FX
-  cannot trace the forward, ``make_fx`` records it at the aten level on a probe input instead;
+  ``[E, H]``), optionally through softmax or sigmoid, and selects the top-k with ``torch.topk`` (or the
+  top-1 with ``torch.max`` / ``torch.argmax`` along a dimension); when FX cannot trace the forward, the
+  selections and score functions a probe run calls are recorded instead;
 - the top-k weights reach the output (the weighted combine);
+
+or its ``ModuleList`` experts are each called once on capacity slots between dense ``[T, E, C]`` dispatch
+and combine tensors (GShard; traced with the block's methods kept as calls);
 
 or, whatever the routing code (``max``, sorts, masks, group limits, a router module returning ids), when
 its behaviour on a probe shows it: its experts child, swapped for a stand-in, is called once as
-``experts(x_TH, ids_TK, weights_TK)``, ``experts(x_TH, ids_TK) -> y_TKH`` (per slot) or
-``experts(rows_NH sorted by expert, counts_E)`` and the output is unchanged. A whole-module call is
+``experts(x_TH, ids_TK, weights_TK)``, ``experts(x_TH, ids_TK) -> y_TKH`` (per slot),
+``experts(rows_NH sorted by expert, counts_E)``, ``experts(x_TH, one-hot mask_TKE, weights_TK)`` or
+``experts(x_BSH, ids_TK, weights_TK)`` (unflattened) and the output is unchanged. A whole-module call is
 accepted only when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
@@ -24,8 +29,10 @@ Contract:
     reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
     model in both forms); ``"inline-loop"`` when the forward loops over a ``ModuleList`` of experts
     itself, which :mod:`themis_compile.passes.shard` rewrites.
-    ``"per-slot"`` / ``"sorted-rows"`` when the experts are called per slot or on sorted rows (found by
-    behaviour; :mod:`themis_compile.passes.shard` rewrites the call, not the forward).
+    ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` when the experts are called
+    per slot, on sorted rows, with a one-hot mask or on unflattened hidden states (found by behaviour;
+    :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"dense-dispatch"`` for
+    dense ``[T, E, C]`` dispatch and combine tensors (the forward is rewritten).
     Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
     their forward, or an experts child called otherwise) but fail a check are returned as
     ``(name, reason)``, the reason saying what would make the layer work.
@@ -34,13 +41,15 @@ Pseudo-code:
     for module in model.named_modules():
         experts = child that is a ModuleList of MLPs or has stacked [E, ...] weights      # Step 1
         graph = fx_trace(module) or make_fx(module)(probe)                                  # Step 2
-        if no router of width E and no top-k in graph: skip (not MoE-like)
+        if no router of width E and no top-k (else max / argmax) in graph: skip (not MoE-like)
         check identical experts, top-k, router width == E, weighted combine              # Step 3
         rewrite = "none" if a stand-in experts(x, ids, weights) reproduces the forward     # Step 4
                   else "inline-loop" if every expert is called one by one
         describe router, scores, activation, shared experts, auxiliary losses              # Step 5
+        if rejected: trace with the block's methods as calls; dense [T, E, C] dispatch?    # dense dispatch
         if none of that finds it: swap each experts child for a stand-in on a probe and read
-        the call (x, ids, weights) / (x, ids) / (sorted rows, counts); check combine_mismatch  # behaviour
+        the call (x, ids, weights) / (x, ids) / (sorted rows, counts) / (x, mask, weights) /
+        (x_BSH, ids, weights); check combine_mismatch                                       # behaviour
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """

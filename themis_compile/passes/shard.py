@@ -8,10 +8,16 @@ a generated forward: the user's routing code is kept node for node and the exper
 combine become one call ``self.experts(x, ids, weights)``, where ``self.experts`` is an
 :class:`ExpertLoop` over the same expert modules (the same loop, numerically; same parameter names).
 
-Blocks whose experts module is called per slot (``experts(x, ids) -> [T, K, H]``, gpt-fast) or on rows
-sorted by expert (``experts(rows, counts)``, torchtitan) keep their forward: while it runs, the experts
-attribute is seen as an adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`) serving that call with
-one ``experts(x, ids, weights)`` call, and the experts module's class gets that interface.
+Blocks that dispatch through dense ``[T, E, C]`` tensors (GShard, fairseq ``Top2Gate``) get a generated
+forward too (:func:`replace_dense_dispatch`): dispatch, the experts on their capacity slots and the
+combine become one ``self.experts(x, ids, weights)`` with (ids, weights) read from the combine tensor.
+
+Blocks whose experts module is called per slot (``experts(x, ids) -> [T, K, H]``, gpt-fast), on rows
+sorted by expert (``experts(rows, counts)``, torchtitan), with a one-hot dispatch mask (HF Switch) or on
+unflattened hidden states (DBRX) keep their forward: while it runs, the experts attribute is seen as an
+adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`)
+serving that call with one ``experts(x, ids, weights)`` call, and the experts module's class gets that
+interface.
 
 Contract:
     ``rewrite_moe_layer(info)`` changes only the layer's class (a subclass of the user's whose forward
