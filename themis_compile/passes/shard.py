@@ -621,6 +621,8 @@ def verify_rewrite_gradients(original: nn.Module, rewritten: nn.Module, probe: t
                 flat: list[torch.Tensor] = []
                 tree_map(lambda v: flat.append(v) if isinstance(v, torch.Tensor) and v.requires_grad else None,
                          module(x))
+                if not flat:
+                    return   # nothing differentiable comes out (a frozen block)
                 gen = torch.Generator().manual_seed(PROBE_SEED)
                 loss = sum((v * torch.randn(v.shape, generator=gen).to(v)).sum() for v in flat)
                 grads.append(torch.autograd.grad(loss, params + [x], allow_unused=True))
