@@ -5,6 +5,7 @@ user's block computes (capacity drops included), then 2 gloo ranks training like
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -209,7 +210,7 @@ def test_switch_rewrite_calls_the_experts_unweighted_and_keeps_the_post_multipli
     assert ids.target == "unsqueeze" and detect.is_top1(ids.args[0].args[0])      # routes [T] -> [T, 1]
     assert weights.target == "new_ones"
     (mul,) = calls[0].users
-    assert mul.target is __import__("operator").mul    # final_output * route_prob_max, as written
+    assert mul.target is operator.mul    # final_output * route_prob_max, as written
     infos = _check_equal(block, torch.randn(3, 5, H))
     assert isinstance(block.experts, ExpertLoop) and infos[0].rewritten
 
