@@ -48,6 +48,34 @@ class ArgmaxOneHotTop1(nn.Module):
         return out_TH.view_as(x_BSH)
 
 
+class TraceableGShard(nn.Module):
+    """A top-2 GShard gate with a fixed capacity and the experts indexed per slot block (no ``chunk``, no
+    helper method): plain FX traces it, and its experts are still called one by one on capacity slots."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        super().__init__()
+        self.wg = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(_mlp() for _ in range(E))
+        self.capacity = capacity
+
+    def forward(self, x):
+        x_TH = x.reshape(-1, H)
+        logits_TE = self.wg(x_TH)
+        gates_TE = F.softmax(logits_TE, dim=1)
+        mask1_TE = F.one_hot(torch.argmax(gates_TE, dim=1), num_classes=E)
+        mask2_TE = F.one_hot(torch.argmax(logits_TE.masked_fill(mask1_TE.bool(), float("-inf")), dim=1), E)
+        loc1_TE = torch.cumsum(mask1_TE, dim=0) - 1
+        loc2_TE = torch.cumsum(mask2_TE, dim=0) - 1 + mask1_TE.sum(dim=0, keepdim=True)
+        mask1_TE = mask1_TE * torch.lt(loc1_TE, self.capacity)
+        mask2_TE = mask2_TE * torch.lt(loc2_TE, self.capacity)
+        combine_TEC = sum((gates_TE * m).sum(1)[:, None, None] * m[:, :, None]
+                          * F.one_hot((loc * m).sum(1), self.capacity)[:, None, :]
+                          for m, loc in ((mask1_TE, loc1_TE), (mask2_TE, loc2_TE)))
+        dispatched_ECH = torch.einsum("sec,sm->ecm", combine_TEC.bool().to(x.dtype), x_TH)
+        out_ECH = torch.stack([expert(dispatched_ECH[e]) for e, expert in enumerate(self.experts)])
+        return torch.einsum("sec,ecm->sm", combine_TEC, out_ECH).reshape(x.shape)
+
+
 class MaskExperts(nn.ModuleDict):
     """Experts called with a one-hot dispatch mask (HF Switch Transformers' call), running every expert."""
 
@@ -133,7 +161,8 @@ def test_top1_predicates_read_max_and_argmax_along_a_dimension_only():
 
 @pytest.mark.parametrize("make, rewrite, k", [
     (zoo.SwitchFFN, "inline-loop", 1), (ArgmaxOneHotTop1, "inline-loop", 1),
-    (zoo.FairseqTop2MoE, "dense-dispatch", 2), (MaskCallTop1, "dispatch-mask", 1), (UnflatCall, "flatten", 2)])
+    (zoo.FairseqTop2MoE, "dense-dispatch", 2), (TraceableGShard, "dense-dispatch", 2),
+    (MaskCallTop1, "dispatch-mask", 1), (UnflatCall, "flatten", 2)])
 def test_each_call_shape_is_found_with_its_top_k(make, rewrite, k):
     torch.manual_seed(0)
     infos, rejected = find_moe_layers(make())
@@ -243,6 +272,12 @@ def test_dense_dispatch_rewrite_is_exact_with_and_without_capacity_drops(capacit
     assert (kept == 2).all() if capacity_factor == 4.0 else (kept < 2).any()     # drops happen at 0.25
     infos = _check_equal(block, x)
     assert infos[0].rewrite == "dense-dispatch" and isinstance(block.experts, ExpertLoop)
+
+
+def test_dense_dispatch_traced_by_plain_fx_is_not_taken_for_an_expert_loop():
+    torch.manual_seed(0)
+    infos = _check_equal(TraceableGShard(capacity=2), torch.randn(2, 8, H))   # 16 tokens, 8 slots: drops
+    assert infos[0].rewrite == "dense-dispatch"
 
 
 @pytest.mark.parametrize("capacity", [64, 2])

@@ -928,6 +928,10 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         info, reject = None, why
     else:
         reject = None
+    if info is not None and info.rewrite == "inline-loop":
+        # Experts called one by one may be on capacity slots of dense [T, E, C] tensors (GShard written
+        # so that FX traces it): the dense-dispatch rewrite, not the loop rewrite, fits those.
+        return _inspect_dense_dispatch(name, module) or info
     if info is not None:
         return info
     if reject is not None and (dense := _inspect_dense_dispatch(name, module)) is not None:
