@@ -93,7 +93,7 @@ class MoELayerInfo:
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
     rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
-                                               # "dense-dispatch" (docstring)
+                                               # "dense-dispatch" | "dispatch-mask" | "flatten" (docstring)
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -493,7 +493,7 @@ def _topk_k(node: fx.Node, meta: dict) -> int | None:
 
 # A top-1 selection: ``torch.max(scores, dim)`` (values and ids) or ``torch.argmax(scores, dim)`` (ids), the
 # Switch / GShard routers. It counts as a selection wherever a top-k does, with k = 1.
-_TOP1 = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax"}
+_TOP1 = {torch.max, torch.Tensor.max, torch.argmax, torch.Tensor.argmax}
 
 
 def _has_dim(args: tuple, kwargs: dict) -> bool:
@@ -506,11 +506,6 @@ def is_top1(node: fx.Node) -> bool:
     named = ((node.op == "call_function" and node.target in (torch.max, torch.argmax))
              or (node.op == "call_method" and node.target in ("max", "argmax")))
     return named and _has_dim(node.args, node.kwargs)
-
-
-def is_selection(node: fx.Node) -> bool:
-    """A per-token selection of experts: a top-k, or a top-1 by max / argmax."""
-    return is_topk(node) or is_top1(node)
 
 
 def selections_of(graph: fx.Graph) -> list[fx.Node]:
@@ -589,8 +584,8 @@ def record_calls(module: nn.Module, x: torch.Tensor) -> _CallRecorder:
 def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
     """When FX cannot trace the forward (``len(proxy)``, iterating a traced tensor ...): record it while it
     runs on a probe. ``make_fx`` is no help there: it stops at the same data-dependent code (``one_hot``,
-    ``nonzero`` loops). Returns the k of every top-k (1 for each max / argmax when there is no top-k) and the score functions
-    seen, in call order."""
+    ``nonzero`` loops). Returns the k of every top-k (1 for each max / argmax when there is no top-k)
+    and the score functions seen, in call order."""
     rec = _CallRecorder()
     with preserved_state(module), torch.no_grad(), rec:
         torch.manual_seed(PROBE_SEED)

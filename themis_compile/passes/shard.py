@@ -324,12 +324,16 @@ def replace_dense_dispatch(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphM
             out = graph.call_method("to", (out, traced.meta[found.y].dtype))
     found.y.replace_all_uses_with(out)
 
-    # Step 3: erase what only served y (pure values; the block's method calls and in-place updates stay).
+    # Step 3: erase what only served y (pure values; the block's method calls, other modules' calls and
+    # in-place updates stay).
+    def pure(n: fx.Node) -> bool:
+        if n.op == "call_module":
+            return n in calls
+        on_block = n.op == "call_method" and n.args and getattr(n.args[0], "op", None) == "placeholder"
+        return n.op in ("call_function", "call_method", "get_attr") and not is_inplace(n) and not on_block
+
     for n in reversed(list(graph.nodes)):
-        if (n in served and not n.users and n.op in ("call_function", "call_method", "call_module", "get_attr")
-                and not is_inplace(n) and not (n.op == "call_method" and n.args and getattr(n.args[0], "op", None) == "placeholder")):
-            if n.op == "call_module" and n not in calls and n is not found.y:
-                continue
+        if n in served and not n.users and pure(n):
             graph.erase_node(n)
     if any(c in graph.nodes for c in calls):
         raise RewriteError(f"MoE layer {layer!r}: expert outputs are used besides the combine")
