@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 # parallel), each for a property of the family's code documented in docs/detection.md. None: the family
 # has no module the detector can probe (no text model, or no experts child).
 NOT_SHARDED = {
-    "dbrx": "are called as experts(Tensor[2, 4, 32], Tensor[8, 2], Tensor[8, 2])",   # x not flattened
+    "dbrx": "weights are stored flat along one leading dimension",   # w1 [E * F, H]: no per-expert chunks
     "diffusion_gemma": "the forward fails on probe hidden states",   # MoE inside the decoder layer itself
     "gemma4": "the forward fails on probe hidden states",            # MoE inside the decoder layer itself
     "jetmoe": ("are called as input_linear(Tensor[16, 32], list)",     # ParallelExperts: half an expert each
@@ -35,7 +35,7 @@ NOT_SHARDED = {
     "longcat_flash": "cannot be cut into equal per-expert chunks",    # zero experts stacked with real ones
     "muse_spark": "cannot be cut into equal per-expert chunks",       # a norm shared by all experts
     "nllb_moe": "runs only the experts that receive tokens",          # None vs zero gradients
-    "switch_transformers": "is called with a dispatch mask",          # one-hot [T, K, E] masks
+    "switch_transformers": "runs only the experts that receive tokens",   # mask call read; skips empty experts
     "deepseek_v4": "the forward fails on probe hidden states",      # layer 0 only: hash routing by input_ids
     "doge": None,               # product-key experts held as embeddings: no experts child
     "vitpose_backbone": None,   # experts per dataset index in an image backbone: no text model

@@ -20,8 +20,9 @@ EXPECTED = {
     # An untraceable loop served by capture and replay, but it skips experts without tokens
     # (tests/passes/test_replay.py trains the same block without the skip).
     "deepseek_v3": "capture and replay cannot serve it either: it skips experts that receive no tokens",
-    "switch": "no top-k selection",
-    "fairseq_top2": "no top-k selection",
+    "switch": None,        # top-1 by max, weight after the loop: inline-loop rewrite with weights 1
+    "fairseq_top2": None,  # [T, E, C] dispatch and combine tensors: the dense-dispatch rewrite
+    "hf_switch_v4": "runs the experts in 'experts' (ModuleDict) one by one itself",
     "megablocks": "expert weights are flat parameters of the block itself",
 }
 FOUND = [s for s, why in EXPECTED.items() if why is None and s != "megablocks"]

@@ -1,8 +1,8 @@
 """MoE blocks written the way their authors write them, each inside a small transformer.
 
 Each block follows the code of one project (gpt-fast, torchtitan, MegaBlocks, DeepSeek-V3, Switch
-Transformer, HF transformers before v5, fairseq/NLLB, JetMoE), reduced to its MoE logic, not shaped
-after this project's detector: they measure it.
+Transformer, HF transformers before v5 (Qwen2-MoE, Switch Transformers), fairseq/NLLB, JetMoE), reduced
+to its MoE logic, not shaped after this project's detector: they measure it.
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden, F ffn, E experts, K top-k, C capacity.
 """
@@ -325,6 +325,50 @@ class FairseqTop2MoE(nn.Module):
         return combined_output.reshape(input.shape)
 
 
+class SwitchSparseMLPv4(nn.Module):
+    """HF ``SwitchTransformersSparseMLP`` before transformers 5: a top-1 router returning a one-hot
+    ``router_mask`` (argmax, capacity by cumulative sum), experts in a ``ModuleDict`` run only on the
+    tokens their mask selects (experts without tokens skipped), dropped tokens passed through, the router
+    probability multiplied after."""
+
+    class Top1Router(nn.Module):
+        def __init__(self, expert_capacity: int = 64) -> None:
+            super().__init__()
+            self.num_experts, self.expert_capacity = E, expert_capacity
+            self.classifier = nn.Linear(H, E, bias=False)
+
+        def forward(self, hidden_states):
+            router_logits = self.classifier(hidden_states)
+            router_probs = F.softmax(router_logits, dim=-1)
+            expert_index = torch.argmax(router_probs, dim=-1)
+            expert_index = F.one_hot(expert_index, num_classes=self.num_experts)
+            token_priority = torch.cumsum(expert_index, dim=-2)
+            expert_capacity_mask = token_priority <= self.expert_capacity
+            expert_index = expert_index * expert_capacity_mask
+            router_probs = torch.max(router_probs, dim=-1).values.unsqueeze(-1)
+            return expert_index, router_probs, router_logits
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = self.Top1Router()
+        self.experts = nn.ModuleDict({f"expert_{idx}": nn.Sequential(nn.Linear(H, FFN), nn.ReLU(),
+                                                                     nn.Linear(FFN, H)) for idx in range(E)})
+
+    def forward(self, hidden_states):
+        router_mask, router_probs, router_logits = self.router(hidden_states)
+        expert_index = torch.argmax(router_mask, dim=-1)
+        next_states = hidden_states.clone()
+        router_mask = router_mask.bool()
+        batch_size, seq_len, num_experts = router_mask.shape
+        idx_mask = router_mask.reshape(batch_size * seq_len, num_experts).sum(dim=0)
+        idx_mask = torch.nonzero(idx_mask, as_tuple=True)[0].tolist()
+        for idx in idx_mask:
+            next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")(
+                hidden_states[router_mask[:, :, idx]])
+        hidden_states = router_probs * next_states
+        return hidden_states, (router_logits, expert_index)
+
+
 class JetMoeMoE(nn.Module):
     """JetMoE's ``MoE``: a top-k gate, ``ParallelExperts`` holding stacked weights applied to tokens
     sorted by expert and split by the per-expert counts."""
@@ -371,7 +415,7 @@ class JetMoeMoE(nn.Module):
 BLOCKS = {
     "gpt_fast": GptFastMoE, "torchtitan": TitanGroupedMoE, "megablocks": MegaBlocksMoE,
     "deepseek_v3": DeepseekV3MoE, "switch": SwitchFFN, "hf_qwen2_moe_v4": Qwen2MoeOldBlock,
-    "fairseq_top2": FairseqTop2MoE, "jetmoe": JetMoeMoE,
+    "fairseq_top2": FairseqTop2MoE, "jetmoe": JetMoeMoE, "hf_switch_v4": SwitchSparseMLPv4,
 }
 
 

@@ -6,14 +6,19 @@ A module is an MoE layer (the unit FSSDP shards, paper §3.1) when
   stacked ``[E, ...]``;
 - its forward (FX-traced with the experts, each expert and MLP-like children kept as leaves, the router
   traced through) scores E experts with a learned router (an ``nn.Linear`` with E outputs or a weight
-  ``[E, H]``), optionally through softmax or sigmoid, and selects the top-k with ``torch.topk``; when FX
-  cannot trace the forward, ``make_fx`` records it at the aten level on a probe input instead;
+  ``[E, H]``), optionally through softmax or sigmoid, and selects the top-k with ``torch.topk`` (or the
+  top-1 with ``torch.max`` / ``torch.argmax`` along a dimension); when FX cannot trace the forward, the
+  selections and score functions a probe run calls are recorded instead;
 - the top-k weights reach the output (the weighted combine);
+
+or its ``ModuleList`` experts are each called once on capacity slots between dense ``[T, E, C]`` dispatch
+and combine tensors (GShard; traced with the block's methods kept as calls);
 
 or, whatever the routing code (``max``, sorts, masks, group limits, a router module returning ids), when
 its behaviour on a probe shows it: its experts child, swapped for a stand-in, is called once as
-``experts(x_TH, ids_TK, weights_TK)``, ``experts(x_TH, ids_TK) -> y_TKH`` (per slot) or
-``experts(rows_NH sorted by expert, counts_E)`` and the output is unchanged. A whole-module call is
+``experts(x_TH, ids_TK, weights_TK)``, ``experts(x_TH, ids_TK) -> y_TKH`` (per slot),
+``experts(rows_NH sorted by expert, counts_E)``, ``experts(x_TH, one-hot mask_TKE, weights_TK)`` or
+``experts(x_BSH, ids_TK, weights_TK)`` (unflattened) and the output is unchanged. A whole-module call is
 accepted only when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
@@ -24,8 +29,10 @@ Contract:
     reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
     model in both forms); ``"inline-loop"`` when the forward loops over a ``ModuleList`` of experts
     itself, which :mod:`themis_compile.passes.shard` rewrites.
-    ``"per-slot"`` / ``"sorted-rows"`` when the experts are called per slot or on sorted rows (found by
-    behaviour; :mod:`themis_compile.passes.shard` rewrites the call, not the forward).
+    ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` when the experts are called
+    per slot, on sorted rows, with a one-hot mask or on unflattened hidden states (found by behaviour;
+    :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"dense-dispatch"`` for
+    dense ``[T, E, C]`` dispatch and combine tensors (the forward is rewritten).
     ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace (the
     loop stays as written, served by :mod:`themis_compile.passes.replay`).
     Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
@@ -36,13 +43,15 @@ Pseudo-code:
     for module in model.named_modules():
         experts = child that is a ModuleList of MLPs or has stacked [E, ...] weights      # Step 1
         graph = fx_trace(module) or make_fx(module)(probe)                                  # Step 2
-        if no router of width E and no top-k in graph: skip (not MoE-like)
+        if no router of width E and no top-k (else max / argmax) in graph: skip (not MoE-like)
         check identical experts, top-k, router width == E, weighted combine              # Step 3
         rewrite = "none" if a stand-in experts(x, ids, weights) reproduces the forward     # Step 4
                   else "inline-loop" if every expert is called one by one
         describe router, scores, activation, shared experts, auxiliary losses              # Step 5
+        if rejected: trace with the block's methods as calls; dense [T, E, C] dispatch?    # dense dispatch
         if none of that finds it: swap each experts child for a stand-in on a probe and read
-        the call (x, ids, weights) / (x, ids) / (sorted rows, counts); check combine_mismatch  # behaviour
+        the call (x, ids, weights) / (x, ids) / (sorted rows, counts) / (x, mask, weights) /
+        (x_BSH, ids, weights); check combine_mismatch                                       # behaviour
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """
@@ -50,6 +59,8 @@ Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -63,7 +74,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from themis_compile.passes.replay import inline_expert_weights_reason, replay_mismatch
-from themis_compile.runtime.experts import ExpertBank, loop_combine
+from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +95,8 @@ class MoELayerInfo:
     activation: str
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
-    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" | "replay"
+    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
+                                               # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay"
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -107,7 +119,13 @@ class MoELayerInfo:
                 "sorted-rows": f"calls {self.experts_attr}(rows sorted by expert, counts) (rewritten to one "
                                "experts call)",
                 "replay": "calls its experts one by one in an untraceable forward (capture and replay: one "
-                          "experts call between two passes of the forward)"}.get(self.rewrite,
+                          "experts call between two passes of the forward)",
+                "dense-dispatch": "dispatches and combines through [T, E, C] tensors (rewritten to one experts "
+                                  "call)",
+                "dispatch-mask": f"calls {self.experts_attr}(x, one-hot mask [T, K, E], weights) (rewritten to one "
+                                 "experts call)",
+                "flatten": f"calls {self.experts_attr}(x [B, S, H], ids, weights) (rewritten to one call on flat "
+                           "x [T, H])"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -301,6 +319,7 @@ class TracedBlock:
     branch_nodes: list[fx.Node]
     attr_stores: dict[tuple[str, str], Any]      # (submodule path, attribute) -> Node / constant set by forward
     meta: dict[fx.Node, Any] = field(default_factory=dict)   # node -> (shape, dtype) per tensor, from a probe
+    owner_input: bool = False    # the graph's first input is the block itself (methods traced as leaves)
 
 
 def leaf_modules(module: nn.Module, experts: nn.Module) -> set[int]:
@@ -363,7 +382,7 @@ def record_meta(traced: TracedBlock, module: nn.Module, x: torch.Tensor) -> None
     rec = _MetaRecorder(traced.gm)
     with preserved_state(module), torch.no_grad():
         torch.manual_seed(PROBE_SEED)
-        rec.run(x.clone())
+        rec.run(*((module,) if traced.owner_input else ()), x.clone())
     traced.meta = rec.meta
 
 
@@ -478,6 +497,54 @@ def _topk_k(node: fx.Node, meta: dict) -> int | None:
     return m[0].shape[-1] if m else None
 
 
+# A top-1 selection: ``torch.max(scores, dim)`` (values and ids) or ``torch.argmax(scores, dim)`` (ids), the
+# Switch / GShard routers. It counts as a selection wherever a top-k does, with k = 1.
+_TOP1 = {torch.max, torch.Tensor.max, torch.argmax, torch.Tensor.argmax}
+
+
+def _has_dim(args: tuple, kwargs: dict) -> bool:
+    """A reduction along one dimension (``max(x, -1)``, ``max(x, dim=1)``), not ``max(a, b)`` or ``max(x)``."""
+    return (len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool)) or "dim" in kwargs
+
+
+def is_top1(node: fx.Node) -> bool:
+    """``torch.max`` / ``torch.argmax`` along one dimension (a top-1 selection)."""
+    named = ((node.op == "call_function" and node.target in (torch.max, torch.argmax))
+             or (node.op == "call_method" and node.target in ("max", "argmax")))
+    return named and _has_dim(node.args, node.kwargs)
+
+
+def selections_of(graph: fx.Graph) -> list[fx.Node]:
+    """The selections of a traced forward: its top-k nodes, else (no top-k) its top-1 selections. A block
+    with a top-k that also takes a max (statistics, capacity) selects by the top-k."""
+    topks = [n for n in graph.nodes if is_topk(n)]
+    return topks or [n for n in graph.nodes if is_top1(n)]
+
+
+def selection_outputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(values nodes, ids nodes) of a selection: a top-k's or max's outputs, an argmax itself (no values)."""
+    if node.target in (torch.argmax, "argmax"):
+        return [], [node]
+    return topk_outputs(node)
+
+
+def selection_k(node: fx.Node, meta: dict) -> int | None:
+    """k of a selection: a top-k's k, 1 for max / argmax."""
+    return _topk_k(node, meta) if is_topk(node) else 1
+
+
+def selection_tokens(node: fx.Node, meta: dict) -> tuple[tuple[int, ...], int] | None:
+    """(token shape, k) of a selection from the probe's shapes: ``[T, K]`` values of a top-k give ``((T,),
+    K)``; a top-1's ``[T]`` ids give ``((T,), 1)``. None when the probe did not record it."""
+    m = meta.get(node)
+    if m is None:
+        return None
+    if is_topk(node):
+        return m[0].shape[:-1], m[0].shape[-1]
+    ids = m if isinstance(m, TensorMeta) else m[1]
+    return ids.shape, 1
+
+
 _SELECTIONS = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax",
                torch.sort: "sort", torch.Tensor.sort: "sort", torch.argsort: "argsort",
                torch.Tensor.argsort: "argsort"}
@@ -492,6 +559,7 @@ class _CallRecorder(TorchFunctionMode):
         self.ks: list[int] = []
         self.scores: list[str] = []
         self.selections: list[str] = []
+        self.top1 = 0                 # top-1 selections (max / argmax along a dimension)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -505,6 +573,8 @@ class _CallRecorder(TorchFunctionMode):
             self.scores.append("sigmoid")
         elif func in _SELECTIONS and (len(args) > 1 or "dim" in kwargs):
             self.selections.append(_SELECTIONS[func])
+            if func in _TOP1 and _has_dim(args, kwargs):
+                self.top1 += 1
         return func(*args, **kwargs)
 
 
@@ -520,12 +590,13 @@ def record_calls(module: nn.Module, x: torch.Tensor) -> _CallRecorder:
 def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
     """When FX cannot trace the forward (``len(proxy)``, iterating a traced tensor ...): record it while it
     runs on a probe. ``make_fx`` is no help there: it stops at the same data-dependent code (``one_hot``,
-    ``nonzero`` loops). Returns the k of every top-k and the score functions seen, in call order."""
+    ``nonzero`` loops). Returns the k of every top-k (1 for each max / argmax when there is no top-k)
+    and the score functions seen, in call order."""
     rec = _CallRecorder()
     with preserved_state(module), torch.no_grad(), rec:
         torch.manual_seed(PROBE_SEED)
         module(x.clone())
-    return rec.ks, rec.scores
+    return rec.ks or [1] * rec.top1, rec.scores   # no top-k: each max / argmax selects one expert
 
 
 # --- Step 4: how the experts are called --------------------------------------------------------------
@@ -632,9 +703,10 @@ def _skipped_expert_gradient(experts: nn.Module, x_TH: torch.Tensor, ids_TK: tor
     modules = expert_modules(experts)
     ids_TK = torch.where(ids_TK == 0, torch.ones_like(ids_TK), ids_TK) if E > 1 else ids_TK
     params = list(modules[0].parameters())
-    saved = [p.grad for p in params]
+    touched = list(experts.parameters())      # the backward reaches every expert's parameters: all restored
+    saved = [p.grad for p in touched]
     try:
-        for p in params:
+        for p in touched:
             p.grad = None
         with torch.enable_grad(), preserved_state(experts):
             out = experts(x_TH.detach(), ids_TK, weights_TK.detach())
@@ -642,7 +714,7 @@ def _skipped_expert_gradient(experts: nn.Module, x_TH: torch.Tensor, ids_TK: tor
                 out.sum().backward()
         skipped = any(p.grad is None for p in params)
     finally:
-        for p, g in zip(params, saved):
+        for p, g in zip(touched, saved):
             p.grad = g
     if skipped:
         return (f"{type(experts).__name__} runs only the experts that receive tokens: an expert without tokens "
@@ -849,14 +921,22 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
 
     The routing analysis (FX graph or recorded top-k) comes first, as it describes the router best;
     when it does not find a layer, the behaviour decides (:func:`_inspect_by_behaviour`)."""
+    if type(module).forward is nn.Module.forward:
+        return None   # a container without a forward of its own (a ModuleDict of experts) is never called
     try:
         info = _inspect_routing(name, module)
     except _Reject as why:
         info, reject = None, why
     else:
         reject = None
+    if info is not None and info.rewrite == "inline-loop":
+        # Experts called one by one may be on capacity slots of dense [T, E, C] tensors (GShard written
+        # so that FX traces it): the dense-dispatch rewrite, not the loop rewrite, fits those.
+        return _inspect_dense_dispatch(name, module) or info
     if info is not None:
         return info
+    if reject is not None and (dense := _inspect_dense_dispatch(name, module)) is not None:
+        return dense
     try:
         found = _inspect_by_behaviour(name, module)
     except _Reject as behaviour:
@@ -927,6 +1007,142 @@ def _unsupported_call(attr: str, calls: list[tuple], T: int) -> str:
             f"(x [T, H], integer ids [T, K], floating weights [T, K], T = {T} probe tokens)")
 
 
+def dispatch_mask_call(calls: list[tuple], num_experts: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(x_TH, mask_TKE, weights_TK) when the experts were called once with a one-hot dispatch mask in place
+    of ids (HF Switch Transformers: ``experts(x [T, H], mask [T, K, E], weights [T, K])``), else None."""
+    if len(calls) != 1 or len(calls[0]) != 3 or not all(isinstance(a, torch.Tensor) for a in calls[0]):
+        return None
+    x_TH, mask_TKE, weights_TK = calls[0]
+    if not (x_TH.is_floating_point() and x_TH.dim() == 2 and weights_TK.is_floating_point()
+            and not mask_TKE.is_floating_point() and mask_TKE.dim() == 3
+            and mask_TKE.shape == (x_TH.shape[0],) + tuple(weights_TK.shape[1:2]) + (num_experts,)
+            and weights_TK.shape == mask_TKE.shape[:2]):
+        return None
+    if mask_TKE.numel() and (((mask_TKE != 0) & (mask_TKE != 1)).any() or int(mask_TKE.sum(-1).max()) > 1):
+        return None   # not one-hot: at most one expert per slot
+    return x_TH, mask_TKE, weights_TK
+
+
+def mask_slots(mask_TKE: torch.Tensor, weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_TK, weights_TK) of a one-hot dispatch mask: each slot's expert, and its weight where the slot
+    is routed (0 where the mask is empty: a token dropped by capacity is sent nowhere, so it adds nothing)."""
+    routed_TK = mask_TKE.any(dim=-1)
+    return mask_TKE.argmax(dim=-1), weights_TK * routed_TK.to(weights_TK.dtype)
+
+
+def mask_call_experts_class(experts_cls: type, num_experts: int) -> type:
+    """A subclass of a mask-called experts module's class called as ``experts(x_TH, ids_TK, weights_TK)``:
+    its own forward on the one-hot mask of the ids (the runtime's interface, same computation)."""
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return experts_cls.forward(self, x_TH, F.one_hot(ids_TK, num_experts), weights_TK)
+
+    forward.__doc__ = f"{experts_cls.__name__}.forward on the one-hot dispatch mask of the ids."
+    return type(experts_cls.__name__, (experts_cls,), {"forward": forward, "__module__": experts_cls.__module__,
+                                                       "_themis_original_class": experts_cls})
+
+
+def _dispatch_mask_layer(name: str, module: nn.Module, child: _ExpertsChild,
+                         mask: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x: torch.Tensor,
+                         routers: list[tuple[str, int, int]], H: int, flat: bool) -> MoELayerInfo:
+    """The layer whose experts are called with a one-hot dispatch mask: accepted when its experts, called
+    with the ids and weights the mask means (:func:`mask_slots`), compute what the sharded runtime
+    computes (:func:`combine_mismatch`); the rewrite serves the block's call with one
+    ``experts(x, ids, weights)``."""
+    x_TH, mask_TKE, weights_TK = mask
+    E, K = child.num_experts, int(mask_TKE.shape[1])
+    experts = child.module
+    ids_TK, slot_weights_TK = mask_slots(mask_TKE, weights_TK)
+    original_cls = type(experts)
+    experts.__class__ = mask_call_experts_class(original_cls, E)
+    try:
+        why = combine_mismatch(experts, x_TH, ids_TK, slot_weights_TK)
+    finally:
+        experts.__class__ = original_cls
+    if why is not None:
+        raise _Reject(f"'{child.attr}' is called with a one-hot dispatch mask ({_describe_call(mask)}), read as "
+                      f"ids and weights; but {why}")
+    rec = record_calls(module, x)
+    router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(dict.fromkeys(rec.selections)) or "masks"
+    expert0 = expert_modules(experts)[0] if expert_modules(experts) else experts
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=K, experts_form=child.form,
+        router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} "
+                "one-hot dispatch mask at the experts call (behaviour)"),
+        activation=describe_activation(expert0), shared_experts=False, experts_attr=child.attr,
+        rewrite="dispatch-mask", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        hidden_size=H, probe_flat=flat)
+
+
+def flat_call_experts_class(experts_cls: type) -> type:
+    """A subclass of an experts module's class that takes unflattened hidden states
+    (``experts(x [B, S, H], ids_TK, weights_TK) -> [B, S, H]``, DBRX) whose forward is its own on flat
+    ``x_TH``, the result read as ``[T, H]``: the runtime's interface."""
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return experts_cls.forward(self, x_TH, ids_TK, weights_TK).reshape(x_TH.shape)
+
+    forward.__doc__ = f"{experts_cls.__name__}.forward on flat hidden states [T, H]."
+    return type(experts_cls.__name__, (experts_cls,), {"forward": forward, "__module__": experts_cls.__module__,
+                                                       "_themis_original_class": experts_cls})
+
+
+def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, call: tuple, x: torch.Tensor,
+                          routers: list[tuple[str, int, int]], H: int, flat: bool) -> MoELayerInfo:
+    """The layer whose experts are called on unflattened hidden states with flat ids and weights
+    (``experts(x [B, S, H], ids [T, K], weights [T, K]) -> [B, S, H]``): accepted when its experts give the
+    same result on ``x`` flattened to ``[T, H]`` and compute what the sharded runtime computes
+    (:func:`combine_mismatch`); the rewrite flattens ``x`` for one ``experts(x_TH, ids, weights)`` call and
+    reshapes the result back."""
+    x_BSH, ids_TK, weights_TK = call
+    experts, E = child.module, child.num_experts
+    x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+    where = f"'{child.attr}' is called on unflattened hidden states ({_describe_call(call)})"
+    with torch.no_grad(), preserved_state(experts):
+        expected = experts(x_BSH, ids_TK, weights_TK)
+    if not isinstance(expected, torch.Tensor) or expected.shape != x_BSH.shape:
+        raise _Reject(f"{where} and returns {getattr(expected, 'shape', type(expected).__name__)}, not the shape of "
+                      f"its input; call {child.attr}(x_TH, ids_TK, weights_TK) -> [T, H]")
+    try:
+        bank = ExpertBank(experts)
+    except ValueError as exc:
+        raise _Reject(f"{where}; its experts cannot be cut into equal per-expert chunks "
+                      f"({str(exc).split(': ', 1)[-1]})")
+    if E and bank.num_experts != E:
+        shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in experts.named_parameters())
+        raise _Reject(f"{where}; its {E} experts' weights are stored flat along one leading dimension ({shapes}: "
+                      f"{bank.num_experts} rows, not {E} experts), so they cannot be cut into per-expert chunks "
+                      f"along it; store them stacked [E, ...] ([{E}, {bank.num_experts // E}, ...])")
+    original_cls = type(experts)
+    experts.__class__ = flat_call_experts_class(original_cls)
+    try:
+        with torch.no_grad(), preserved_state(experts):
+            got = experts(x_TH, ids_TK, weights_TK)
+        if not _outputs_close(expected.reshape(got.shape), got):
+            raise _Reject(f"{where} and computes otherwise on the same hidden states flattened to [T, H]")
+        why = combine_mismatch(experts, x_TH, ids_TK, weights_TK)
+    finally:
+        experts.__class__ = original_cls
+    if why is not None:
+        raise _Reject(f"{where}, read flat; but {why}")
+    rec = record_calls(module, x)
+    K = int(ids_TK.shape[1])
+    router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    expert0 = expert_modules(experts)[0] if expert_modules(experts) else experts
+    return MoELayerInfo(
+        name=name, module=module, num_experts=bank.num_experts, top_k=K, experts_form=child.form,
+        router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} ids "
+                "seen at the experts call on unflattened hidden states (behaviour)"),
+        activation=describe_activation(expert0), shared_experts=False, experts_attr=child.attr,
+        rewrite="flatten", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        hidden_size=H, probe_flat=flat)
+
+
 def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
     """An MoE layer recognised by what it does, whatever its routing code looks like (``max``, sorts,
     masks, group limits, bias corrections ...): its experts child, swapped for a stand-in, is called once
@@ -955,7 +1171,16 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             setattr(module, child.attr, stand_in)
             try:
                 run_probe(module, x)
-            except Exception:
+            except Exception as exc:
+                if "expert" in child.attr.lower() and not stand_in.calls and not isinstance(
+                        child.module, nn.ModuleList):
+                    # The forward reaches into the experts container (getattr(self.experts, f"expert_{i}"))
+                    # instead of calling it: it runs the experts itself.
+                    reject = reject or _Reject(
+                        f"the forward runs the experts in '{child.attr}' ({type(child.module).__name__}) one by one "
+                        f"itself instead of calling '{child.attr}' ({type(exc).__name__} when it is a module "
+                        f"called as {child.attr}(x, ids, weights)); give the container a forward called once "
+                        "that way, running every expert")
                 continue
             finally:
                 setattr(module, child.attr, child.module)
@@ -982,6 +1207,8 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                               f"maps rows of width {calls[0][0].shape[-1]} to {stand_in.outputs[0].shape[-1]}: "
                               "only part of each expert (JetMoE ParallelExperts); an experts module must hold "
                               "whole experts, mapping [N, H] rows to [N, H]")
+            if (mask := dispatch_mask_call(calls, child.num_experts)) is not None:
+                return _dispatch_mask_layer(name, module, child, mask, x, routers, H, flat)
             if sorted_rows or per_slot:
                 # torchtitan: experts(rows sorted by expert, rows per expert) -> one output row per row;
                 # gpt-fast: experts(x_TH, ids_TK) -> y_TKH, combined by the block itself. passes.shard
@@ -1014,6 +1241,8 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             x_TH, ids_TK, weights_TK = calls[0]
             if child.form == "modulelist" and (why := _non_identical_reason(child.module)):
                 raise _Reject(why)
+            if x_TH.dim() > 2 and x_TH.shape[:-1].numel() == ids_TK.shape[0]:
+                return _flattened_call_layer(name, module, child, calls[0], x, routers, H, flat)
             form, detail = experts_call_form(module, child.attr, x, ids_TK.shape[1])
             if form != "none":
                 raise _Reject(detail)
@@ -1058,7 +1287,7 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
         traced = trace_block(module, child.module)
     except Exception as exc:
         fx_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-    topks = [n for n in traced.gm.graph.nodes if is_topk(n)] if traced else []
+    topks = selections_of(traced.gm.graph) if traced else []   # top-k, else top-1 (max / argmax)
     if not topks and not any(w == E for _, w, _ in routers):
         return None   # not MoE-like: no top-k and no router of the experts' width
 
@@ -1071,8 +1300,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     router = None
     if traced is not None:
         if not topks:
-            raise _Reject("no top-k selection (torch.topk) in the traced forward of the block or its router, and "
-                          "its experts are not called once as experts(x, ids, weights); select with topk, or "
+            raise _Reject("no top-k selection (torch.topk, or max / argmax for top-1) in the traced forward of the "
+                          "block or its router, and its experts are not called once as experts(x, ids, weights); "
+                          "select with topk, max or argmax, or "
                           "call the experts that way (integer ids [T, K], weights [T, K])")
         router = _router_of(traced.gm, topks[-1])
         if router is None:
@@ -1080,7 +1310,7 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
                           "before it)")
         if router[1] != E:
             raise _Reject(f"router '{router[0]}' scores {router[1]} experts but '{child.attr}' holds {E}")
-        k = _topk_k(topks[-1], {})
+        k = selection_k(topks[-1], {})
         if isinstance(k, int) and not 1 <= k <= E:
             # An MoE layer with a broken top-k: reported as found so that sharding it fails loudly,
             # naming the layer (check_layer), rather than leaving it silently unsharded.
@@ -1108,9 +1338,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
         except Exception as exc:
             raise _Reject(f"the traced forward does not run on a probe: {exc}")
         topk = topks[-1]
-        top_k = _topk_k(topk, traced.meta)
+        top_k = selection_k(topk, traced.meta)
         router_path, width, H_router = router
-        values, indices = topk_outputs(topk)
+        values, indices = selection_outputs(topk)
         before = {_score_kind(n) for n in _ancestors(topk)} - {None}
         after = {_score_kind(n) for n in _descendants(values)} - {None}
         succ = effective_users(traced.gm.graph)
@@ -1120,8 +1350,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     else:
         ks, scores = _recorded_topk(module, x)
         if not ks:
-            raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and none ran on a probe; select "
-                          "with torch.topk, or call the experts once as experts(x, ids, weights)")
+            raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and no topk, max or argmax ran on a "
+                          "probe; select with torch.topk (max / argmax for top-1), or call the experts once as "
+                          "experts(x, ids, weights)")
         top_k = ks[-1]
         router_path, width, H_router = next((r for r in routers if r[1] == E), None) or (None, None, H)
         if router_path is None:
@@ -1167,6 +1398,183 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     )
 
 
+# --- Dense dispatch tensors (GShard, fairseq Top2Gate) ------------------------------------------------
+
+OWNER_INPUT = "_themis_self"   # the block itself, first input of a graph traced with its methods as leaves
+
+
+def _own_methods(module: nn.Module) -> list[str]:
+    """Names of the plain methods the block's own classes define (not ``forward``, not torch's)."""
+    names: list[str] = []
+    for cls in type(module).__mro__:
+        if cls is nn.Module or cls.__module__.startswith("torch."):
+            break
+        names += [k for k, v in vars(cls).items() if inspect.isfunction(v) and not k.startswith("__")
+                  and k != "forward" and k not in names]
+    return names
+
+
+class _MethodLeafTracer(_LeafTracer):
+    """A :class:`_LeafTracer` for blocks whose routing helper holds Python-level shape code that FX cannot
+    trace (``math.ceil`` of a shape, ``torch.finfo(x.dtype)``, ``one_hot(num_classes=capacity)``): the
+    block's own methods are recorded as calls on the block, which becomes the graph's first input (so a
+    rewritten forward runs them as written), and ``x.chunk(n)`` with a constant ``n`` can be iterated
+    (``zip(x.chunk(E), self.experts)``)."""
+
+    def __init__(self, leaves: set[int]) -> None:
+        super().__init__(leaves)
+        self.owner: fx.Proxy | None = None
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        self.owner = self.create_proxy("placeholder", OWNER_INPUT, (), {})
+        return super().create_args_for_root(root_fn, is_module, concrete_args)
+
+    def call_own_method(self, name: str, *args: Any, **kwargs: Any) -> fx.Proxy:
+        return self.create_proxy("call_method", name, (self.owner, *args), kwargs)
+
+    def iter(self, obj: fx.Proxy) -> Iterator:
+        n = obj.node
+        count = None
+        if (n.op == "call_method" and n.target == "chunk") or (n.op == "call_function" and n.target is torch.chunk):
+            count = n.args[1] if len(n.args) > 1 else n.kwargs.get("chunks")
+        if isinstance(count, int):
+            return iter([obj[i] for i in range(count)])
+        return super().iter(obj)
+
+
+def trace_block_with_method_leaves(module: nn.Module, experts: nn.Module, *, training: bool | None = None
+                                   ) -> TracedBlock:
+    """:func:`trace_block` with the block's own methods kept as calls (see :class:`_MethodLeafTracer`);
+    the graph takes the block as its first input (``traced.owner_input``)."""
+    tracer = _MethodLeafTracer(leaf_modules(module, experts))
+    mode = module.training if training is None else training
+    with preserved_state(module):
+        modes = [(m, m.training) for m in module.modules()]
+        module.train(mode)
+        for name in _own_methods(module):
+            module.__dict__[name] = functools.partial(tracer.call_own_method, name)
+        try:
+            graph = tracer.trace(module)
+            stores = _attribute_stores(module)
+            gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
+        finally:
+            for m, old in modes:
+                m.training = old
+    return TracedBlock(gm=gm, training=mode, branch_nodes=tracer.branch_nodes, attr_stores=stores,
+                       owner_input=True)
+
+
+@dataclass(frozen=True)
+class DenseDispatch:
+    """Where a dense-dispatch block's parts are in its traced graph: hidden states ``x [T, H]`` dispatched
+    into per-expert capacity slots, the combine weights ``[T, E, C]``, the combined output ``y [T, H]``."""
+
+    x: fx.Node
+    combine: fx.Node
+    y: fx.Node
+
+
+def _reach_avoiding(starts: list[fx.Node], succ: dict[fx.Node, list[fx.Node]], avoid: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [s for s in starts if s not in avoid]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(u for u in succ[n] if u not in avoid and u not in seen)
+    return seen
+
+
+def dense_dispatch_of(traced: TracedBlock, attr: str, num_experts: int) -> DenseDispatch | None:
+    """The dense dispatch of a traced block (needs ``traced.meta``), or None when it has none.
+
+    Every expert is called once (on its capacity slots); ``y`` is the first ``[T, H]`` value all their
+    outputs flow through on the way to the output; ``combine`` the nearest ``[T, E, C]`` floating value
+    that reaches ``y`` other than through the experts; ``x`` the last ``[T, H]`` floating value that feeds
+    every expert and is not computed from ``combine``."""
+    graph, meta = traced.gm.graph, traced.meta
+    calls = expert_nodes(graph, attr)
+    ids = [expert_index(c, attr) for c in calls]
+    if (not calls or any(c.op != "call_module" for c in calls) or len(set(ids)) != len(ids)
+            or len(ids) != num_experts):
+        return None
+    succ = effective_users(graph)
+    out = output_node(graph)
+    reach = reach_by_expert(calls, attr, succ)
+    common = set.intersection(*reach.values())
+    after_calls = reachable(calls, lambda n: succ[n])
+
+    def floating(n: fx.Node, dims: int) -> TensorMeta | None:
+        m = meta.get(n)
+        return m if isinstance(m, TensorMeta) and len(m.shape) == dims and m.dtype.is_floating_point else None
+
+    y = next((n for n in graph.nodes if n in common and n not in calls and n is not out and floating(n, 2)
+              and not is_inplace(n) and out not in _reach_avoiding(calls, succ, {n})), None)
+    if y is None:
+        return None
+    T, H = meta[y].shape
+    combine = [n for n in graph.nodes if n not in after_calls and (m := floating(n, 3)) is not None
+               and m.shape[:2] == (T, num_experts) and y in _reach_avoiding([n], succ, set(calls))]
+    if not combine:
+        return None
+    after_combine = reachable([combine[-1]], lambda n: succ[n])
+    feeds = [reachable([c], lambda n: n.all_input_nodes) for c in calls]
+    xs = [n for n in graph.nodes if n not in after_calls and n not in after_combine
+          and (m := floating(n, 2)) is not None and m.shape == (T, H) and all(n in f for f in feeds)]
+    return DenseDispatch(x=xs[-1], combine=combine[-1], y=y) if xs else None
+
+
+def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """A block that dispatches tokens to its ``ModuleList`` experts through dense ``[T, E, C]`` tensors
+    (GShard / fairseq ``Top2Gate``: one-hot dispatch mask, experts on ``[E, C, H]`` capacity slots,
+    combine ``einsum("sec,ecm->sm", combine, expert_outputs)``), or None when it is not one.
+
+    K is the number of selections its routing makes on a probe (a top-k's k, else one per max / argmax).
+    :mod:`themis_compile.passes.shard` rewrites dispatch, experts and combine into one
+    ``experts(x, ids, weights)`` call with (ids, weights) read from the combine tensor."""
+    children = [c for c in _experts_children(module) if c.form == "modulelist"]
+    if not children or _non_identical_reason(children[0].module):
+        return None
+    child = children[0]
+    routers = _router_widths(module, child.module)
+    E, H = child.num_experts, _hidden_size(child, routers)
+    if H is None:
+        return None
+    try:
+        traced = trace_block_with_method_leaves(module, child.module)
+    except Exception:
+        return None
+    for flat in (False, True):
+        x = probe_input(module, H, flat=flat)
+        try:
+            record_meta(traced, module, x)
+            break
+        except Exception:
+            x = None
+    if x is None or (found := dense_dispatch_of(traced, child.attr, E)) is None:
+        return None
+    # From here on the block is a dense-dispatch block: what stops it is said.
+    if traced.branch_nodes:
+        raise _Reject("it dispatches through dense [T, E, C] tensors but its forward branches on a traced value; "
+                      "a rewritten forward cannot keep that branch (move it into a method of the block)")
+    rec = record_calls(module, x)
+    K = rec.ks[-1] if rec.ks else rec.top1
+    if not 1 <= K <= E:
+        raise _Reject(f"it dispatches through dense [T, E, C] tensors but makes {K} selections (topk, max or "
+                      f"argmax) on a probe, not 1 to {E}: the number of experts a token is sent to is unknown")
+    router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(rec.selections) or "none"
+    C = traced.meta[found.combine].shape[-1]
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=K, experts_form="modulelist",
+        router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}; top-{K} read "
+                f"from the combine tensor [T, E, C={C}] (FX graph, methods kept)"),
+        activation=describe_activation(child.module[0]), shared_experts=False, experts_attr=child.attr,
+        rewrite="dense-dispatch", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        hidden_size=H, aux_losses=_auxiliary(traced, [found.y]), probe_flat=flat)
+
+
 def check_layer(info: MoELayerInfo) -> None:
     """Raise ValueError naming the layer when it cannot be sharded as found (a top-k outside [1, E])."""
     if info.top_k < 1:
@@ -1193,7 +1601,15 @@ def find_moe_layers(model: nn.Module) -> tuple[list[MoELayerInfo], list[tuple[st
         if info is not None:
             found.append(info)
             logger.debug("MoE layer %s: %s", name, info.describe())
-    return found, rejected
+    return found, _outside_found_experts(found, rejected)
+
+
+def _outside_found_experts(found: list[MoELayerInfo], rejected: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The rejected modules that are not part of a found layer's experts: an experts module called with
+    more than hidden states (a dispatch mask, ids) fails a probe of its own, but it is sharded with its
+    layer, not left unsharded."""
+    inside = [info.experts_attr if info.name == "<root>" else f"{info.name}.{info.experts_attr}" for info in found]
+    return [(n, why) for n, why in rejected if not any(n == p or n.startswith(p + ".") for p in inside)]
 
 
 SEARCHED = ("modules with a child holding E experts (an nn.ModuleList of identical MLPs or stacked [E, ...] "
@@ -1219,7 +1635,14 @@ def explain_moe_layers(model: nn.Module) -> str:
                                                 "sorted-rows": "experts(rows sorted by expert, counts) (rewritten "
                                                                "by optimize)",
                                                 "replay": "experts[i](rows) in an untraceable forward (capture "
-                                                          "and replay by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
+                                                          "and replay by optimize)",
+                                                "dense-dispatch": "each expert on its [C, H] capacity slots between "
+                                                                  "[T, E, C] dispatch and combine tensors "
+                                                                  "(rewritten by optimize)",
+                                                "dispatch-mask": "experts(x, one-hot mask [T, K, E], weights) "
+                                                                 "(rewritten by optimize)",
+                                                "flatten": "experts(x [B, S, H], ids, weights) (rewritten by "
+                                                           "optimize to flat x [T, H])"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

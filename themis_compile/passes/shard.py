@@ -8,10 +8,16 @@ a generated forward: the user's routing code is kept node for node and the exper
 combine become one call ``self.experts(x, ids, weights)``, where ``self.experts`` is an
 :class:`ExpertLoop` over the same expert modules (the same loop, numerically; same parameter names).
 
-Blocks whose experts module is called per slot (``experts(x, ids) -> [T, K, H]``, gpt-fast) or on rows
-sorted by expert (``experts(rows, counts)``, torchtitan) keep their forward: while it runs, the experts
-attribute is seen as an adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`) serving that call with
-one ``experts(x, ids, weights)`` call, and the experts module's class gets that interface.
+Blocks that dispatch through dense ``[T, E, C]`` tensors (GShard, fairseq ``Top2Gate``) get a generated
+forward too (:func:`replace_dense_dispatch`): dispatch, the experts on their capacity slots and the
+combine become one ``self.experts(x, ids, weights)`` with (ids, weights) read from the combine tensor.
+
+Blocks whose experts module is called per slot (``experts(x, ids) -> [T, K, H]``, gpt-fast), on rows
+sorted by expert (``experts(rows, counts)``, torchtitan), with a one-hot dispatch mask (HF Switch) or on
+unflattened hidden states (DBRX) keep their forward: while it runs, the experts attribute is seen as an
+adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`)
+serving that call with one ``experts(x, ids, weights)`` call, and the experts module's class gets that
+interface.
 
 Blocks whose forward calls ``experts[i](rows)`` in code FX cannot trace keep their forward too; it runs
 twice around one ``experts(x, ids, weights)`` call (capture and replay, :mod:`themis_compile.passes.replay`).
@@ -41,6 +47,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import operator
 import warnings
 from typing import Any, Callable
 
@@ -68,8 +75,17 @@ from themis_compile.passes.detect import (
     reachable,
     record_meta,
     run_probe,
-    topk_outputs,
     trace_block,
+    PROBE_SEED,
+    dense_dispatch_of,
+    flat_call_experts_class,
+    mask_call_experts_class,
+    mask_slots,
+    preserved_state,
+    selection_outputs,
+    selection_tokens,
+    selections_of,
+    trace_block_with_method_leaves,
 )
 from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch
 from themis_compile.runtime.experts import loop_combine
@@ -121,6 +137,24 @@ class RewriteError(ValueError):
     pass
 
 
+_UNWEIGHTED = object()   # the loop combines its experts' outputs unweighted (see _slots_of)
+
+
+def _slots_of(graph: fx.Graph, meta: dict, x: fx.Node, ids: fx.Node, weights: Any, slots: tuple[int, ...]
+              ) -> tuple[fx.Node, fx.Node]:
+    """(ids, weights) shaped ``slots`` (tokens + (K,)) for the experts call, inserted at the graph's
+    insertion point. A top-1 selection's ``[T]`` ids / values get their slot dimension back; a loop
+    whose experts' outputs are combined unweighted (Switch: the router probability multiplies the
+    combined output after the loop, as written, or no weight at all) is served with weights 1."""
+    if meta[ids].shape != slots:
+        ids = graph.call_method("unsqueeze", (ids, -1))
+    if weights is _UNWEIGHTED:
+        return ids, graph.call_method("new_ones", (x, graph.call_method("size", (ids,))))
+    if meta[weights].shape != slots:
+        weights = graph.call_method("unsqueeze", (weights, -1))
+    return ids, weights
+
+
 def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModule:
     """Replace the inline expert loop + weighted combine of a traced block with one
     ``self.<experts_attr>(x, ids, weights)`` call; needs ``traced.meta`` (shapes from a probe)."""
@@ -161,14 +195,13 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
                 return n
         return None
 
-    topks = [t for t in graph.nodes if is_topk(t) and set(topk_outputs(t)[1]) & before_y]
+    topks = [t for t in selections_of(graph) if set(selection_outputs(t)[1]) & before_y]
     if not topks:
         raise RewriteError(f"MoE layer {layer!r}: no top-k ids feed the expert loop")
     topk = topks[-1]
-    values_meta = meta[topk][0]
-    tok, K, H = values_meta.shape[:-1], values_meta.shape[-1], info.hidden_size
+    (tok, K), H = selection_tokens(topk, meta), info.hidden_size
     after_topk = reachable([topk], lambda n: succ[n])
-    after_ids = reachable(topk_outputs(topk)[1], lambda n: succ[n])
+    after_ids = reachable(selection_outputs(topk)[1], lambda n: succ[n])
 
     def tensor(n: fx.Node, shape: tuple, floating: bool) -> bool:
         m = meta.get(n)
@@ -176,8 +209,12 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
                 and m.dtype != torch.bool)
 
     region_in = [n for n in before_y if n not in after_calls]
-    ids = last([n for n in region_in if n in after_ids and tensor(n, tok + (K,), False)])
-    weights = last([n for n in region_in if n in after_topk and tensor(n, tok + (K,), True)])
+    # A top-1 selection's ids and values may keep the token shape alone ([T], not [T, 1]).
+    slot_shapes = (tok + (K,),) + ((tok,) if not is_topk(topk) else ())
+    ids = last([n for n in region_in if n in after_ids and any(tensor(n, s, False) for s in slot_shapes)])
+    weights = last([n for n in region_in if n in after_topk and any(tensor(n, s, True) for s in slot_shapes)])
+    if weights is None and not set(selection_outputs(topk)[0]) & before_y:
+        weights = _UNWEIGHTED   # no selected weight reaches the combine (applied after it, or none): ones
     x = last([n for n in before_calls if n not in after_calls and n not in after_topk
               and tensor(n, tok + (H,), True)])
     for what, node in (("hidden states [T, H]", x), ("top-k ids [T, K]", ids), ("top-k weights [T, K]", weights)):
@@ -190,6 +227,7 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
         raise RewriteError(f"MoE layer {layer!r}: the combined value has shape {getattr(y_meta, 'shape', None)}, "
                            f"not {tok + (H,)}")
     with graph.inserting_before(y):
+        ids, weights = _slots_of(graph, meta, x, ids, weights, tok + (K,))
         args = (x, ids, weights)
         if len(tok) != 1:
             args = (graph.call_method("reshape", (x, -1, H)), graph.call_method("reshape", (ids, -1, K)),
@@ -242,6 +280,87 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     return gm
 
 
+# --- Dense dispatch tensors (GShard): dispatch, experts and combine become one experts call -----------
+
+def dense_dispatch_slots(combine_TEC: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_TK, weights_TK) that combine like a GShard combine tensor ``combine_TEC`` (token t's weight
+    for expert e's capacity slot c; zero where t is not in that slot).
+
+    A slot holds one token, so ``sum_{e,c} combine[t, e, c] * expert_e(slot_{e,c})`` is
+    ``sum_e w[t, e] * expert_e(x[t])`` with ``w = combine.sum(-1)``: the experts token t has a weight for
+    come first (in expert order), then any others with weight 0, cut to k. A token capacity dropped has
+    weight 0 in that slot and adds nothing, as in the block's own combine. More than k experts with a
+    weight for one token would be cut: that fails here (``torch._assert_async``) instead."""
+    w_TE = combine_TEC.sum(dim=-1)
+    nonzero_TE = w_TE != 0
+    torch._assert_async(nonzero_TE.sum(dim=-1).max() <= k,
+                        "a token has combine weights for more experts than the block selects")
+    ids_TK = torch.argsort((~nonzero_TE).to(torch.int8), dim=-1, stable=True)[:, :k]
+    return ids_TK, w_TE.gather(1, ids_TK)
+
+
+def replace_dense_dispatch(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModule:
+    """Replace a dense-dispatch block's dispatch, per-expert calls and combine with one
+    ``self.<experts_attr>(x, ids, weights)`` call, (ids, weights) read from its combine tensor
+    (:func:`dense_dispatch_slots`); needs ``traced.meta``. The routing (its methods included) runs as
+    written, so capacity, auxiliary losses and statistics see the real routing.
+
+    Pseudo-code:
+        x [T, H], combine [T, E, C], y [T, H] = dense_dispatch_of(graph)     # Step 1
+        out = self.experts(x, *dense_dispatch_slots(combine, K)); reads of y read out   # Step 2
+        erase what only served y: dispatch einsum, capacity slots, expert calls, cat   # Step 3
+    """
+    gm, attr, layer = traced.gm, info.experts_attr, info.name
+    graph = gm.graph
+    # Step 1: the parts, from the probe's shapes.
+    found = dense_dispatch_of(traced, attr, info.num_experts)
+    if found is None:
+        raise RewriteError(f"MoE layer {layer!r}: no dense [T, E, C] dispatch and combine around its experts")
+    calls = expert_nodes(graph, attr)
+    served = reachable([found.y], lambda n: n.all_input_nodes)
+
+    # Step 2: one experts call in place of y.
+    with graph.inserting_before(found.y):
+        slots = graph.call_function(dense_dispatch_slots, (found.combine, info.top_k))
+        ids = graph.call_function(operator.getitem, (slots, 0))
+        weights = graph.call_function(operator.getitem, (slots, 1))
+        out = graph.call_module(attr, (found.x, ids, weights))
+        if traced.meta[found.y].dtype != traced.meta[found.x].dtype:
+            out = graph.call_method("to", (out, traced.meta[found.y].dtype))
+    found.y.replace_all_uses_with(out)
+
+    # Step 3: erase what only served y (pure values; the block's method calls, other modules' calls and
+    # in-place updates stay).
+    def pure(n: fx.Node) -> bool:
+        if n.op == "call_module":
+            return n in calls
+        on_block = n.op == "call_method" and n.args and getattr(n.args[0], "op", None) == "placeholder"
+        return n.op in ("call_function", "call_method", "get_attr") and not is_inplace(n) and not on_block
+
+    for n in reversed(list(graph.nodes)):
+        if n in served and not n.users and pure(n):
+            graph.erase_node(n)
+    if any(c in graph.nodes for c in calls):
+        raise RewriteError(f"MoE layer {layer!r}: expert outputs are used besides the combine")
+    for (path, name), node in traced.attr_stores.items():
+        if node not in graph.nodes:
+            raise RewriteError(f"MoE layer {layer!r}: the forward stores {name!r} computed from the experts")
+    owner = next(n for n in graph.nodes if n.op == "placeholder")
+    for (path, name), node in traced.attr_stores.items():
+        with graph.inserting_after(node):
+            graph.call_function(_store_attribute, (owner, path, name, node))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+# How each graph rewrite traces its block and rewrites the graph.
+GRAPH_REWRITES: dict[str, tuple[Callable, Callable]] = {
+    "inline-loop": (trace_block, replace_expert_loop),
+    "dense-dispatch": (trace_block_with_method_leaves, replace_dense_dispatch),
+}
+
+
 # --- Applying and verifying a rewrite -----------------------------------------------------------------
 
 def _rewritten_class(base: type, forwards: dict[bool, Callable], placeholders: list[fx.Node]) -> type:
@@ -292,16 +411,18 @@ def _has_path(module: nn.Module, target: str) -> bool:
 
 
 def plan_rewrite(info: MoELayerInfo) -> RewritePlan:
-    """Trace ``info.module`` in train and in eval mode and rewrite each graph (:func:`replace_expert_loop`)."""
+    """Trace ``info.module`` in train and in eval mode and rewrite each graph (:func:`replace_expert_loop`,
+    or :func:`replace_dense_dispatch` for a dense-dispatch block)."""
     module, experts = info.module, info.experts
     if not isinstance(experts, nn.ModuleList):
         raise ValueError(f"MoE layer {info.name!r}: an inline expert loop needs an nn.ModuleList of experts")
     forwards, constants = {}, {}
     x = probe_input(module, info.hidden_size, flat=info.probe_flat)
+    trace, replace = GRAPH_REWRITES[info.rewrite]
     for training in (True, False):
-        traced = trace_block(module, experts, training=training)
+        traced = trace(module, experts, training=training)
         record_meta(traced, module, x)
-        gm = replace_expert_loop(traced, info)
+        gm = replace(traced, info)
         forwards[training] = type(gm).forward
         for n in gm.graph.nodes:
             if n.op == "get_attr" and not _has_path(module, n.target):
@@ -342,6 +463,35 @@ class SortedRowsCall:
         return self.experts(rows_NH, ids_N1, ones_N1)
 
 
+class DispatchMaskCall:
+    """``self.<experts>`` as a dispatch-mask block's forward sees it: ``experts(x_TH, mask_TKE, weights_TK)``
+    with a one-hot mask in place of ids (HF Switch Transformers). Computed with one call of the runtime's
+    interface on the ids and weights the mask means (:func:`~themis_compile.passes.detect.mask_slots`:
+    a slot with an empty mask, a token dropped by capacity, has weight 0)."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+
+    def __call__(self, x_TH: torch.Tensor, mask_TKE: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return self.experts(x_TH, *mask_slots(mask_TKE, weights_TK))
+
+
+class FlattenCall:
+    """``self.<experts>`` as a block calling it on unflattened hidden states sees it:
+    ``experts(x_BSH, ids_TK, weights_TK) -> y_BSH`` (DBRX). Computed with one call of the runtime's
+    interface on ``x`` flattened to ``[T, H]``, the result reshaped back."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+
+    def __call__(self, x_BSH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return self.experts(x_BSH.reshape(-1, x_BSH.shape[-1]), ids_TK, weights_TK).view(x_BSH.shape)
+
+
+# The rewrites that keep the block's forward and serve its experts call through an adapter.
+CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten")
+
+
 def _sorted_rows_experts_forward(experts_cls: type):
     def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         T, K = ids_TK.shape
@@ -358,11 +508,13 @@ def _sorted_rows_experts_forward(experts_cls: type):
     return experts_forward
 
 
-def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str) -> tuple[type, type]:
-    """(block class, experts class) of a per-slot or sorted-rows rewrite: the block's forward runs
-    unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall`; the experts
-    module is called as ``experts(x_TH, ids_TK, weights_TK)``."""
-    call = PerSlotCall if form == "per-slot" else SortedRowsCall
+def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str, num_experts: int = 0
+                          ) -> tuple[type, type]:
+    """(block class, experts class) of a per-slot, sorted-rows or dispatch-mask rewrite: the block's forward
+    runs unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall` /
+    :class:`DispatchMaskCall`; the experts module is called as ``experts(x_TH, ids_TK, weights_TK)``."""
+    call = {"per-slot": PerSlotCall, "sorted-rows": SortedRowsCall, "dispatch-mask": DispatchMaskCall,
+            "flatten": FlattenCall}[form]
 
     def block_forward(self, *args, **kwargs):
         self.__dict__[attr] = call(self._modules[attr])   # shadows the submodule inside forward only
@@ -373,6 +525,8 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
 
     block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr} served by one experts(x, ids, weights) call."
     experts_forward = (_per_slot_experts_forward(experts_cls) if form == "per-slot"
+                       else mask_call_experts_class(experts_cls, num_experts).forward if form == "dispatch-mask"
+                       else flat_call_experts_class(experts_cls).forward if form == "flatten"
                        else _sorted_rows_experts_forward(experts_cls))
     new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
                                                         "_themis_original_class": block_cls})
@@ -403,10 +557,10 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     :class:`ExpertLoop` of the same modules. ``info.plan``, when set, is used instead of tracing again."""
     if info.rewrite == "none" or info.rewritten:
         return
-    if info.rewrite in ("per-slot", "sorted-rows"):
+    if info.rewrite in CALL_REWRITES:
         experts = info.experts
         block_cls, experts_cls = _call_rewrite_classes(type(info.module), type(experts), info.experts_attr,
-                                                       info.rewrite)
+                                                       info.rewrite, info.num_experts)
         info.module.__class__ = block_cls
         experts.__class__ = experts_cls
         info.rewritten = True
@@ -420,7 +574,7 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
         logger.info("MoE layer %s: expert calls served by one %s(x, ids, weights) call (capture and replay)",
                     info.name, info.experts_attr)
         return
-    if info.rewrite != "inline-loop":
+    if info.rewrite not in GRAPH_REWRITES:
         raise ValueError(f"MoE layer {info.name!r}: unknown rewrite {info.rewrite!r}")
     plan = info.plan if info.plan is not None else plan_rewrite(info)
     module = info.module
@@ -465,6 +619,40 @@ def verify_rewrite(original: nn.Module, rewritten: nn.Module, probe: torch.Tenso
                              f"input ({'train' if training else 'eval'} mode: {why}); the model was left unchanged")
 
 
+def verify_rewrite_gradients(original: nn.Module, rewritten: nn.Module, probe: torch.Tensor, *, layer: str = ""
+                             ) -> None:
+    """Like :func:`verify_rewrite` for the gradients: the parameters' and the probe's gradients of a seeded
+    random projection of the output, in train mode, must agree within fp32 tolerance. For rewrites whose
+    forward equality does not imply it by construction (a dense-dispatch rewrite drops the combine
+    tensor's entries outside each token's slots, which the user's code could still differentiate)."""
+    params = [p for p in original.parameters() if p.requires_grad]
+    grads = []
+    for module in (original, rewritten):
+        x = probe.detach().clone().requires_grad_(probe.is_floating_point())
+        with preserved_state(module):
+            modes = [(m, m.training) for m in module.modules()]
+            module.train(True)
+            try:
+                torch.manual_seed(PROBE_SEED)
+                flat: list[torch.Tensor] = []
+                tree_map(lambda v: flat.append(v) if isinstance(v, torch.Tensor) and v.requires_grad else None,
+                         module(x))
+                if not flat:
+                    return   # nothing differentiable comes out (a frozen block)
+                gen = torch.Generator().manual_seed(PROBE_SEED)
+                loss = sum((v * torch.randn(v.shape, generator=gen).to(v)).sum() for v in flat)
+                grads.append(torch.autograd.grad(loss, params + [x], allow_unused=True))
+            finally:
+                for m, mode in modes:
+                    m.training = mode
+    for (name, _), a, b in zip(list(((n, p) for n, p in original.named_parameters() if p.requires_grad))
+                               + [("hidden states", None)], *grads):
+        if (a is None) != (b is None) or (a is not None and not torch.allclose(
+                a.double(), b.double(), rtol=1e-4, atol=1e-5)):
+            raise ValueError(f"MoE layer {layer!r}: the rewritten layer's gradient of {name} does not match the "
+                             "original's on a probe input; the model was left unchanged")
+
+
 def _probe_for(info: MoELayerInfo) -> torch.Tensor:
     return probe_input(info.module, info.hidden_size, flat=info.probe_flat)
 
@@ -495,15 +683,17 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
     # Rewrite copies (sharing parameters and buffers) and compare with the originals before touching any.
     todo = [info for info in infos if info.rewrite != "none" and not info.rewritten]
     for info in todo:
-        if info.rewrite == "inline-loop":
+        if info.rewrite in GRAPH_REWRITES:
             info.plan = plan_rewrite(info)
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
-        if info.rewrite in ("per-slot", "sorted-rows", "replay"):
+        if info.rewrite in CALL_REWRITES or info.rewrite == "replay":
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr])
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
+        if info.rewrite == "dense-dispatch":
+            verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
         if info.rewrite == "replay" and (why := gradient_mismatch(info.module, trial, _probe_for(info),
                                                                  PROBE_SEED)) is not None:
             raise ValueError(f"MoE layer {info.name!r}: the capture-and-replay rewrite does not reproduce the "
