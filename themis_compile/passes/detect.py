@@ -929,9 +929,10 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         info, reject = None, why
     else:
         reject = None
-    if info is not None and info.rewrite == "inline-loop":
-        # Experts called one by one may be on capacity slots of dense [T, E, C] tensors (GShard written
-        # so that FX traces it): the dense-dispatch rewrite, not the loop rewrite, fits those.
+    if info is not None and info.rewrite in ("inline-loop", "replay"):
+        # Experts called one by one may be on capacity slots of dense [T, E, C] tensors (GShard, traced
+        # or not): the dense-dispatch rewrite fits those better than the loop rewrite or capture and
+        # replay, which would route every capacity slot, empty ones included, as a row of its own.
         return _inspect_dense_dispatch(name, module) or info
     if info is not None:
         return info
