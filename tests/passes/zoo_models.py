@@ -512,11 +512,71 @@ class DbrxOldFFN(nn.Module):
         return out, weights
 
 
+class Llama4OldMoe(nn.Module):
+    """HF ``Llama4TextMoe`` of transformers 4.51: a top-1 router whose chosen logit goes through a
+    sigmoid and every other to ``sigmoid(-inf) = 0``; every expert runs on every token (``bmm`` over
+    stacked ``gate_up_proj [E, H, 2F]`` / ``down_proj [E, F, H]``) with the score applied to the
+    expert's *input*, and the results ``scatter_add_``-ed onto a shared expert's output."""
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts, self.hidden_size, self.expert_dim = E, H, FFN
+            self.gate_up_proj = nn.Parameter(torch.randn(self.num_experts, self.hidden_size, 2 * self.expert_dim) * 0.1)
+            self.down_proj = nn.Parameter(torch.randn(self.num_experts, self.expert_dim, self.hidden_size) * 0.1)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            hidden_states = hidden_states.view(self.num_experts, -1, self.hidden_size)
+            gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+            gate, up = gate_up.chunk(2, dim=-1)
+            next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)
+            return next_states.view(-1, self.hidden_size)
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj = nn.Linear(H, FFN, bias=False)
+            self.up_proj = nn.Linear(H, FFN, bias=False)
+            self.down_proj = nn.Linear(FFN, H, bias=False)
+            self.activation_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.activation_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k, self.hidden_dim, self.num_experts = 1, H, E   # Llama 4's num_experts_per_tok = 1
+        self.experts = self.Experts()
+        self.router = nn.Linear(H, E, bias=False)
+        self.shared_expert = self.MLP()
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = self.router(hidden_states)
+        tokens_per_expert = hidden_states.shape[0]
+        router_top_value, router_indices = torch.topk(router_logits, self.top_k, dim=1)
+        router_scores = (
+            torch.full_like(router_logits, float("-inf")).scatter_(1, router_indices, router_top_value).transpose(0, 1)
+        )
+        router_indices = (
+            torch.arange(tokens_per_expert, device=hidden_states.device).view(1, -1).expand(router_scores.size(0), -1)
+        )
+        router_scores = torch.sigmoid(router_scores.float()).to(hidden_states.dtype)
+        router_indices = router_indices.reshape(-1, 1).expand(-1, self.hidden_dim)
+        routed_in = torch.gather(input=hidden_states, dim=0, index=router_indices).to(hidden_states.device)
+        routed_in = routed_in * router_scores.reshape(-1, 1)
+        routed_out = self.experts(routed_in)
+        out = self.shared_expert(hidden_states)
+        out.scatter_add_(dim=0, index=router_indices, src=routed_out.view(-1, self.hidden_dim))
+        return out, router_scores
+
+
 BLOCKS = {
     "gpt_fast": GptFastMoE, "torchtitan": TitanGroupedMoE, "megablocks": MegaBlocksMoE,
     "deepseek_v3": DeepseekV3MoE, "switch": SwitchFFN, "hf_qwen2_moe_v4": Qwen2MoeOldBlock,
     "fairseq_top2": FairseqTop2MoE, "jetmoe": JetMoeMoE,
-    "hf_mixtral_v4": MixtralOldBlock, "hf_dbrx_v4": DbrxOldFFN,
+    "hf_mixtral_v4": MixtralOldBlock, "hf_dbrx_v4": DbrxOldFFN, "hf_llama4_v4": Llama4OldMoe,
 }
 
 
