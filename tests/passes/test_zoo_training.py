@@ -12,9 +12,11 @@ policy in ``POLICIES`` trains ``STEPS`` AdamW steps with a router skewed towards
   so the replicas' forward, gradient reduction and (themis-rm) re-materialization are what is checked.
 
 The skew is applied from outside the block, after construction, so that the blocks stay as their
-projects write them: the block's input LayerNorm (``Layer.norm2``) gets a bias ``v`` (a unit vector)
-and the router's row of expert ``SKEWED_EXPERT`` gets ``SKEW * v`` added, which raises that expert's
-logit by ``SKEW`` for every token (the LayerNorm's normalized part has zero mean and is unchanged).
+projects write them: the block's input LayerNorm (``Layer.norm2``) gets the bias ``v = 1 / sqrt(H)``
+(the unit vector of equal entries) and the router's row of expert ``SKEWED_EXPERT`` gets ``SKEW * v``
+added. The LayerNorm's normalized output has zero mean over H, so it is orthogonal to ``v``: at
+initialisation that expert's logit rises by exactly ``SKEW`` for every token (plus the router's own
+small ``w . v`` terms), whatever the token.
 """
 
 from __future__ import annotations
@@ -65,11 +67,9 @@ def _model(style: str) -> zoo.ZooLM:
     model = zoo.ZooLM(style)
     routers = _routers(style)
     assert [name for name, _ in routers] == [f"layers.{i}.moe" for i in range(len(model.layers))], routers
-    g = torch.Generator().manual_seed(1)
+    v_H = torch.full((zoo.H,), zoo.H ** -0.5)
     with torch.no_grad():
         for layer, (_, router_path) in zip(model.layers, routers):
-            v_H = torch.randn(zoo.H, generator=g)
-            v_H /= v_H.norm()
             layer.norm2.bias.copy_(v_H)
             _router_weight(layer.moe, router_path)[SKEWED_EXPERT] += SKEW * v_H
     return model
@@ -164,7 +164,13 @@ def _ranks(rank: int, world_size: int, cases: list[tuple[str, str]]):
 
 @pytest.fixture(scope="module")
 def references():
-    return {style: _reference(style) for style in FOUND}
+    # One thread, as every rank runs: on a model this small more threads only add synchronization.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {style: _reference(style) for style in FOUND}
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -187,3 +193,22 @@ def test_found_styles_train_like_one_process(world_size, references):
             assert any(d > 0 for d in delta_p), f"{label}: the skewed router never made a replica ({delta_p})"
         else:
             assert not any(delta_p), f"{label}: a static policy reported replicas ({delta_p})"
+
+
+@pytest.mark.parametrize("style", FOUND)
+def test_rewritten_experts_run_an_expert_without_rows(style):
+    """A rank holding an expert that no row was routed to runs it on an empty input (zero gradient, as
+    in the unsharded model). Under a skewed router that is every step: the sorted-rows rewrite once
+    failed there (``view(0, 1, -1)`` of an empty result)."""
+    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.runtime.experts import ExpertBank
+
+    info = prepare_moe_layers(_model(style), strict=True)[0]
+    experts = getattr(info.module, info.experts_attr)
+    bank = ExpertBank(experts)
+    params = [t.detach().clone().requires_grad_() for t in bank.chunk(experts, 0)]
+    x_NH = torch.zeros(0, zoo.H, requires_grad=True)
+    y_NH = bank.run(params, x_NH)
+    assert y_NH.shape == (0, zoo.H)
+    y_NH.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in params)
