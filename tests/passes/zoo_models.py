@@ -412,10 +412,215 @@ class JetMoeMoE(nn.Module):
         return y.view(bsz, length, emb_size) + self.bias
 
 
+class MixtralOldBlock(nn.Module):
+    """HF ``MixtralSparseMoeBlock`` of transformers 4.36-4.38: softmax -> top-k -> renormalised weights,
+    an inline loop over a ``ModuleList`` of ``w1/w2/w3`` experts that skips experts without tokens
+    (``if top_x.shape[0] == 0: continue``) and indexes with Python lists, router logits returned."""
+
+    class BlockSparseTop2MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Linear(H, FFN, bias=False)
+            self.w2 = nn.Linear(FFN, H, bias=False)
+            self.w3 = nn.Linear(H, FFN, bias=False)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, hidden_states):
+            current_hidden_states = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
+            return self.w2(current_hidden_states)
+
+    def __init__(self, jitter_noise: float = 0.0) -> None:
+        super().__init__()
+        self.hidden_dim, self.ffn_dim, self.num_experts, self.top_k = H, FFN, E, K
+        self.gate = nn.Linear(self.hidden_dim, self.num_experts, bias=False)
+        self.experts = nn.ModuleList([self.BlockSparseTop2MLP() for _ in range(self.num_experts)])
+        self.jitter_noise = jitter_noise
+
+    def forward(self, hidden_states: torch.Tensor):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros((batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype,
+                                          device=hidden_states.device)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.shape[0] == 0:
+                continue
+            top_x_list = top_x.tolist()
+            idx_list = idx.tolist()
+            current_state = hidden_states[None, top_x_list].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x_list, idx_list, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+
+
+class DbrxOldFFN(nn.Module):
+    """HF ``DbrxFFN`` before transformers 5: a router module returning (probabilities, p-normalised
+    top-k weights, ids), and ``DbrxExperts`` holding every expert fused in flat ``w1/v1/w2`` [E * F, H]
+    parameters, viewed as [E, F, H] and chunked per expert inside its forward, which takes the block's
+    input and the whole routing and loops over the experts (skipping those without tokens)."""
+
+    class Router(nn.Module):
+        def __init__(self, moe_jitter_eps: float | None = None, moe_normalize_expert_weights: float | None = 1.0):
+            super().__init__()
+            self.hidden_size, self.moe_num_experts, self.moe_top_k = H, E, K
+            self.moe_jitter_eps = moe_jitter_eps
+            self.moe_normalize_expert_weights = moe_normalize_expert_weights
+            self.layer = nn.Linear(self.hidden_size, self.moe_num_experts, bias=False)
+
+        def forward(self, hidden_states: torch.Tensor):
+            if self.training and self.moe_jitter_eps is not None:
+                hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - self.moe_jitter_eps,
+                                                                          1.0 + self.moe_jitter_eps)
+            hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+            weights = self.layer(hidden_states).softmax(dim=-1, dtype=torch.float32)
+            top_weights, top_experts = torch.topk(weights, self.moe_top_k, dim=-1)
+            top_weights_scale = (
+                torch.norm(top_weights, p=self.moe_normalize_expert_weights, dim=-1, keepdim=True)
+                if self.moe_normalize_expert_weights is not None
+                else 1.0
+            )
+            top_weights = top_weights / top_weights_scale
+            weights = weights.to(hidden_states.dtype)
+            top_weights = top_weights.to(hidden_states.dtype)
+            return weights, top_weights, top_experts
+
+    class ExpertGLU(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hidden_size, self.ffn_hidden_size, self.moe_num_experts = H, FFN, E
+            self.w1 = nn.Parameter(torch.randn(E * FFN, H) * 0.1)
+            self.v1 = nn.Parameter(torch.randn(E * FFN, H) * 0.1)
+            self.w2 = nn.Parameter(torch.randn(E * FFN, H) * 0.1)
+            self.activation_fn = nn.SiLU()
+
+        def forward(self, x, expert_w1, expert_v1, expert_w2):
+            gate_proj = x.matmul(expert_w1.t())
+            up_proj = x.matmul(expert_v1.t())
+            gate_proj = self.activation_fn(gate_proj)
+            intermediate_states = gate_proj * up_proj
+            return intermediate_states.matmul(expert_w2)
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe_num_experts = E
+            self.mlp = DbrxOldFFN.ExpertGLU()
+
+        def forward(self, x, weights, top_weights, top_experts):
+            bsz, q_len, hidden_size = x.shape
+            x = x.view(-1, hidden_size)
+            out = torch.zeros_like(x)
+            expert_mask = F.one_hot(top_experts, num_classes=self.moe_num_experts).permute(2, 1, 0)
+            # Chunk experts at once to avoid storing full parameter multiple times in autograd
+            w1_chunked = self.mlp.w1.view(self.mlp.moe_num_experts, self.mlp.ffn_hidden_size,
+                                          self.mlp.hidden_size).chunk(self.moe_num_experts, dim=0)
+            v1_chunked = self.mlp.v1.view(self.mlp.moe_num_experts, self.mlp.ffn_hidden_size,
+                                          self.mlp.hidden_size).chunk(self.moe_num_experts, dim=0)
+            w2_chunked = self.mlp.w2.view(self.mlp.moe_num_experts, self.mlp.ffn_hidden_size,
+                                          self.mlp.hidden_size).chunk(self.moe_num_experts, dim=0)
+            w1_chunked = [w1.squeeze(dim=0) for w1 in w1_chunked]
+            v1_chunked = [v1.squeeze(dim=0) for v1 in v1_chunked]
+            w2_chunked = [w2.squeeze(dim=0) for w2 in w2_chunked]
+            for expert_idx in range(0, self.moe_num_experts):
+                topk_idx, token_idx = torch.where(expert_mask[expert_idx])
+                if token_idx.shape[0] == 0:
+                    continue
+                token_list = token_idx
+                topk_list = topk_idx
+                expert_tokens = x[None, token_list].reshape(-1, hidden_size)
+                expert_out = (
+                    self.mlp(expert_tokens, w1_chunked[expert_idx], v1_chunked[expert_idx], w2_chunked[expert_idx])
+                    * top_weights[token_list, topk_list, None]
+                )
+                out.index_add_(0, token_idx, expert_out)
+            return out.reshape(bsz, q_len, hidden_size)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = self.Router()
+        self.experts = self.Experts()
+
+    def forward(self, x: torch.Tensor):
+        weights, top_weights, top_experts = self.router(x)
+        out = self.experts(x, weights, top_weights, top_experts)
+        return out, weights
+
+
+class Llama4OldMoe(nn.Module):
+    """HF ``Llama4TextMoe`` of transformers 4.51: a top-1 router whose chosen logit goes through a
+    sigmoid and every other to ``sigmoid(-inf) = 0``; every expert runs on every token (``bmm`` over
+    stacked ``gate_up_proj [E, H, 2F]`` / ``down_proj [E, F, H]``) with the score applied to the
+    expert's *input*, and the results ``scatter_add_``-ed onto a shared expert's output."""
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts, self.hidden_size, self.expert_dim = E, H, FFN
+            self.gate_up_proj = nn.Parameter(torch.randn(self.num_experts, self.hidden_size, 2 * self.expert_dim) * 0.1)
+            self.down_proj = nn.Parameter(torch.randn(self.num_experts, self.expert_dim, self.hidden_size) * 0.1)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            hidden_states = hidden_states.view(self.num_experts, -1, self.hidden_size)
+            gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+            gate, up = gate_up.chunk(2, dim=-1)
+            next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)
+            return next_states.view(-1, self.hidden_size)
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj = nn.Linear(H, FFN, bias=False)
+            self.up_proj = nn.Linear(H, FFN, bias=False)
+            self.down_proj = nn.Linear(FFN, H, bias=False)
+            self.activation_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.activation_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k, self.hidden_dim, self.num_experts = 1, H, E   # Llama 4's num_experts_per_tok = 1
+        self.experts = self.Experts()
+        self.router = nn.Linear(H, E, bias=False)
+        self.shared_expert = self.MLP()
+
+    def forward(self, hidden_states: torch.Tensor):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = self.router(hidden_states)
+        tokens_per_expert = hidden_states.shape[0]
+        router_top_value, router_indices = torch.topk(router_logits, self.top_k, dim=1)
+        router_scores = (
+            torch.full_like(router_logits, float("-inf")).scatter_(1, router_indices, router_top_value).transpose(0, 1)
+        )
+        router_indices = (
+            torch.arange(tokens_per_expert, device=hidden_states.device).view(1, -1).expand(router_scores.size(0), -1)
+        )
+        router_scores = torch.sigmoid(router_scores.float()).to(hidden_states.dtype)
+        router_indices = router_indices.reshape(-1, 1).expand(-1, self.hidden_dim)
+        routed_in = torch.gather(input=hidden_states, dim=0, index=router_indices).to(hidden_states.device)
+        routed_in = routed_in * router_scores.reshape(-1, 1)
+        routed_out = self.experts(routed_in)
+        out = self.shared_expert(hidden_states)
+        out.scatter_add_(dim=0, index=router_indices, src=routed_out.view(-1, self.hidden_dim))
+        return out, router_scores
+
+
 BLOCKS = {
     "gpt_fast": GptFastMoE, "torchtitan": TitanGroupedMoE, "megablocks": MegaBlocksMoE,
     "deepseek_v3": DeepseekV3MoE, "switch": SwitchFFN, "hf_qwen2_moe_v4": Qwen2MoeOldBlock,
     "fairseq_top2": FairseqTop2MoE, "jetmoe": JetMoeMoE, "hf_switch_v4": SwitchSparseMLPv4,
+    "hf_mixtral_v4": MixtralOldBlock, "hf_dbrx_v4": DbrxOldFFN, "hf_llama4_v4": Llama4OldMoe,
 }
 
 

@@ -501,7 +501,8 @@ def _sorted_rows_experts_forward(experts_cls: type):
         counts_E = torch.zeros(E, dtype=torch.long, device=flat_N.device).scatter_add_(
             0, flat_N, torch.ones_like(flat_N))
         y_NH = experts_cls.forward(self, x_TH[order_N // K], counts_E)
-        y_TKH = torch.empty_like(y_NH).index_copy_(0, order_N, y_NH).view(T, K, -1)
+        # view(T, K, H), not (T, K, -1): an expert with no rows (T = 0) runs too, and -1 is ambiguous there.
+        y_TKH = torch.empty_like(y_NH).index_copy_(0, order_N, y_NH).view(T, K, y_NH.shape[-1])
         return torch.einsum("tkh,tk->th", y_TKH, weights_TK.to(y_TKH.dtype))
 
     experts_forward.__doc__ = f"{experts_cls.__name__}.forward on rows sorted by expert, combined with the weights."
