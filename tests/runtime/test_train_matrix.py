@@ -12,11 +12,12 @@ Qwen3-MoE and DeepSeek-V3) under themis, themis-rm and ep trains the way a user 
 - one expert frozen (``requires_grad_(False)`` after ``optimize``, by name): it never has a ``.grad``
   and ends where it started;
 - re-sharding every 2 steps (themis, themis-rm: experts have moved when the checkpoint is taken);
+- dense parameters through FSDP2 (the default) on 2 ranks, through DDP on 4;
 - a DCP checkpoint through ``themis_compile.checkpoint`` before step SAVE_AT; a fresh optimized model
   (frozen and checkpointed the same way) loads it and continues to step STEPS.
 
 The resumed run equals the uninterrupted one bit for bit (losses, clip norms, final parameters and
-placement), and both equal one process on the whole global batch with the same clipping, checkpointing
+placement, iteration counters, load predictions and re-sharding schedule), and both equal one process on the whole global batch with the same clipping, checkpointing
 and frozen expert (losses within 1e-5 relative, parameters allclose). ``explain`` on the optimized model
 lists its sharded layers. On 2 ranks, each HF family also has a collective that one rank skips: the other
 fails within ``collective_timeout_s`` naming the collective, the layer and the missing rank.
@@ -24,6 +25,7 @@ fails within ``collective_timeout_s`` naming the collective, the layer and the m
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import math
@@ -59,7 +61,7 @@ from tests.runtime.equivalence import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
 
-STEPS, SAVE_AT, BATCH, SEQ = 6, 3, 8, 8
+STEPS, SAVE_AT, BATCH, SEQ = 4, 2, 8, 8
 POLICIES = ("themis", "themis-rm", "ep")
 CASES = [(name, policy) for name in MODELS for policy in POLICIES]
 FROZEN = 1                 # the expert frozen in the first MoE layer
@@ -68,9 +70,11 @@ FLAT, NESTED = StateDictOptions(flatten_optimizer_state_dict=True), StateDictOpt
 
 
 def _config(policy: str, **overrides) -> themis_compile.ThemisConfig:
-    # t and m fixed: profiled budgets would make the plans depend on timing.
+    # t and m fixed: profiled budgets would make the plans depend on timing. Dense parameters: FSDP2 (the
+    # default) on 2 ranks, DDP on 4.
+    dense = "fsdp2" if not dist.is_initialized() or dist.get_world_size() == 2 else "ddp"
     return themis_compile.ThemisConfig(**{"policy": policy, "reshard_interval": 2, "overlap_degree": 8,
-                                          "materialization_budget": 2, **overrides})
+                                          "materialization_budget": 2, "dense_parallel": dense, **overrides})
 
 
 def _options(name: str) -> StateDictOptions:
@@ -92,10 +96,6 @@ def _checkpoint_activations(model) -> None:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
-def _first_layer(model) -> str:
-    return find_moe_layers(model)[0][0].name
-
-
 def _frozen_prefix(layer: str) -> str:
     return f"{layer}.experts.{FROZEN}."
 
@@ -108,8 +108,9 @@ def _reference(name: str):
     moment, and is put back after each step (AdamW's decoupled weight decay touches the whole tensor)."""
     spec = MODELS[name]
     model = make_model(spec)
-    layer = _first_layer(model)
-    info = find_moe_layers(model)[0][0]
+    infos = find_moe_layers(model)[0]
+    layers, info = [i.name for i in infos], infos[0]
+    layer = info.name
     experts = getattr(info.module, info.experts_attr)
     stacked = not ExpertBank(experts).per_expert_modules
     if stacked:
@@ -136,7 +137,7 @@ def _reference(name: str):
                 for p, p0 in zip(sliced, initial):
                     p[FROZEN] = p0
         losses.append(loss.item())
-    return (losses, _dense_params(model), _expert_chunks_reference(model)), norms
+    return (losses, _dense_params(model), _expert_chunks_reference(model)), norms, layers
 
 
 # ---------------------------------------------------------------------------------- distributed
@@ -187,8 +188,14 @@ def _train(model, opt, policy: str, start: int, save=None) -> dict:
         losses.append(t.item() / world)
     owned = {(li, e): [t.detach().clone() for t in chunk]
              for li, layer in enumerate(runtime.layers.values()) for e, chunk in layer.local_chunks().items()}
+    scheduler = runtime.reshard_scheduler
+    # What the runtime carries over a checkpoint: iteration counters, predictions, re-sharding schedule.
+    view = dict(iterations=[getattr(layer, "iteration", None) for layer in runtime.layers.values()],
+                predictions=[layer.predictor.predict(0).tolist() for layer in runtime.layers.values()
+                             if hasattr(layer, "predictor")],
+                schedule=None if scheduler is None else scheduler.state_dict())
     return dict(losses=losses, norms=norms, frozen_grads=frozen_grads, recomputed=recomputed,
-                dense=_dense_params(model), owned=owned, placements=_placements(model))
+                dense=_dense_params(model), owned=owned, placements=_placements(model), runtime=view)
 
 
 def _placements(model) -> dict[str, list[int]]:
@@ -298,17 +305,17 @@ def test_user_training_loop_matches_one_process(references, tmp_path, world_size
                             devices_per_node=devices_per_node, timeout_s=300)
     for name, policy in CASES:
         label = f"{name}/{policy} on {world_size} ranks"
-        reference, ref_norms = references[name]
+        reference, ref_norms, layers = references[name]
         assert min(ref_norms) > 2 * MAX_NORM, f"{name}: clipping is not active ({ref_norms})"
         per_rank = [r[(name, policy)] for r in results]
         fsdp = policy != "ep"
-        layers = find_moe_layers(make_model(MODELS[name]))[0]
         for rank, res in enumerate(per_rank):
             full, resumed = res["full"], res["resumed"]
             # Resume is exact: the uninterrupted run's losses, norms, parameters and placement.
             assert resumed["losses"] == full["losses"][SAVE_AT:], label
             assert resumed["norms"] == full["norms"][SAVE_AT:], label
             assert resumed["placements"] == full["placements"], label
+            assert resumed["runtime"] == full["runtime"], f"{label}: {resumed['runtime']} vs {full['runtime']}"
             assert resumed["owned"].keys() == full["owned"].keys(), label
             for key, chunk in resumed["owned"].items():
                 for a, b in zip(chunk, full["owned"][key], strict=True):
@@ -329,8 +336,8 @@ def test_user_training_loop_matches_one_process(references, tmp_path, world_size
                 assert res["moved"] > 0 and res["placements"] != res["initial"], f"{label}: no expert moved"
             text = res["explain"]
             assert f"policy {policy}, rank {rank} of {world_size}): {len(layers)} MoE layer(s) sharded" in text, text
-            for info in layers:
-                assert f"  {info.name}: {policy}, " in text, text
+            for layer in layers:
+                assert f"  {layer}: {policy}, " in text, text
         # Both runs equal one process on the whole global batch.
         for run in ("full", "resumed"):
             got = [(r[run]["losses"] if run == "full" else r["full"]["losses"][:SAVE_AT] + r[run]["losses"],
@@ -354,3 +361,41 @@ def test_user_training_loop_matches_one_process(references, tmp_path, world_size
             assert expected in msg and "rank 1 did not participate" in msg, (name, msg)
             assert waiting["missing"] == (1,), (name, msg)
             assert waiting["elapsed"] <= DEADLINE_TIMEOUT_S + 3.0, (name, waiting["elapsed"])
+
+
+# ---------------------------------------------------------------------------------- one process
+def test_stacked_weight_with_a_frozen_expert_checkpoints():
+    """A stacked weight one of whose experts is frozen has no optimizer state for that expert: its chunk of
+    each state tensor is saved as zeros (the trained experts' ``step``), and loading gives it no state back,
+    so that the resumed run is the uninterrupted one. (``get_state_dict`` used to refuse such a weight:
+    "experts [1] have no optimizer state while experts [0, 2, ...] have".)"""
+    def build():
+        model = themis_compile.optimize(make_model(MODELS["ref-stacked"]), _config("themis"))
+        frozen = [p for n, p in model.named_parameters() if n.startswith(_frozen_prefix("blocks.0.moe"))]
+        for p in frozen:
+            p.requires_grad_(False)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR), frozen
+
+    def train(model, opt, batches):
+        losses = []
+        for tokens in batches:
+            loss = model_loss(model, tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    batches = _batches(4, 2, SEQ, 256)
+    model, opt, frozen = build()
+    train(model, opt, batches[:2])
+    model_sd, optim_sd = (copy.deepcopy(sd) for sd in get_state_dict(model, opt, options=FLAT))
+    exp_avg = optim_sd["state.blocks.0.moe.experts.w1_EFH.exp_avg"]
+    assert exp_avg.shape[0] == 8 and not exp_avg[FROZEN].any() and exp_avg[FROZEN + 1:].any()
+    assert torch.equal(optim_sd["state.blocks.0.moe.experts.w1_EFH.step"], torch.tensor(2.0))
+    expected = train(model, opt, batches[2:])
+
+    model, opt, frozen = build()
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=FLAT)
+    assert frozen and all(p not in opt.state for p in frozen)
+    assert train(model, opt, batches[2:]) == expected
