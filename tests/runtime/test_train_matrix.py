@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import datetime
 import functools
+import gc
 import math
 import os
 import time
@@ -194,8 +195,14 @@ def _train(model, opt, policy: str, start: int, save=None) -> dict:
                 predictions=[layer.predictor.predict(0).tolist() for layer in runtime.layers.values()
                              if hasattr(layer, "predictor")],
                 schedule=None if scheduler is None else scheduler.state_dict())
+    del loss
+    gc.collect()
     return dict(losses=losses, norms=norms, frozen_grads=frozen_grads, recomputed=recomputed,
-                dense=_dense_params(model), owned=owned, placements=_placements(model), runtime=view)
+                dense=_dense_params(model), owned=owned, placements=_placements(model), runtime=view,
+                # Replay records live as long as their checkpoint's autograd graph: none may outlive backward.
+                records_left=sum(len(getattr(layer, "_checkpointed", ())) for layer in runtime.layers.values()),
+                # The recomputation fed neither the statistics nor the predictor (one record per forward).
+                stats=len(runtime.stats), delta_p=sum(s.delta_p for s in runtime.stats))
 
 
 def _placements(model) -> dict[str, list[int]]:
@@ -330,6 +337,11 @@ def test_user_training_loop_matches_one_process(references, tmp_path, world_size
             assert full["recomputed"] == [STEPS] * len(layers), f"{label}: recomputations {full['recomputed']}"
             assert resumed["recomputed"] == [STEPS - SAVE_AT] * len(layers), label
             assert full["frozen_grads"] == resumed["frozen_grads"] == [], f"{label}: frozen expert got .grad"
+            assert full["records_left"] == resumed["records_left"] == 0, f"{label}: replay records leaked"
+            if fsdp:
+                assert full["stats"] == STEPS * len(layers), f"{label}: {full['stats']} statistics records"
+                assert full["runtime"]["iterations"] == [STEPS] * len(layers), label
+                assert full["delta_p"] > 0, f"{label}: no replica was materialized"
             # Re-sharding moved experts before the save, and the resumed model adopted the saved placement.
             assert res["adopted"] == res["placements"], label
             if fsdp:
