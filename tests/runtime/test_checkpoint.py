@@ -3,8 +3,8 @@
 Each model trains 6 AdamW steps with re-sharding every 2 steps (experts have moved when the checkpoint is
 taken after step 3); the checkpoint must
 - hold the unmodified model's keys and full shapes, every expert chunk written by its owner at the save;
-- resume at the same world size (4 ranks as 2 nodes x 2 with FSDP2 here; 2 ranks, and 4 with DDP, for
-  every model and policy in test_train_matrix.py) bit for bit (placement, predictor windows, iteration
+- resume at the same world size (4 ranks as 2 nodes x 2 here; 2 and 4 ranks for every model and policy
+  in test_train_matrix.py) bit for bit (placement, predictor windows, iteration
   counters and re-sharding schedule restored), and at another world size or under another policy within
   1e-6 of the uninterrupted run;
 - load into the unmodified model in one process (``dcp_to_torch_save``), and an unmodified model's

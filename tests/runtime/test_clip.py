@@ -78,14 +78,15 @@ def _run(rank, world_size, cases, extras):
     return out
 
 
-# The 2-norm under themis / themis-rm / ep for every model (FSDP2 on 2 ranks, DDP on 4) is in
-# test_train_matrix.py; here the other norms, argument forms and dense-parallel combinations.
+# The 2-norm under themis / themis-rm / ep with FSDP2 for every model is in test_train_matrix.py; here the
+# other norms, argument forms and dense-parallel combinations.
 CASES_2 = [
     (LOOP, dict(policy="themis-rm", dense_parallel="ddp", **FSSDP), 2.0, "generator"),
     (STACKED, dict(policy="ep"), math.inf, "list"),
     (LOOP, dict(policy="ep", dense_parallel="ddp"), 2.0, "model"),
 ]
 CASES_4 = [
+    (LOOP, dict(policy="themis", dense_parallel="ddp", **FSSDP), 2.0, "model"),
     (LOOP, dict(policy="themis-rm", **FSSDP), math.inf, "generator"),
     # 3 experts on 4 ranks: one rank owns none and must still join the reduction.
     (dict(LOOP, num_experts=3), dict(policy="ep"), 2.0, "list"),
