@@ -260,7 +260,7 @@ def _stack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer], timeout_
             # Step 1: the state entries, merged.
             frozen = {e for e in owned if not _expert_param(m, e, name).requires_grad}
             merged = _merge_expert_state(m, stacked, per_weight[stacked], tuple(m.bank.spec[i][0]), frozen,
-                                         templates.get(stacked))
+                                         templates.get(stacked), _expert_param(m, owned[0], name).device)
             if merged:
                 if flat:
                     optim_sd.update({f"{_STATE}.{stacked}.{k}": v for k, v in merged.items()})
@@ -316,7 +316,7 @@ def _state_templates(layers: list[_StackedLayer], per_weight: dict[str, dict[int
 
 
 def _merge_expert_state(m: ShardedExperts, stacked: str, per_expert: dict[int, dict], shape: tuple,
-                        frozen: set[int], template: dict | None) -> dict:
+                        frozen: set[int], template: dict | None, device: torch.device) -> dict:
     owned = sorted(per_expert)
     with_state = [e for e in owned if per_expert[e]]
     if template is None:
@@ -327,7 +327,7 @@ def _merge_expert_state(m: ShardedExperts, stacked: str, per_expert: dict[int, d
                            "other experts of the weight have; a stacked weight's trainable experts step together")
     reference = per_expert[with_state[0]] if with_state else None
     for e in unstepped:       # frozen: zeros, and the trained experts' shared values
-        per_expert[e] = {k: torch.zeros(shape, dtype=spec[1]) if spec[0] == "tensor"
+        per_expert[e] = {k: torch.zeros(shape, dtype=spec[1], device=device) if spec[0] == "tensor"
                          else (reference[k] if reference is not None else spec[1])
                          for k, spec in template.items()}
     keys = per_expert[owned[0]].keys()
