@@ -53,6 +53,7 @@ from torch.distributed.checkpoint import state_dict as _dsd
 
 from themis_compile.api import ThemisRuntime
 from themis_compile.planner import Placement
+from themis_compile.runtime import deadline
 from themis_compile.runtime.ep import ShardedExperts, expert_sharded_tensor, expert_slice
 from themis_compile.runtime.fssdp import FSSDPExperts
 from themis_compile.runtime.reshard import move_experts
@@ -83,7 +84,7 @@ def get_state_dict(
     with _schedule_paused(runtime):
         model_sd, optim_sd = _dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
     if optimizers:
-        _stack_optimizer_state(optim_sd, _stacked_layers(model, runtime))
+        _stack_optimizer_state(optim_sd, _stacked_layers(model, runtime), runtime.config.collective_timeout_s)
         optim_sd[RUNTIME_STATE_KEY] = json.dumps(runtime_state_dict(model))
     return model_sd, optim_sd
 
@@ -222,23 +223,44 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _stack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer]) -> None:
-    """Per-expert optimizer entries of stacked weights -> one entry per unmodified weight (in place)."""
+def _stack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer], timeout_s: float) -> None:
+    """Per-expert optimizer entries of stacked weights -> one entry per unmodified weight (in place).
+
+    A frozen expert (its tensor of the weight does not require grad) has no optimizer state; its chunk
+    of each stacked state tensor is written as zeros (the state of a slice that never had a gradient),
+    shared values (Adam's ``step``) as the weight's trained experts have them. What the state holds is
+    known from the experts that have some: on this rank, or, where every expert this rank owns of the
+    weight is frozen, on another (collective: one gather of those descriptions when the model has stacked
+    weights and runs on several ranks).
+    """
     flat = _is_flat(optim_sd)
+    per_weight = {}
     for layer in layers:
         m = layer.module
         owned = m.owned_experts()
         if not owned:
             continue       # the owners write this layer's entries
         for i, name in enumerate(m.bank.names):
+            internal = {e: layer.internal_fqn(e, name) for e in owned}
+            if flat:
+                per_weight[layer.stacked_fqn(name)] = {e: _pop_prefixed(optim_sd, f"{_STATE}.{internal[e]}.")
+                                                       for e in owned}
+            else:
+                per_weight[layer.stacked_fqn(name)] = {e: optim_sd[_STATE].pop(internal[e], None) or {}
+                                                       for e in owned}
+    templates = _state_templates(layers, per_weight, timeout_s)
+    for layer in layers:
+        m = layer.module
+        owned = m.owned_experts()
+        if not owned:
+            continue
+        for i, name in enumerate(m.bank.names):
             stacked = layer.stacked_fqn(name)
             internal = {e: layer.internal_fqn(e, name) for e in owned}
             # Step 1: the state entries, merged.
-            if flat:
-                per_expert = {e: _pop_prefixed(optim_sd, f"{_STATE}.{internal[e]}.") for e in owned}
-            else:
-                per_expert = {e: optim_sd[_STATE].pop(internal[e], None) or {} for e in owned}
-            merged = _merge_expert_state(m, stacked, per_expert, tuple(m.bank.spec[i][0]))
+            frozen = {e for e in owned if not _expert_param(m, e, name).requires_grad}
+            merged = _merge_expert_state(m, stacked, per_weight[stacked], tuple(m.bank.spec[i][0]), frozen,
+                                         templates.get(stacked), _expert_param(m, owned[0], name).device)
             if merged:
                 if flat:
                     optim_sd.update({f"{_STATE}.{stacked}.{k}": v for k, v in merged.items()})
@@ -265,14 +287,49 @@ def _stack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer]) -> None:
                     g[_PARAMS] = params
 
 
-def _merge_expert_state(m: ShardedExperts, stacked: str, per_expert: dict[int, dict], shape: tuple) -> dict:
+def _expert_param(m: ShardedExperts, e: int, name: str) -> torch.Tensor:
+    """Owned expert e's tensor of stacked weight ``name``."""
+    return dict(m.expert(e).named_parameters())[name.replace(".", "__")]
+
+
+def _state_templates(layers: list[_StackedLayer], per_weight: dict[str, dict[int, dict]],
+                     timeout_s: float) -> dict[str, dict]:
+    """Stacked weight -> what its optimizer state holds: ``{key: ("tensor", dtype) | ("value", v)}``, from
+    an expert with state here or on another rank (one ``all_gather_object`` over the experts' group when
+    there are several ranks: every rank calls it, whatever it owns)."""
+    local = {}
+    for stacked, states in per_weight.items():
+        state = next((s for s in states.values() if s), None)
+        if state is not None:
+            local[stacked] = {k: ("tensor", v.dtype) if torch.is_tensor(v) and v.dim() > 0 else ("value", v)
+                              for k, v in state.items()}
+    group = layers[0].module.group if layers else None
+    if group is None:
+        return local
+    gathered = deadline.all_gather_object(local, group=group, timeout_s=timeout_s,
+                                          purpose="checkpoint: stacked optimizer-state entries")
+    templates = {}
+    for other in gathered:
+        for stacked, template in other.items():
+            templates.setdefault(stacked, template)
+    return templates
+
+
+def _merge_expert_state(m: ShardedExperts, stacked: str, per_expert: dict[int, dict], shape: tuple,
+                        frozen: set[int], template: dict | None, device: torch.device) -> dict:
     owned = sorted(per_expert)
     with_state = [e for e in owned if per_expert[e]]
-    if not with_state:
-        return {}      # a stateless optimizer (SGD without momentum)
-    if len(with_state) != len(owned):
-        raise RuntimeError(f"{stacked}: experts {sorted(set(owned) - set(with_state))} have no optimizer state "
-                           f"while experts {with_state} have; a stacked weight's experts step together")
+    if template is None:
+        return {}      # a stateless optimizer (SGD without momentum), or every expert frozen
+    unstepped = sorted(set(owned) - set(with_state))
+    if set(unstepped) - frozen:
+        raise RuntimeError(f"{stacked}: experts {sorted(set(unstepped) - frozen)} have no optimizer state while "
+                           "other experts of the weight have; a stacked weight's trainable experts step together")
+    reference = per_expert[with_state[0]] if with_state else None
+    for e in unstepped:       # frozen: zeros, and the trained experts' shared values
+        per_expert[e] = {k: torch.zeros(shape, dtype=spec[1], device=device) if spec[0] == "tensor"
+                         else (reference[k] if reference is not None else spec[1])
+                         for k, spec in template.items()}
     keys = per_expert[owned[0]].keys()
     merged = {}
     for k in keys:
@@ -286,12 +343,13 @@ def _merge_expert_state(m: ShardedExperts, stacked: str, per_expert: dict[int, d
             merged[k] = expert_sharded_tensor(values, m.shard_placement, (shape, v0.dtype), m.group,
                                               name=f"{stacked}.{k}")
         else:
-            # Shared by the stacked weight (Adam's step): one value, equal for every expert.
-            for e in owned:
-                if not _same(values[e], v0):
-                    raise RuntimeError(f"{stacked}: optimizer state {k!r} differs between experts {owned[0]} and "
-                                       f"{e} ({v0} vs {values[e]}); a stacked weight holds one value")
-            merged[k] = v0
+            # Shared by the stacked weight (Adam's step): one value, equal for every trained expert.
+            for e in with_state:
+                if not _same(values[e], values[with_state[0]]):
+                    raise RuntimeError(f"{stacked}: optimizer state {k!r} differs between experts {with_state[0]} "
+                                       f"and {e} ({values[with_state[0]]} vs {values[e]}); a stacked weight holds "
+                                       "one value")
+            merged[k] = values[with_state[0]] if with_state else v0
     return merged
 
 
@@ -304,7 +362,8 @@ def _expert_value(value, e: int, m: ShardedExperts, shape: tuple, name: str):
 
 
 def _unstack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer]) -> None:
-    """The inverse of :func:`_stack_optimizer_state` for the experts this rank owns (in place)."""
+    """The inverse of :func:`_stack_optimizer_state` for the experts this rank owns (in place); the
+    experts frozen in this model get no optimizer state."""
     flat = _is_flat(optim_sd)
     for layer in layers:
         m = layer.module
@@ -313,17 +372,21 @@ def _unstack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer]) -> Non
             stacked = layer.stacked_fqn(name)
             shape = tuple(m.bank.spec[i][0])
             internal = {e: layer.internal_fqn(e, name) for e in owned}
+            # A frozen expert gets no optimizer state, as in a run that never saved.
+            trained = [e for e in owned if _expert_param(m, e, name).requires_grad]
             if flat:
                 state = _pop_prefixed(optim_sd, f"{_STATE}.{stacked}.")
                 hyper = _pop_prefixed(optim_sd, f"{_PG}.{stacked}.")
                 for e in owned:
-                    optim_sd.update({f"{_STATE}.{internal[e]}.{k}": _expert_value(v, e, m, shape, f"{stacked}.{k}")
-                                     for k, v in state.items()})
+                    if e in trained:
+                        optim_sd.update({f"{_STATE}.{internal[e]}.{k}": _expert_value(v, e, m, shape,
+                                                                                    f"{stacked}.{k}")
+                                         for k, v in state.items()})
                     optim_sd.update({f"{_PG}.{internal[e]}.{k}": v for k, v in hyper.items()})
                 continue
             state = optim_sd[_STATE].pop(stacked, None)
             if state is not None:
-                for e in owned:
+                for e in trained:
                     optim_sd[_STATE][internal[e]] = {k: _expert_value(v, e, m, shape, f"{stacked}.{k}")
                                                      for k, v in state.items()}
             for g in optim_sd[_PG]:

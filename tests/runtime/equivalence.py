@@ -15,7 +15,7 @@ from themis_compile.models import build_model, lm_loss
 LR = 1e-2
 
 # The models the runtime's equivalence tests train: the reference model in both expert forms and tiny HF
-# Mixtral and Qwen3-MoE (``make_model`` specs).
+# Mixtral, Qwen3-MoE and DeepSeek-V3 (``make_model`` specs).
 MODELS = {
     "ref-loop": dict(name="tiny-moe", router_skew=2.0, experts_form="loop", top_k=2, num_experts=6),
     "ref-stacked": dict(name="tiny-moe", router_skew=2.0, experts_form="stacked", top_k=1, shared_expert=True),
@@ -23,6 +23,7 @@ MODELS = {
     # A lower learning rate: at 1e-2 this tiny Qwen3 config's router flips near-tied top-k choices after
     # ~12 steps, so that even EP and the single-process run drift apart by 1e-5 (rounding made chaotic).
     "qwen3-moe": dict(hf="qwen3-moe", num_experts=8, lr=2e-3),
+    "deepseek-v3": dict(hf="deepseek-v3", num_experts=8),
 }
 
 
@@ -32,8 +33,8 @@ def _batches(steps: int, global_batch: int, seq_len: int, vocab: int, seed: int 
 
 
 def make_model(spec: dict):
-    """A reference model (``build_model(**spec)``) or, with ``hf="mixtral"|"qwen3-moe"``, a tiny
-    random-init Hugging Face MoE model (no download)."""
+    """A reference model (``build_model(**spec)``) or, with ``hf="mixtral"|"qwen3-moe"|"deepseek-v3"``, a
+    tiny random-init Hugging Face MoE model (no download)."""
     torch.manual_seed(0)
     spec = dict(spec)
     spec.pop("lr", None)
@@ -47,6 +48,18 @@ def make_model(spec: dict):
 
         cfg = MixtralConfig(intermediate_size=64, num_local_experts=spec.pop("num_experts", 4), **common)
         return MixtralForCausalLM(cfg)
+    if family == "deepseek-v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        # A dense first layer (first_k_dense_replace=1), then one MoE layer: group-limited sigmoid routing
+        # (2 groups, the best 1 kept) and one shared expert; low-rank (MLA) attention.
+        cfg = DeepseekV3Config(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                               n_routed_experts=spec.pop("num_experts", 4), n_shared_experts=1,
+                               num_experts_per_tok=spec.pop("top_k", 2), n_group=2, topk_group=1,
+                               first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                               qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64)
+        return DeepseekV3ForCausalLM(cfg)
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=spec.pop("num_experts", 4),

@@ -3,9 +3,10 @@
 Each model trains 6 AdamW steps with re-sharding every 2 steps (experts have moved when the checkpoint is
 taken after step 3); the checkpoint must
 - hold the unmodified model's keys and full shapes, every expert chunk written by its owner at the save;
-- resume at the same world size (2 ranks, and 4 ranks as 2 nodes x 2) bit for bit (placement, predictor
-  windows, iteration counters and re-sharding schedule restored), and at another world size or under
-  another policy within 1e-6 of the uninterrupted run;
+- resume at the same world size (4 ranks as 2 nodes x 2 here; 2 and 4 ranks for every model and policy
+  in test_train_matrix.py) bit for bit (placement, predictor windows, iteration
+  counters and re-sharding schedule restored), and at another world size or under another policy within
+  1e-6 of the uninterrupted run;
 - load into the unmodified model in one process (``dcp_to_torch_save``), and an unmodified model's
   checkpoint must load into an optimized one.
 
@@ -151,16 +152,8 @@ def _two_ranks(rank, world_size, dirs):
         record: dict = {}
         model, opt = _build(name, policy)
         full = _train(model, opt, 0, STEPS, save=_save(path, options, record))
-        end = _runtime_view(model)
         del model, opt
-        # Resume under the same policy: the saved placement is adopted, the rest continues exactly.
-        model, opt = _build(name, policy)
-        fresh = _placements(model)
-        _load(model, opt, path, options)
-        adopted = _placements(model)
-        resumed = _train(model, opt, SAVE_AT, STEPS)
-        resumed_end = _runtime_view(model)
-        del model, opt
+        # (Resuming at 2 ranks under the same policy: test_train_matrix.py, for every model and policy.)
         model, opt = _build(name, other)
         _load(model, opt, path, options)
         crossed = _train(model, opt, SAVE_AT, STEPS)
@@ -169,8 +162,7 @@ def _two_ranks(rank, world_size, dirs):
         _load(model, opt, os.path.join(dirs["unmodified"], name), options, runtime_state=False)
         from_unmodified = _train(model, opt, SAVE_AT, STEPS)
         del model, opt
-        out[name] = dict(full=full, resumed=resumed, crossed=crossed, from_unmodified=from_unmodified,
-                         fresh=fresh, adopted=adopted, end=end, resumed_end=resumed_end, **record)
+        out[name] = dict(full=full, crossed=crossed, from_unmodified=from_unmodified, **record)
     return out
 
 
@@ -240,18 +232,6 @@ def test_state_dict_has_unmodified_keys_and_shapes(two_rank_run, name):
             continue
         writer = int(re.match(r"__(\d+)_", info.relative_path).group(1))
         assert writer == placements[layer][e], (index, info.relative_path)
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_resume_is_exact(two_rank_run, name):
-    _, _, results = two_rank_run
-    for r in results:
-        res = r[name]
-        assert res["resumed"] == res["full"][SAVE_AT:]
-        assert res["adopted"] == res["placements"] != res["fresh"]
-        # Predictor windows, iteration counters and the re-sharding schedule continued too: the
-        # re-sharding after the save happened at the same step, from the same predictions.
-        assert res["resumed_end"] == res["end"]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -38,7 +38,8 @@ def _step_record(model, opt, step):
 
 
 def _cases():
-    return [(name, policy) for name in MODELS for policy in POLICIES]
+    # DeepSeek-V3 trains under themis and themis-rm in test_train_matrix.py (4 steps, 2 and 4 ranks).
+    return [(name, policy) for name in MODELS if name != "deepseek-v3" for policy in POLICIES]
 
 
 SGD_CASE = ("ref-loop", "themis-rm")
@@ -66,7 +67,7 @@ def _run(rank, world_size, cases):
 def test_fssdp_matches_single_process(world_size, devices_per_node):
     cases = _cases()
     results = run_multirank(_run, world_size, args=(cases,), devices_per_node=devices_per_node, timeout_s=120)
-    references = {name: train_reference(MODELS[name], STEPS, BATCH, SEQ) for name in MODELS}
+    references = {name: train_reference(MODELS[name], STEPS, BATCH, SEQ) for name in dict(cases)}
     for i, (name, policy) in enumerate(cases):
         per_rank = [r[i] for r in results]
         try:
