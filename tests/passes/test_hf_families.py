@@ -34,7 +34,6 @@ NOT_SHARDED = {
     "llama4": "are called as experts(Tensor[32, 32])",                # every expert on every row
     "longcat_flash": "cannot be cut into equal per-expert chunks",    # zero experts stacked with real ones
     "muse_spark": "cannot be cut into equal per-expert chunks",       # a norm shared by all experts
-    "nllb_moe": "runs only the experts that receive tokens",          # None vs zero gradients
     "switch_transformers": "is called with a dispatch mask",          # one-hot [T, K, E] masks
     "deepseek_v4": "the forward fails on probe hidden states",      # layer 0 only: hash routing by input_ids
     "doge": None,               # product-key experts held as embeddings: no experts child
