@@ -11,6 +11,11 @@ global-batch mean loss that single-process training computes. The scale sits in 
 (`scale_grad`), not in a hook on the parameter: a frozen expert (``requires_grad=False``) gets no gradient
 at all, and one unfrozen after ``optimize`` is scaled like the others.
 
+Experts without tokens: on a layer whose experts module runs only the experts that receive tokens
+(``skips_empty_experts``), the owner does not run an expert that received no row — the owner receives
+every row of its experts, so that is no token of the global batch — and its ``.grad`` stays None, as in
+one process (AdamW then skips it). Otherwise it runs on empty rows and gets a zero gradient, as there.
+
 Shape suffixes: T tokens, K top-k, H d_model, E experts, N rows.
 """
 
