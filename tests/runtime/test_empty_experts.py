@@ -297,7 +297,8 @@ def test_one_process_skips_the_blocked_experts():
 def test_empty_experts_train_like_one_process(tmp_path):
     ref = reference()
     for world_size, devices_per_node in ((2, None), (4, 2)):
-        cases = [(config, None) for config in CONFIGS]
+        # At 4 ranks the resumed run is the themis case (equal to one process as well).
+        cases = [(config, None) for config in (CONFIGS if world_size == 2 else CONFIGS[1:])]
         cases.append((CONFIGS[0], str(tmp_path / f"ckpt{world_size}")))
         results = run_multirank(_run, world_size, args=(cases,), devices_per_node=devices_per_node, timeout_s=120)
         for i, (config, ckpt) in enumerate(cases):
