@@ -625,8 +625,9 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
 
     Pseudo-code:
         if the experts are stacked: False
-        experts(x, ids, weights) call: call it with no id routed to expert 0; skips = expert 0 got no .grad
-        inline loop: one probe token reaches k < E experts; skips = some expert was never called
+        experts(x, ids, weights) of a module with a forward: call it with no id routed to expert 0;
+            skips = expert 0 got no .grad
+        a loop of the block's own: one probe token reaches k < E experts; skips = some expert was never called
     """
     from themis_compile.runtime.experts import expert_modules
 
@@ -634,7 +635,7 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
     if expert_modules(experts) is None:       # (a ModuleDict found by behaviour is per-expert modules too)
         return False
     x = probe_input(module, info.hidden_size, flat=info.probe_flat)
-    if info.rewrite == "none":
+    if info.rewrite == "none" and type(experts).forward is not nn.Module.forward:
         stand_in = _ExpertsStandIn(experts)
         setattr(module, attr, stand_in)
         try:
@@ -643,8 +644,9 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
             setattr(module, attr, experts)
         x_TH, ids_TK, weights_TK = stand_in.calls[0]
         return _skipped_expert_gradient(experts, x_TH, ids_TK, weights_TK, info.num_experts)
-    if info.rewrite != "inline-loop" or info.top_k >= info.num_experts:
+    if info.rewrite not in ("none", "inline-loop") or info.top_k >= info.num_experts:
         return False
+    # A loop of the block's own (inline, or through a helper over a container without a forward).
     calls = [0] * info.num_experts
     hooks = [m.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
              for i, m in enumerate(expert_modules(experts))]
