@@ -127,7 +127,8 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         else:
             experts = ShardedExperts(bank, original, shard, rank=rank, world_size=world_size, group=group,
                                      layer=info.name, uniform_routing=config.policy == "uniform",
-                                     timeout_s=config.collective_timeout_s)
+                                     timeout_s=config.collective_timeout_s,
+                                     skips_empty_experts=info.skips_empty_experts)
         setattr(block, info.experts_attr, experts)
         if world_size > 1 and hasattr(block, "global_tokens_per_expert"):
             block.global_tokens_per_expert = _make_count_reducer(group, info.name, config.collective_timeout_s)
@@ -262,7 +263,7 @@ def _fssdp_experts(bank, experts, shard, state, index: int, info: MoELayerInfo, 
     cost = PlanCost(time_per_token_s=flops / 1e10, expert_bytes=float(bank.chunk_bytes), topology=state.topology)
     return FSSDPExperts(bank, experts, shard, state=state, layer_index=index, overlap_degree=t,
                         materialization_budget=m, cost=cost, predictor_window=config.predictor_window,
-                        layer=info.name)
+                        layer=info.name, skips_empty_experts=info.skips_empty_experts)
 
 
 def _make_count_reducer(group, layer: str = "", timeout_s: float = deadline.DEFAULT_TIMEOUT_S):

@@ -30,6 +30,12 @@ touch they are torch's. On an optimized model they add what torch's cannot do:
   experts then move (parameters and optimizer state, as re-sharding moves them) to the saved placement,
   so that a resumed run is the uninterrupted one bit for bit; at another world size the tensors stay in
   the loading run's own placement and the predictor windows and the schedule still carry over.
+- *Experts the optimizer has not stepped yet.* An expert that no token has reached since training began
+  (its layer's experts module runs only the experts that receive tokens) has no optimizer state, as in
+  one process; torch's functions would leave it out of the checkpoint, and loading into a fresh optimizer
+  (which torch gives state for every parameter) would then miss its keys. Under Adam / AdamW it is
+  given the state those optimizers create lazily on an expert's first step (``step`` 0, zero moments),
+  which trains the same as no state; under other optimizers ``get_state_dict`` raises naming the experts.
 - *No re-sharding inside the state-dict calls.* torch's functions create missing optimizer state with a
   zero-lr ``step()``; the re-sharding schedule does not count it.
 
@@ -81,6 +87,8 @@ def get_state_dict(
         return _dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
     _check_options(runtime, options)
     optimizers = _as_tuple(optimizers)
+    for optimizer in optimizers:
+        _initial_state_of_unstepped_experts(runtime, optimizer)
     with _schedule_paused(runtime):
         model_sd, optim_sd = _dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
     if optimizers:
@@ -119,6 +127,33 @@ def set_state_dict(
     if runtime_state is not None:
         load_runtime_state_dict(model, optimizers, runtime_state)
     return result
+
+
+# ---------------------------------------------------------------------------------- unstepped experts
+_LAZY_ZERO_STATE = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _initial_state_of_unstepped_experts(runtime: ThemisRuntime, optimizer: torch.optim.Optimizer) -> None:
+    """Give owned trainable experts of ``optimizer`` without state the state Adam / AdamW create on a
+    first step (``step`` 0, zero moments: the same training as no state), so that the checkpoint holds
+    every expert's keys; raise for other optimizers (their first-step state is not zeros in general)."""
+    state = optimizer.state
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [(name, e, p) for name, layer in runtime.layers.items() for e, chunk in layer.local_chunks().items()
+               for p in chunk if id(p) in params and p.requires_grad and not state.get(p)]
+    if not missing:
+        return
+    ref = next((v for g in optimizer.param_groups for q in g["params"] if (v := state.get(q))), None)
+    if ref is None:
+        return      # nothing stepped yet: torch's functions create every parameter's state alike
+    if not isinstance(optimizer, _LAZY_ZERO_STATE):
+        experts = sorted({f"{name}[{e}]" for name, e, _ in missing})
+        raise RuntimeError(f"checkpoint: experts {experts} have no {type(optimizer).__name__} state yet (no token "
+                           "reached them since training began); only Adam and AdamW, whose first-step state "
+                           "is zeros, can be given one for the checkpoint")
+    for _, _, p in missing:
+        state[p] = {k: (torch.zeros_like(v) if v.dim() == 0 else torch.zeros_like(p, memory_format=torch.preserve_format))
+                    if torch.is_tensor(v) else 0 if isinstance(v, (int, float)) else v for k, v in ref.items()}
 
 
 # ---------------------------------------------------------------------------------- the runtime's state

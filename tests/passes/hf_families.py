@@ -143,7 +143,7 @@ def _shrunk(config_class, extra: dict | None = None):
     d = defaults.to_dict()
     over = _shrink_dict(d)
     for k, v in d.items():
-        if isinstance(v, float) and ("dropout" in k or "jitter" in k or k.endswith("_pdrop")):
+        if isinstance(v, float) and ("dropout" in k or "jitter" in k or k.endswith("_pdrop") or k.endswith("layerdrop")):
             over[k] = 0.0
         if "capacity" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
             over[k] = 1024 if isinstance(v, int) else 1024.0   # no token dropped on any split of the batch

@@ -102,13 +102,19 @@ def test_stored_auxiliary_loss_is_reported():
     (lambda: zoo.OldHFBlock(expert_ffns=[64, 128, 64, 64]), "experts are not identical: expert 1"),
     (lambda: zoo.OldHFBlock(gate_width=6), "router 'gate' scores 6 experts but 'experts' holds 4"),
     (zoo.DenseSoftMoE, "no top-k selection"),
-    (zoo.CurrentHFLoopBlock, "loops over the experts inline and cannot be traced"),
 ])
 def test_look_alikes_are_rejected_with_a_reason(block, reason):
     infos, rejected = find_moe_layers(nn.Sequential(block()))
     assert infos == []
     assert len(rejected) == 1 and rejected[0][0] == "0"
     assert reason in rejected[0][1]
+
+
+def test_an_untraceable_loop_over_the_hit_experts_is_served_by_capture_and_replay():
+    # HF MixtralExperts' own loop (`for e in (counts > 0).nonzero()`) cannot be traced; capture and replay
+    # serves it, and since it runs only the experts that receive tokens the layer is marked so.
+    infos, rejected = find_moe_layers(nn.Sequential(zoo.CurrentHFLoopBlock()))
+    assert rejected == [] and [(i.name, i.rewrite, i.skips_empty_experts) for i in infos] == [("0", "replay", True)]
 
 
 def test_calls_of_other_shapes_are_found_by_behaviour():

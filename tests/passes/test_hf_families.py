@@ -34,8 +34,6 @@ NOT_SHARDED = {
     "llama4": "are called as experts(Tensor[32, 32])",                # every expert on every row
     "longcat_flash": "cannot be cut into equal per-expert chunks",    # zero experts stacked with real ones
     "muse_spark": "cannot be cut into equal per-expert chunks",       # a norm shared by all experts
-    "nllb_moe": "runs only the experts that receive tokens",          # None vs zero gradients
-    "switch_transformers": "runs only the experts that receive tokens",   # mask call read; skips empty experts
     "deepseek_v4": "the forward fails on probe hidden states",      # layer 0 only: hash routing by input_ids
     "doge": None,               # product-key experts held as embeddings: no experts child
     "vitpose_backbone": None,   # experts per dataset index in an image backbone: no text model

@@ -104,6 +104,7 @@ class MoELayerInfo:
     aux_losses: tuple[str, ...] = ()           # what else the forward produces: stored losses, buffer updates
     rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
     probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
+    skips_empty_experts: bool = False          # runs only the experts that receive tokens (skips_empty_experts)
     plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
                                                                  # (passes.replay.ReplayPlan for "replay")
 
@@ -686,41 +687,74 @@ def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tenso
             return (f"{type(experts).__name__}(x, ids, weights) is not sum_k weights * expert_ids(x) with each "
                     f"expert run alone (differs by {err:.3g}); the sharded runtime would train a different "
                     "model. Make its forward that sum, or give the module expert_forward(params, x)")
-    if bank.per_expert_modules:
-        return _skipped_expert_gradient(experts, x_TH, ids_TK, weights_TK, E)
     return None
+
+
+def skips_empty_experts(info: MoELayerInfo) -> bool:
+    """Whether the layer's own code runs only the experts that receive tokens (NLLB's and Switch's
+    ``ModuleDict`` loops, DeepSeek-V3's ``if num_tokens == 0: continue``), decided on a probe.
+
+    In one process such an expert gets no gradient on a step where no token reached it (``.grad`` stays
+    None, and AdamW skips it: no momentum step, no weight decay), where an expert run on empty rows gets a
+    zero gradient. The runtime reproduces whichever the user's code does (``ShardedExperts.
+    skips_empty_experts``). Stacked ``[E, ...]`` weights are one tensor whose gradient one process always
+    has: False.
+
+    Pseudo-code:
+        if the experts are stacked: False
+        experts(x, ids, weights) of a module with a forward: call it with no id routed to expert 0;
+            skips = expert 0 got no .grad
+        a loop of the block's own: one probe token reaches k < E experts; skips = some expert was never called
+        capture and replay: what its probe found (ReplayPlan.skips_empty)
+    """
+    from themis_compile.runtime.experts import expert_modules
+
+    module, experts, attr = info.module, info.experts, info.experts_attr
+    if expert_modules(experts) is None:       # (a ModuleDict found by behaviour is per-expert modules too)
+        return False
+    x = probe_input(module, info.hidden_size, flat=info.probe_flat)
+    if info.rewrite == "none" and type(experts).forward is not nn.Module.forward:
+        stand_in = _ExpertsStandIn(experts)
+        setattr(module, attr, stand_in)
+        try:
+            run_probe(module, x)
+        finally:
+            setattr(module, attr, experts)
+        x_TH, ids_TK, weights_TK = stand_in.calls[0]
+        return _skipped_expert_gradient(experts, x_TH, ids_TK, weights_TK, info.num_experts)
+    if info.rewrite == "replay":
+        return bool(getattr(info.plan, "skips_empty", False))     # decided by capture and replay's probe
+    if info.rewrite not in ("none", "inline-loop") or info.top_k >= info.num_experts:
+        return False
+    # A loop of the block's own (inline, or through a helper over a container without a forward).
+    calls = [0] * info.num_experts
+    hooks = [m.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+             for i, m in enumerate(expert_modules(experts))]
+    try:
+        run_probe(module, x[:1] if info.probe_flat else x[:1, :1])
+    finally:
+        for h in hooks:
+            h.remove()
+    return any(calls) and not all(calls)
 
 
 def _skipped_expert_gradient(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor,
-                             weights_TK: torch.Tensor, E: int) -> str | None:
-    """Why an experts module that skips experts without tokens would train differently, or None.
-
-    The runtime runs every expert it holds every step, so an expert without tokens gets a zero
-    gradient; a module that runs only the experts it routes to leaves that gradient None. AdamW skips a
-    None gradient but moves a zero-gradient parameter by its momentum, so the two train differently."""
+                             weights_TK: torch.Tensor, E: int) -> bool:
+    """Whether ``experts(x, ids, weights)`` leaves expert 0 without gradient when no id names it (it
+    runs only the experts that receive tokens)."""
     from themis_compile.runtime.experts import expert_modules
 
-    modules = expert_modules(experts)
     ids_TK = torch.where(ids_TK == 0, torch.ones_like(ids_TK), ids_TK) if E > 1 else ids_TK
-    params = list(modules[0].parameters())
-    touched = list(experts.parameters())      # the backward reaches every expert's parameters: all restored
-    saved = [p.grad for p in touched]
-    try:
-        for p in touched:
-            p.grad = None
-        with torch.enable_grad(), preserved_state(experts):
-            out = experts(x_TH.detach(), ids_TK, weights_TK.detach())
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.sum().backward()
-        skipped = any(p.grad is None for p in params)
-    finally:
-        for p, g in zip(touched, saved):
-            p.grad = g
-    if skipped:
-        return (f"{type(experts).__name__} runs only the experts that receive tokens: an expert without tokens "
-                "gets no gradient there but a zero gradient from the sharded runtime, and AdamW moves a "
-                "zero-gradient parameter by its momentum; run every expert (an empty batch of rows) each step")
-    return None
+    params = [p for p in expert_modules(experts)[0].parameters() if p.requires_grad]
+    if not params:
+        return False      # frozen: no gradient either way
+    with torch.enable_grad(), preserved_state(experts):
+        out = experts(x_TH.detach(), ids_TK, weights_TK.detach())
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):
+            return True
+        # torch.autograd.grad, not backward: no .grad of the model is touched.
+        grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
+    return any(g is None for g in grads)
 
 
 def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int | None = None
@@ -1371,7 +1405,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     replay_plan = None
     if form == "inline-loop" and traced is None:
         # Not traceable: the loop stays as written, served by capture and replay (passes.replay).
-        replay_plan, why = replay_mismatch(module, child.attr, x, PROBE_SEED)
+        # Skipping experts without tokens is allowed: the runtime then leaves their gradients None
+        # (skips_empty_experts reads the plan).
+        replay_plan, why = replay_mismatch(module, child.attr, x, PROBE_SEED, allow_skipping=True)
         if why is not None:
             raise _Reject(f"its forward loops over the experts inline and cannot be traced to rewrite it ({fx_error}); "
                           f"capture and replay cannot serve it either: {why}")
@@ -1590,6 +1626,8 @@ def find_moe_layers(model: nn.Module) -> tuple[list[MoELayerInfo], list[tuple[st
     rejected: list[tuple[str, str]] = []
     for name, module in model.named_modules():
         name = name or "<root>"
+        if any(name == f"{f.name}.{f.experts_attr}" or name.startswith(f"{f.name}.{f.experts_attr}.") for f in found):
+            continue     # the experts of a layer found: sharded with it, not a candidate of their own
         try:
             info = _inspect(name, module)
         except _Reject as why:
@@ -1600,6 +1638,12 @@ def find_moe_layers(model: nn.Module) -> tuple[list[MoELayerInfo], list[tuple[st
             rejected.append((name, f"could not be analysed: {type(exc).__name__}: {exc}".splitlines()[0]))
             continue
         if info is not None:
+            try:
+                info.skips_empty_experts = skips_empty_experts(info)
+            except Exception as exc:
+                rejected.append((name, "could not tell whether it runs experts without tokens: "
+                                       f"{type(exc).__name__}: {exc}".splitlines()[0]))
+                continue
             found.append(info)
             logger.debug("MoE layer %s: %s", name, info.describe())
     return found, _outside_found_experts(found, rejected)

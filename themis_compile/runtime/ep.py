@@ -11,6 +11,11 @@ global-batch mean loss that single-process training computes. The scale sits in 
 (`scale_grad`), not in a hook on the parameter: a frozen expert (``requires_grad=False``) gets no gradient
 at all, and one unfrozen after ``optimize`` is scaled like the others.
 
+Experts without tokens: on a layer whose experts module runs only the experts that receive tokens
+(``skips_empty_experts``), the owner does not run an expert that received no row — the owner receives
+every row of its experts, so that is no token of the global batch — and its ``.grad`` stays None, as in
+one process (AdamW then skips it). Otherwise it runs on empty rows and gets a zero gradient, as there.
+
 Shape suffixes: T tokens, K top-k, H d_model, E experts, N rows.
 """
 
@@ -227,9 +232,13 @@ class ShardedExperts(nn.Module):
         scale_grads: bool = True,
         uniform_routing: bool = False,
         timeout_s: float = deadline.DEFAULT_TIMEOUT_S,
+        skips_empty_experts: bool = False,
     ) -> None:
         super().__init__()
         self.uniform_routing = uniform_routing
+        # The user's experts module runs only the experts that receive tokens (NLLB/Switch style): an expert
+        # no token of the global batch reached in a forward gets no gradient from it, as in one process.
+        self.skips_empty_experts = bool(skips_empty_experts)
         if shard.num_devices != world_size or not shard.is_shard_placement():
             raise ValueError(f"MoE layer {layer!r}: not a shard placement over {world_size} ranks")
         self.bank = bank
@@ -306,11 +315,14 @@ class ShardedExperts(nn.Module):
                              f"[0, {self.num_experts})")
 
     def run_experts(self, chunks: dict[int, Sequence[torch.Tensor]], rows_NH: torch.Tensor,
-                    counts_E: Sequence[int]) -> torch.Tensor:
+                    counts_E: Sequence[int], skip_empty: bool = False) -> torch.Tensor:
         """Run every expert with rows, or held here, on its rows (grouped by expert, expert order).
 
         Held experts with zero rows still run on an empty input so that their gradient is zero, not
-        missing — the same as the unsharded model, where every expert runs every step.
+        missing — the same as the unsharded model, where every expert runs every step. With
+        ``skip_empty`` (EP on a layer whose experts module skips experts without tokens: the owner receives
+        every row of its experts, so zero rows here means no token of the global batch) they do not run,
+        and their gradient stays missing, as in one process.
         """
         outputs = []
         for e, part in enumerate(torch.split(rows_NH, list(counts_E))):
@@ -319,6 +331,8 @@ class ShardedExperts(nn.Module):
                 if counts_E[e]:
                     raise RuntimeError(f"MoE layer {self.layer!r}: {counts_E[e]} rows of expert {e} arrived on "
                                        f"rank {self.rank}, which does not hold it")
+                continue
+            if skip_empty and not counts_E[e]:
                 continue
             outputs.append(self.bank.run(params, part))
         if not outputs:
@@ -343,6 +357,6 @@ class ShardedExperts(nn.Module):
         chunks = {e: [scale_grad(p, self.grad_scale) for p in c] for e, c in self.local_chunks().items()}
         return dispatch_compute_combine(
             x_TH, ids_TK, weights_TK, self.destinations(ids_TK), self.num_experts,
-            lambda rows, counts: self.run_experts(chunks, rows, counts),
+            lambda rows, counts: self.run_experts(chunks, rows, counts, skip_empty=self.skips_empty_experts),
             group=self.group, world_size=self.world_size, layer=self.layer, timeout_s=self.timeout_s,
         )

@@ -17,6 +17,11 @@ Backward of layer l:
 Frozen expert tensors (``requires_grad=False`` on the owner, agreed by every rank through the count
 all-gather of step 3) get no gradient: their copies are no autograd leaves, the SpRS carries only
 trainable tensors, and an expert frozen whole has no replica in it (P restricted to it).
+Experts without tokens: where the user's experts module runs only the experts that receive tokens
+(``skips_empty_experts``, found by detection), an expert whose global count in T is 0 gets no gradient
+from that forward, as in one process (where AdamW then skips it: no momentum step, no weight decay): it
+is reduced like an expert frozen whole for that forward, so its ``.grad`` stays None unless another
+forward before the optimizer step routed a token to it.
 Re-materialization (themis-rm): replicas' storage is released after step 6 and gathered again (same P')
 just before the layer's backward, prefetched when the next layer's backward finishes (§3.1).
 
@@ -260,9 +265,11 @@ class FSSDPExperts(ShardedExperts):
 
     def __init__(self, bank: ExpertBank, experts: nn.Module, shard: Placement, *, state: FSSDPState,
                  layer_index: int, overlap_degree: int, materialization_budget: int,
-                 cost: PlanCost, predictor_window: int = 5, layer: str = "") -> None:
+                 cost: PlanCost, predictor_window: int = 5, layer: str = "",
+                 skips_empty_experts: bool = False) -> None:
         super().__init__(bank, experts, shard, rank=state.rank, world_size=state.world_size, group=state.group,
-                         layer=layer, scale_grads=False, timeout_s=state.timeout_s)
+                         layer=layer, scale_grads=False, timeout_s=state.timeout_s,
+                         skips_empty_experts=skips_empty_experts)
         self.state = state
         self.layer_index = layer_index
         self.overlap_degree = int(overlap_degree)
@@ -409,7 +416,7 @@ class FSSDPExperts(ShardedExperts):
             held = {e: [p.detach().requires_grad_(p.requires_grad) for p in c] for e, c in owned.items()}
             for e, c in replicas.items():
                 held[e] = [t.requires_grad_(not self._frozen_E[e] >> i & 1) for i, t in enumerate(c)]
-            self._register_reduction(held, placement)
+            self._register_reduction(held, placement, load_E)
         else:
             held = {**owned, **replicas}
         out_TH = dispatch_compute_combine(
@@ -510,13 +517,20 @@ class FSSDPExperts(ShardedExperts):
         ))
 
     # ------------------------------------------------------------------ backward (steps 8-9)
-    def _register_reduction(self, held: dict[int, list[torch.Tensor]], placement: Placement) -> None:
+    def _register_reduction(self, held: dict[int, list[torch.Tensor]], placement: Placement,
+                            load_E: np.ndarray) -> None:
         # Only trainable tensors are reduced; the frozen flags are the same on every rank, and so are the
-        # SpRS placement and chunk layouts derived from them.
+        # SpRS placement and chunk layouts derived from them. Where the user's experts module skips experts
+        # without tokens, an expert no token of the global batch reached (load_E, the same on every rank)
+        # gets no gradient from this forward, as in one process: it is reduced like a frozen one (no
+        # replica in the SpRS, nothing accumulated on the owner), so its .grad stays None unless another
+        # forward before the optimizer step (gradient accumulation) routed tokens to it.
         n = len(self.bank.spec)
         trainable_E = [[i for i in range(n) if not frozen >> i & 1] for frozen in self._frozen_E]
+        if self.skips_empty_experts:
+            trainable_E = [[] if load_E[e] == 0 else t for e, t in enumerate(trainable_E)]
         spec: Any = self.bank.spec
-        if any(self._frozen_E):
+        if any(len(t) < n for t in trainable_E):
             frozen_whole_E = np.array([not t for t in trainable_E])[:, None]
             placement = Placement(np.where(frozen_whole_E, self.shard_placement.mask, placement.mask))
             spec = {e: [self.bank.spec[i] for i in t] for e, t in enumerate(trainable_E)}
