@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from themis_compile.passes.attention import is_attention_module
 from themis_compile.runtime import deadline
 
 logger = logging.getLogger(__name__)
@@ -182,8 +183,6 @@ def hardware_id() -> str:
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from themis_compile.passes.schedule import is_attention_module
-
     return [(name, m) for name, m in model.named_modules() if is_attention_module(m)]
 
 

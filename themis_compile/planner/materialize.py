@@ -50,7 +50,7 @@ import math
 import numpy as np
 
 from themis_compile.planner import dispatch as _dispatch
-from themis_compile.planner.cost import PlanCost, straggler_time
+from themis_compile.planner.cost import PlanCost, column_sums_are_sequential, fluid_device_load, straggler_time
 from themis_compile.planner.dispatch import dispatch_device_load
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
@@ -133,8 +133,6 @@ def _shard_device_load(owners_E: np.ndarray, load_E: np.ndarray, topology: Topol
     (`cost.column_sums_are_sequential`), a weighted bincount adds the same terms in the same order.
     Elsewhere (one node: a matrix product; very large E·D: pairwise sums) the model itself is called.
     """
-    from themis_compile.planner.cost import column_sums_are_sequential, fluid_device_load
-
     D = topology.num_devices
     if topology.num_nodes == 1 or not column_sums_are_sequential(owners_E.size, topology):
         return fluid_device_load(Placement.from_owners(owners_E, D), load_E, topology)
@@ -173,8 +171,6 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
         elif _bincount_is_the_model(mask_ED.shape[0], topology):
             dev_load_D = None
         else:
-            from themis_compile.planner.cost import fluid_device_load
-
             dev_load_D = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E, topology)
         core.place_replicas(topology._c_layout, mask_ED, np.ascontiguousarray(load_E, dtype=np.float64),
                             np.ascontiguousarray(experts_J, dtype=np.int64), slots_D, copies_E, dev_load_D,
@@ -195,8 +191,6 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
     if owners_E is not None:
         dev_load = _shard_device_load(owners_E, load_E, topology).tolist()
     else:
-        from themis_compile.planner.cost import fluid_device_load
-
         dev_load = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E, topology).tolist()
     # l.9 (for all experts of J at once): replica counts by load.
     n_J = _assign_slots_by_load(load_E[experts_J], copies_J, D - copies_J, int(slots_D.sum()))
@@ -360,8 +354,6 @@ def _bincount_is_the_model(num_experts: int, topology: Topology) -> bool:
     key = (num_experts, topology._c_layout)
     answer = _BINCOUNT_IS_THE_MODEL.get(key)
     if answer is None:
-        from themis_compile.planner.cost import column_sums_are_sequential
-
         answer = topology.num_nodes > 1 and column_sums_are_sequential(num_experts, topology)
         if len(_BINCOUNT_IS_THE_MODEL) > 256:
             _BINCOUNT_IS_THE_MODEL.clear()
@@ -468,8 +460,6 @@ def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_
         load_C = np.ascontiguousarray(load_C, dtype=np.float64)
     dev_load_D = None    # l.10's starting loads: the core's own pair sum where that is the model's sum
     if not _bincount_is_the_model(E, topology):
-        from themis_compile.planner.cost import fluid_device_load
-
         load_C = np.ascontiguousarray(load_C, dtype=np.float64)
         try:
             dev_load_D = np.ascontiguousarray(fluid_device_load(materialized, load_C, topology))

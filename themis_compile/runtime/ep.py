@@ -337,8 +337,6 @@ class ShardedExperts(nn.Module):
             self._check_routing(ids_TK)
         if self.uniform_routing:
             # The paper's "Uniform" reference gate (benchmarking only: it changes the model on purpose).
-            from themis_compile.api import uniform_ids
-
             ids_TK = uniform_ids(ids_TK, self.num_experts)
         chunks = {e: [scale_grad(p, self.grad_scale) for p in c] for e, c in self.local_chunks().items()}
         return dispatch_compute_combine(
@@ -346,3 +344,9 @@ class ShardedExperts(nn.Module):
             lambda rows, counts: self.run_experts(chunks, rows, counts),
             group=self.group, world_size=self.world_size, layer=self.layer, timeout_s=self.timeout_s,
         )
+
+
+def uniform_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pair (t, k) -> expert (t*K + k) mod E: every expert gets the same number of pairs (up to one)."""
+    T, K = ids_TK.shape
+    return torch.arange(T * K, device=ids_TK.device).view(T, K) % num_experts
