@@ -95,6 +95,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
             experts = ShardedExperts(bank, original, shard, rank=rank, world_size=world_size, group=group,
                                      layer=info.name, uniform_routing=config.policy == "uniform",
                                      timeout_s=config.collective_timeout_s)
+        experts.kernels_backend = config.kernels    # the dispatch/combine kernels of this model
         setattr(block, info.experts_attr, experts)
         if world_size > 1 and hasattr(block, "global_tokens_per_expert"):
             block.global_tokens_per_expert = _make_count_reducer(group, info.name, config.collective_timeout_s)

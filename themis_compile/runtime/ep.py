@@ -202,6 +202,9 @@ def _report_in_unmodified_keys(module: "ShardedExperts", incompatible_keys) -> N
 class ShardedExperts(nn.Module):
     """Stands in for a layer's experts module: ``(x_TH, ids_TK, weights_TK) -> out_TH``.
 
+    ``kernels_backend``: the dispatch/combine kernels this layer runs (``ThemisConfig.kernels``, set by
+    ``optimize``; None: the process default of `kernels.set_backend`).
+
     Holds only the experts this rank owns, each as a child module named by its global expert id
     (``self.<e>``, as in the user's ``nn.ModuleList``), so that an optimizer built from
     ``model.parameters()`` sees exactly the owned experts, and their parameter names are the unmodified
@@ -213,6 +216,8 @@ class ShardedExperts(nn.Module):
     at its global offset. ``load_state_dict`` takes such state dicts, or the unmodified model's full one,
     keeping the experts this rank owns.
     """
+
+    kernels_backend: str | None = None
 
     def __init__(
         self,
@@ -343,6 +348,7 @@ class ShardedExperts(nn.Module):
             x_TH, ids_TK, weights_TK, self.destinations(ids_TK), self.num_experts,
             lambda rows, counts: self.run_experts(chunks, rows, counts),
             group=self.group, world_size=self.world_size, layer=self.layer, timeout_s=self.timeout_s,
+            kernels_backend=self.kernels_backend,
         )
 
 
