@@ -192,7 +192,7 @@ class CommPlan:
     stages: tuple[tuple[Transfer, ...], ...]
     node_ids: tuple[int, ...]
     num_nodes: int
-    # Per rank, its part of the plan cut into messages and runs (`_schedule`); not part of the plan's value.
+    # Per rank, its part of the plan cut into messages and runs (`rank_schedule`); not part of the plan's value.
     _schedules: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -426,9 +426,8 @@ def plan_sparse_reduce_scatter(placement: Placement, shard: Placement, topology:
     return plan
 
 
-
 # ============================================================================================ one rank's part
-Segment = tuple[Any, int, int]     # (where, lo, hi): bytes [lo, hi) of one tensor of a chunk
+Segment = tuple[Any, int, int]       # (where, lo, hi): bytes [lo, hi) of one tensor of a chunk
 _ZERO_COPY_BYTES = 1 << 20           # segments at least this large travel as their own message
 _BUCKET_BYTES = 64 << 10             # transfers smaller than this share a message with their neighbours
 
@@ -443,7 +442,7 @@ def _runs(per_transfer: list[list[Segment]]) -> list[list[Segment]]:
     - Smaller transfers are bucketed with their neighbours: one message instead of many.
 
     Depends only on the transfer and segment sizes, which sender and receiver share, so both cut alike;
-    each side then decides on its own whether a run needs a copy (`_span`).
+    each side then decides on its own whether a run needs a copy (`collectives._span`).
     """
     runs: list[list[Segment]] = []
     bucket: list[Segment] = []
@@ -470,12 +469,12 @@ def _runs(per_transfer: list[list[Segment]]) -> list[list[Segment]]:
     return runs
 
 
-Run = tuple[Segment, ...]           # segments ((expert, tensor), lo, hi) that travel as one buffer
+Run = tuple[Segment, ...]            # segments ((expert, tensor), lo, hi) that travel as one buffer
 
 
 @dataclass(frozen=True)
 class RankSchedule:
-    """One rank's part of a plan, cut into runs once and cached with the plan (`_schedule`).
+    """One rank's part of a plan, cut into runs once and cached with the plan (`rank_schedule`).
 
     Attributes:
         posts: per (stage, slice) this rank takes part in: its receives as ``(src, runs)`` and its sends
