@@ -12,6 +12,7 @@ also runs ``a/__init__`` and ``a/b/__init__``; those implicit parent edges are n
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -37,16 +38,20 @@ def module_files(root: Path) -> dict[str, Path]:
     return out
 
 
-def _is_module(name: str, modules: dict[str, Path], root: Path) -> bool:
-    if name in modules:
-        return True
-    stem = root.parent.joinpath(*name.split("."))
-    return any(stem.parent.glob(stem.name + ".*.so")) or any(stem.parent.glob(stem.name + ".*.pyd"))
+def extension_modules(root: Path) -> set[str]:
+    """Dotted names of the compiled extensions (``.so``/``.pyd``) of the package at ``root``."""
+    out = set()
+    for path in [*root.rglob("*.so"), *root.rglob("*.pyd")]:
+        parts = list(path.relative_to(root.parent).parts)
+        parts[-1] = parts[-1].split(".", 1)[0]
+        out.add(".".join(parts))
+    return out
 
 
 def import_graph(root: Path) -> dict[str, dict[str, int]]:
     """module -> {imported module of the same package: line of the first such import}."""
     modules = module_files(root)
+    extensions = extension_modules(root)
     top = root.name
     graph: dict[str, dict[str, int]] = {}
     for name, path in modules.items():
@@ -64,14 +69,12 @@ def import_graph(root: Path) -> dict[str, dict[str, int]]:
                     source = node.module or ""
                 for alias in node.names:
                     sub = f"{source}.{alias.name}"
-                    targets.append(sub if _is_module(sub, modules, root) else source)
+                    targets.append(sub if sub in modules or sub in extensions else source)
             for target in targets:
                 if not (target == top or target.startswith(top + ".")):
                     continue
-                while target not in modules and "." in target:   # a compiled extension: its package
-                    if _is_module(target, modules, root):
-                        break
-                    target = target.rpartition(".")[0]
+                while target not in modules and target not in extensions and "." in target:
+                    target = target.rpartition(".")[0]         # an attribute path: its module
                 if target in modules and target != name:
                     edges.setdefault(target, node.lineno)
         graph[name] = edges
@@ -138,14 +141,19 @@ def _describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
     return " -> ".join(f"{a} (l.{graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
 
 
+@functools.cache
+def _package_graph() -> dict[str, dict[str, int]]:
+    return import_graph(PACKAGE_ROOT)
+
+
 def test_no_import_cycle():
-    graph = import_graph(PACKAGE_ROOT)
+    graph = _package_graph()
     cycles = find_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(_describe(graph, c) for c in cycles)
 
 
 def test_nothing_below_api_imports_it():
-    graph = import_graph(PACKAGE_ROOT)
+    graph = _package_graph()
     def above(module: str) -> bool:
         return module == "themis_compile" or any(module == a or module.startswith(a + ".")
                                                  for a in ABOVE_API if a != "themis_compile")
