@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py themis_compile/planner/_cplan.c
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m themis_compile.demo
+	$(PY) -m demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 import themis_compile
 from themis_compile.api import runtime_of
-from themis_compile.demo import build_corpus, sample_batch
 from themis_compile.models import build_model, lm_loss
+from themis_compile.models.data import build_corpus, sample_batch
 
 VOCAB = 256       # byte-level tokens
 

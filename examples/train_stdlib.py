@@ -5,7 +5,7 @@
 Each rank trains on its slice of every global batch; ``themis_compile.optimize`` shards the experts and
 balances their load every step. Rank 0 prints its loss and, under themis / themis-rm, the replicas the
 runtime materialized (|ΔP|) and the per-device load imbalance of the last step. ``make demo``
-(``themis_compile/demo.py``) is the fuller version of this script: policies side by side, traces, plots.
+(``demo/``) is the fuller version of this script: policies side by side, traces, plots.
 
 Shape suffixes: B batch, S sequence.
 """
@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import themis_compile
 from themis_compile.api import runtime_of
-from themis_compile.demo import build_corpus, sample_batch
 from themis_compile.models import build_model, lm_loss
+from themis_compile.models.data import build_corpus, sample_batch
 
 
 def main() -> None:

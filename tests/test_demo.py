@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from themis_compile import demo
+import demo
 
 
 def _fake_stdlib(root: Path) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -13,48 +11,21 @@ from torch import nn
 
 from themis_compile.config import ThemisConfig
 from themis_compile.passes.detect import SEARCHED, MoELayerInfo, explain_moe_layers, find_moe_layers
+from themis_compile.passes.schedule import schedule_model
 from themis_compile.passes.shard import prepare_moe_layers
+from themis_compile.planner import PlanCost, Placement, Topology
 from themis_compile.runtime import deadline
+from themis_compile.runtime.budgets import BudgetController
 from themis_compile.runtime.collectives import collective_device
+from themis_compile.runtime.ep import ShardedExperts, uniform_ids
+from themis_compile.runtime.experts import ExpertBank
+from themis_compile.runtime.fssdp import FSSDPExperts, FSSDPState, default_budgets
+from themis_compile.runtime.registry import ThemisRuntime, optimized_models, register, runtime_of
+from themis_compile.runtime.reshard import ReshardScheduler
+
+__all__ = ["ThemisRuntime", "explain", "optimize", "optimized_models", "runtime_of", "uniform_ids"]
 
 logger = logging.getLogger(__name__)
-
-# The models `optimize` rewrote, for helpers handed only their parameters (`clip_grad_norm_`); an entry
-# lives as long as its model.
-_OPTIMIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
-@dataclass
-class ThemisRuntime:
-    """What ``optimize`` did to a model; reachable as ``themis_compile.runtime_of(model)``."""
-
-    config: ThemisConfig
-    rank: int
-    world_size: int
-    group: object
-    layers: dict[str, nn.Module] = field(default_factory=dict)   # layer name -> ShardedExperts
-    layer_infos: dict[str, MoELayerInfo] = field(default_factory=dict)   # layer name -> what detection found
-    unsharded: list[tuple[str, str]] = field(default_factory=list)  # (MoE-like module, why it is not sharded)
-    fssdp: object = None                                           # FSSDPState under themis / themis-rm
-    reshard_scheduler: object = None                               # ReshardScheduler (Alg. 2 every k steps)
-
-    @property
-    def stats(self) -> list:
-        """Per-layer, per-iteration load statistics (:class:`~themis_compile.runtime.fssdp.LayerStats`),
-        oldest first; empty for policies other than themis / themis-rm."""
-        return [] if self.fssdp is None else list(self.fssdp.stats)
-
-    @property
-    def dense_parallel(self) -> str | None:
-        """How everything that is not a sharded expert is data-parallel: ``"fsdp2"``, ``"ddp"``, or
-        ``None`` at world size 1."""
-        return self.config.dense_parallel if self.world_size > 1 else None
-
-    @property
-    def layer_order(self) -> list:
-        """The sharded experts modules in the order the last forward ran them."""
-        return list(self.layers.values()) if self.fssdp is None else list(self.fssdp.layer_order)
-
 
 def _resolve_group(group) -> tuple[object, int, int]:
     if group is not None and hasattr(group, "get_group"):  # a DeviceMesh
@@ -92,10 +63,6 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     parameters (a warning names each such module and why; ``strict=True`` raises instead). Either way the
     model trains as it would in one process on the whole global batch.
     """
-    from themis_compile.planner.placement import Placement
-    from themis_compile.runtime.ep import ShardedExperts
-    from themis_compile.runtime.experts import ExpertBank
-
     config = ThemisConfig() if config is None else config
     if not isinstance(config, ThemisConfig):
         raise TypeError(f"config must be a ThemisConfig, got {type(config).__name__}")
@@ -129,6 +96,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
                                      layer=info.name, uniform_routing=config.policy == "uniform",
                                      timeout_s=config.collective_timeout_s,
                                      skips_empty_experts=info.skips_empty_experts)
+        experts.kernels_backend = config.kernels    # the dispatch/combine kernels of this model
         setattr(block, info.experts_attr, experts)
         if world_size > 1 and hasattr(block, "global_tokens_per_expert"):
             block.global_tokens_per_expert = _make_count_reducer(group, info.name, config.collective_timeout_s)
@@ -142,27 +110,20 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     if world_size > 1:
         _make_dense_data_parallel(model, sharded, group, config, conditional=runtime.unsharded)
     if fssdp and config.reshard_interval:
-        from themis_compile.runtime.reshard import ReshardScheduler
-
         # After the dense wrapper: FSDP2 replaces dense parameters with new (DTensor) parameter objects,
         # which are the ones the user's optimizer will hold.
         sharded_ids = {id(p) for m in sharded for p in m.parameters()}
         dense = [p for p in model.parameters() if id(p) not in sharded_ids]
         runtime.reshard_scheduler = ReshardScheduler(runtime, config.reshard_interval, dense)
-    model._themis_runtime = runtime
-    _OPTIMIZED.add(model)
+    register(model, runtime)
     if fssdp:
         state.layers = list(sharded)
     if fssdp and (config.overlap_degree is None or config.materialization_budget is None):
-        from themis_compile.runtime.budgets import BudgetController
-
         state.budget_controller = BudgetController(model, runtime)
     import themis_compile.passes.backend  # noqa: F401  registers torch.compile(backend="themis") without install
     if config.schedule and fssdp:
         # Place each layer's SpAG start before the attention that precedes it (§4.2): in FX graphs where
         # the model traces, by module hooks from the first forward's order where it does not.
-        from themis_compile.passes.schedule import schedule_model
-
         schedule_model(model, runtime.layers)
     logger.info("themis_compile: %d MoE layers sharded over %d ranks (policy %s)", len(infos), world_size,
                 config.policy)
@@ -234,9 +195,6 @@ def _fsdp2_reduces_unused_params() -> bool:
 
 
 def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
-    from themis_compile.planner import Topology
-    from themis_compile.runtime.fssdp import FSSDPState
-
     topology = Topology.from_env(world_size, config.devices_per_node, intra_node_bw=config.intra_node_bw,
                                  inter_node_bw=config.inter_node_bw)
     # The sparse collectives get a group of their own so that their point-to-point traffic never
@@ -253,9 +211,6 @@ def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
 
 
 def _fssdp_experts(bank, experts, shard, state, index: int, info: MoELayerInfo, config: ThemisConfig):
-    from themis_compile.planner import PlanCost
-    from themis_compile.runtime.fssdp import FSSDPExperts, default_budgets
-
     t, m = default_budgets(bank.num_experts, state.world_size, config.overlap_degree,
                            config.materialization_budget)
     # Forward FLOPs of one token through one expert at a nominal 1e10 FLOP/s until a profile exists.
@@ -276,12 +231,6 @@ def _make_count_reducer(group, layer: str = "", timeout_s: float = deadline.DEFA
     return global_tokens_per_expert
 
 
-def uniform_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Pair (t, k) -> expert (t*K + k) mod E: every expert gets the same number of pairs (up to one)."""
-    T, K = ids_TK.shape
-    return torch.arange(T * K, device=ids_TK.device).view(T, K) % num_experts
-
-
 def _make_uniform_route(route, num_experts: int):
     """The reference gate of the paper's "Uniform": pairs spread round-robin over the experts (top-k
     distinct per token), gate weights and gradients from the user's router. Benchmarking only."""
@@ -292,18 +241,6 @@ def _make_uniform_route(route, num_experts: int):
         return weights_TK, uniform_ids(ids_TK, num_experts), probs_TE
 
     return uniform_route
-
-
-def optimized_models() -> list[nn.Module]:
-    """The live models ``optimize`` rewrote (in no particular order)."""
-    return list(_OPTIMIZED)
-
-
-def runtime_of(model: nn.Module) -> ThemisRuntime:
-    runtime = getattr(model, "_themis_runtime", None)
-    if runtime is None:
-        raise ValueError("this model was not optimized by themis_compile.optimize")
-    return runtime
 
 
 def explain(model: nn.Module, verbose: bool = False) -> str:

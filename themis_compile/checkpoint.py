@@ -57,11 +57,11 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import state_dict as _dsd
 
-from themis_compile.api import ThemisRuntime
 from themis_compile.planner import Placement
 from themis_compile.runtime import deadline
 from themis_compile.runtime.ep import ShardedExperts, expert_sharded_tensor, expert_slice
 from themis_compile.runtime.fssdp import FSSDPExperts
+from themis_compile.runtime.registry import ThemisRuntime
 from themis_compile.runtime.reshard import move_experts
 
 logger = logging.getLogger(__name__)

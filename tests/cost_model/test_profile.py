@@ -1,4 +1,5 @@
-"""Profiled cost-model inputs: T_attn hooks, bandwidth microbenchmark, cache, overrides, budgets, traces."""
+"""The profiled cost model's records: profile keys, cache, overrides and the budgets formula (the
+measurements themselves: tests/runtime/test_profiling.py)."""
 
 from __future__ import annotations
 
@@ -11,57 +12,14 @@ import torch
 
 from themis_compile.config import ThemisConfig
 from themis_compile.cost_model import profile as P
-from themis_compile.models.gpt_moe import GPTMoE, MoEModelConfig, lm_loss
+from themis_compile.models.gpt_moe import GPTMoE, MoEModelConfig
 from themis_compile.planner.topology import Topology
-from themis_compile.testing import run_multirank
 
 
 def _model(seq_len: int = 8) -> GPTMoE:
     torch.manual_seed(0)
     return GPTMoE(MoEModelConfig(d_model=16, n_heads=2, n_layers=2, d_ffn=16, num_experts=4, top_k=2,
                                  seq_len=seq_len, vocab_size=16, experts_form="stacked"))
-
-
-def _train(model, steps: int, seq_len: int = 8) -> None:
-    tokens = torch.randint(0, 16, (2, seq_len))
-    for _ in range(steps):
-        lm_loss(model(tokens), tokens).backward()
-
-
-def test_attention_profiler_medians_windows_and_removal():
-    model = _model()
-    done = []
-    moe = {f"blocks.{i}.moe": b.moe for i, b in enumerate(model.blocks)}
-    prof = P.AttentionProfiler(model, moe, warmup_steps=1, measure_steps=2, on_done=done.append)
-    _train(model, 3)
-    with torch.no_grad():            # evaluation forwards do not count as steps
-        model(torch.randint(0, 16, (2, 8)))
-    assert prof.profile is None
-    _train(model, 1)                 # the 4th step's first attention closes the profile
-    profile = prof.profile
-    assert done == [profile] and profile.source == "measured"
-    assert set(profile.attention) == {"blocks.0.attn", "blocks.1.attn"}
-    for timing in profile.attention.values():
-        assert timing.forward_s > 0 and timing.backward_s > 0 and timing.samples == 2
-        assert timing.input_shape == (2, 8, 16)
-    assert profile.preceding_attention == {"blocks.0.moe": "blocks.0.attn", "blocks.1.moe": "blocks.1.attn"}
-    assert profile.t_attn("blocks.1.moe") == profile.attention["blocks.1.attn"].forward_s
-    assert all(not m._forward_pre_hooks and not m._backward_hooks for m in model.modules())
-
-
-def test_profiler_failure_never_blocks_training(monkeypatch, caplog):
-    model = _model()
-    prof = P.AttentionProfiler(model, warmup_steps=0, measure_steps=2)
-
-    def boom(_):
-        raise RuntimeError("timer broke")
-
-    monkeypatch.setattr(P, "_sync", boom)
-    with caplog.at_level(logging.WARNING):
-        _train(model, 2)
-    assert prof.failed is not None and "timer broke" in prof.failed and prof.profile is None
-    assert "falls back to defaults" in caplog.text
-    assert all(not m._forward_pre_hooks for m in model.modules())
 
 
 def test_cache_roundtrip_keys_and_unreadable_file(tmp_path, caplog):
@@ -125,34 +83,6 @@ def test_budgets_formula_defaults_and_config(caplog):
     assert d["l0"].overlap_degree == P.DEFAULT_OVERLAP_DEGREE and d["l0"].source == "default"
     assert "conservative defaults" in caplog.text
 
-    class Layer:
-        overlap_degree = 0
-        materialization_budget = 0
 
-    layer = Layer()
-    assert P.apply_budgets({"l0": layer, "x": object()}, b) == ["l0"]
-    assert layer.overlap_degree == b["l0"].overlap_degree
-
-
-def _bandwidth(rank, world_size, devices_per_node):
-    topo = Topology.from_env(world_size, devices_per_node)
-    return P.measure_bandwidth(topology=topo, nbytes=1 << 16, iters=2)
-
-
-def test_measure_bandwidth_two_ranks_intra_and_inter():
-    intra = run_multirank(_bandwidth, 2, args=(2,), devices_per_node=2)
-    inter = run_multirank(_bandwidth, 2, args=(1,), devices_per_node=1)
-    assert set(intra[0]) == {"intra"} and intra[0] == intra[1] and intra[0]["intra"] > 0
-    assert set(inter[0]) == {"inter"} and inter[0] == inter[1] and inter[0]["inter"] > 0
-    assert P.measure_bandwidth() == {}        # no process group: nothing to measure
-
-
-def test_chrome_trace_has_attention_ranges(tmp_path):
-    model = _model()
-    handles = P.annotate_attention(model)
-    path = P.export_chrome_trace(lambda: _train(model, 1), tmp_path / "trace.json")
-    text = path.read_text()
-    assert text.count(P.ATTENTION_RANGE) >= 2
-    for h in handles:
-        h.remove()
+def test_hardware_id_names_the_device_kind():
     assert P.hardware_id().startswith(("cpu:", "cuda:"))

@@ -1,7 +1,7 @@
 """The compiled planner core (``themis_compile.planner._cplan``) against the numpy code it replaces.
 
 Every public planner entry point is run twice on the same inputs, once through the compiled core and
-once with the numpy code (the module-level switch `dispatch._C` set to None), and the outputs must be
+once with the numpy code (`backend.using(None)`), and the outputs must be
 bit-identical: masks, holder counts, plans, device loads, the Placement objects themselves, and the
 ValueErrors of bad input. Cases cover uneven topologies, both branches of Alg. 1 (t <= m and t > m),
 float ties and zero loads, E < D and E > D, calibration (replicas placed from a non-shard mask; the
@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from themis_compile.planner import (
-    PlanCost, Placement, Topology, calibrate, dispatch, materialize, sparse_materialization,
+    PlanCost, Placement, Topology, backend, calibrate, dispatch, materialize, sparse_materialization,
     topology_aware_dispatch,
 )
 from themis_compile.planner.cost import column_sums_are_sequential, fluid_device_load
@@ -53,17 +53,13 @@ def core():
 def run_both(core, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` through the compiled core and through numpy: (compiled, numpy). A
     ValueError is returned as its message, so both paths must also fail alike."""
-    saved = dispatch._C
     results = []
-    try:
-        for backend in (core, None):
-            dispatch._C = backend
+    for chosen in (core, None):
+        with backend.using(chosen):
             try:
                 results.append(fn(*args, **kwargs))
             except ValueError as exc:
                 results.append(f"ValueError: {exc}")
-    finally:
-        dispatch._C = saved
     return results
 
 
@@ -140,21 +136,21 @@ def compare_case(core, topo, shard, load_E, t, m, rng) -> dict:
 # --------------------------------------------------------------------------------------- backend
 def test_compiled_core_is_the_backend_unless_numpy_is_forced():
     if numpy_forced():
-        assert dispatch._C is None and dispatch.planner_backend() == "numpy"
+        assert backend.compiled_core() is None and dispatch.planner_backend() == "numpy"
     else:   # CI must not silently run numpy only: the editable install builds the core
-        assert dispatch._C is not None and dispatch.planner_backend() == "c"
-        assert dispatch._C.__name__ == "themis_compile.planner._cplan"
+        assert backend.compiled_core() is not None and dispatch.planner_backend() == "c"
+        assert backend.compiled_core().__name__ == "themis_compile.planner._cplan"
 
 
 def test_environment_variable_forces_numpy(monkeypatch, core):
     monkeypatch.setenv("THEMIS_PLANNER_NUMPY", "1")
-    assert dispatch._load_compiled_core() is None
+    assert backend.load_compiled_core() is None
     monkeypatch.setenv("THEMIS_PLANNER_NUMPY", "0")
-    assert dispatch._load_compiled_core() is core
+    assert backend.load_compiled_core() is core
     monkeypatch.delenv("THEMIS_PLANNER_NUMPY")
-    assert dispatch._load_compiled_core() is core
+    assert backend.load_compiled_core() is core
     monkeypatch.setattr(core, "ABI", core.ABI + 1)                  # a build from an older source
-    assert dispatch._load_compiled_core() is None
+    assert backend.load_compiled_core() is None
 
 
 # --------------------------------------------------------------------------------------- equality
@@ -227,7 +223,7 @@ def test_modeled_loads_of_replicated_masks_are_the_cost_model_bit_for_bit(core):
         load_E = make_loads(rng, E, int(rng.integers(5)))
         assert column_sums_are_sequential(E, topo)
         out_D = np.full(D, np.nan)
-        core.fluid_device_load(topo._c_layout, mask_ED, load_E, out_D)
+        core.fluid_device_load(topo.core_layout, mask_ED, load_E, out_D)
         assert np.array_equal(out_D, fluid_device_load(Placement(mask_ED), load_E, topo))
 
 
@@ -245,13 +241,10 @@ def test_place_replicas_from_a_replicated_mask(core):
         experts_J = order_E[load_E[order_E] > 0][:int(rng.integers(0, E + 1))]
         slots_D = rng.integers(0, 3, D).astype(np.int64)
         outs = []
-        for backend in (core, None):
+        for chosen in (core, None):
             m_ED, s_D, c_E = mask_ED.copy(), slots_D.copy(), mask_ED.sum(axis=1).astype(np.int64)
-            saved, dispatch._C = dispatch._C, backend
-            try:
+            with backend.using(chosen):
                 materialize._place_replicas(m_ED, load_E, experts_J, s_D, topo, c_E)
-            finally:
-                dispatch._C = saved
             outs.append((m_ED, s_D, c_E))
         for fast, ref in zip(*outs):
             assert np.array_equal(fast, ref)
@@ -346,7 +339,7 @@ def core_outcome(core, topo, shard, placed, actual_E, t, m, tokens_ED, cost) -> 
     E, D = shard.shape
     t = min(t, E)
     code, before_s, after_s, extra_s = core.calibrate(
-        topo._c_layout, topo._c_layout, shard.mask, placed.mask, np.ascontiguousarray(actual_E, dtype=np.float64),
+        topo.core_layout, topo.core_layout, shard.mask, placed.mask, np.ascontiguousarray(actual_E, dtype=np.float64),
         False, t, min(m, t), tokens_ED, None if materialize._bincount_is_the_model(E, topo)
         else fluid_device_load(placed, np.asarray(actual_E, dtype=np.float64), topo),
         cost.expert_bytes, topo.intra_node_bw, topo.inter_node_bw, cost.calibration_budget_s, cost.time_per_token_s,

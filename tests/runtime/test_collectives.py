@@ -1,4 +1,4 @@
-"""SparseAllGather / SparseReduceScatter (§3.2-§3.3) on gloo ranks, and their message plans.
+"""SparseAllGather / SparseReduceScatter (§3.2-§3.3) on gloo ranks (their message plans: test_comm_plan.py).
 
 Multi-rank checks are combined into few spawned runs (4 ranks on one node; 8 ranks as 2 nodes × 4;
 one run for the timeout). Every rank rebuilds the same seeded placements and chunk contents, so each one
@@ -13,42 +13,17 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from themis_compile.cost_model.volume import sparse_all_gather_volume, sparse_reduce_scatter_volume
 from themis_compile.planner import Placement, Topology
-from themis_compile.runtime.collectives import (
-    ChunkLayout,
-    plan_sparse_all_gather,
-    plan_sparse_reduce_scatter,
-    sparse_all_gather,
-    sparse_reduce_scatter,
-)
+from themis_compile.runtime.collectives import ChunkLayout, sparse_all_gather, sparse_reduce_scatter
 from themis_compile.testing import run_multirank
+from tests.runtime.test_comm_plan import SPECS, seeded_placements
 
-# Chunk specs: SwiGLU experts (three matrices), a dtype/shape mix with zero-size and 0-dim tensors, and
-# experts whose chunks are empty.
-SPECS = {
-    "swiglu": [((6, 10), torch.float32), ((10, 6), torch.float32), ((6, 10), torch.float32)],
-    "mixed": [((3, 5), torch.bfloat16), ((7,), torch.float32), ((0, 4), torch.float32), ((), torch.float64),
-              ((5,), torch.int64), ((3,), torch.float16)],
-    "empty": [((0, 3), torch.float32), ((0,), torch.int64)],
-    # Tensors over 1 MiB travel as their own messages, without copies; the small ones between them are
-    # bucketed (runtime.collectives._runs).
-    "large": [((300, 1000), torch.float32), ((7,), torch.bfloat16), ((3,), torch.float32), ((1, 270_000), torch.float32)],
-}
 GATHER_ONLY_SPEC = [((5,), torch.bool), ((9,), torch.uint8), ((2, 3), torch.int8), ((4,), torch.float32)]
 
 
 # ============================================================================ shared helpers (per rank)
-def _placements(seed: int, num_experts: int, num_devices: int, density: float) -> tuple[Placement, Placement]:
-    rng = np.random.default_rng(seed)
-    shard = Placement.from_owners(rng.integers(0, num_devices, size=num_experts), num_devices)
-    extra_ED = rng.random((num_experts, num_devices)) < density
-    return shard, shard.union(Placement(extra_ED))
-
-
 def _chunk(seed: int, e: int, spec, holder: int = -1) -> list[torch.Tensor]:
     """Deterministic tensors of expert e (holder >= 0: that holder's integer-valued gradient)."""
     gen = torch.Generator().manual_seed(seed * 100_003 + e * 101 + holder + 7)
@@ -80,7 +55,7 @@ def _check_case(rank: int, world: int, topology: Topology, seed: int, num_expert
     ``flat_owned``: odd ranks hold their chunks as views into one buffer (`ChunkLayout.empty`), even ranks
     as separate tensors, so senders and receivers differ in which runs they can use without a copy."""
     spec = SPECS[spec_name] if spec_name in SPECS else GATHER_ONLY_SPEC
-    shard, placement = _placements(seed, num_experts, world, density)
+    shard, placement = seeded_placements(seed, num_experts, world, density)
     layer = f"{store_key}/{spec_name}"
     owned = {int(e): _chunk(seed, int(e), spec) for e in shard.experts_on(rank)}
     if flat_owned and rank % 2:
@@ -147,7 +122,7 @@ def _check_float_sums(rank: int, world: int, topology: Topology) -> list[int]:
     """Random fp32 gradients: the sum matches an fp64 reference within the documented bound and is
     bitwise identical when repeated."""
     spec = SPECS["swiglu"]
-    shard, placement = _placements(99, 5, world, 0.6)
+    shard, placement = seeded_placements(99, 5, world, 0.6)
     grads = {}
     for e in placement.experts_on(rank):
         gen = torch.Generator().manual_seed(1000 * int(e) + rank)
@@ -231,17 +206,17 @@ def _run_two_nodes(rank: int, world: int) -> list[dict]:
 
 def _run_sliced(rank: int, world: int) -> list[dict]:
     """Tiny thresholds: relayed pieces go in several pipeline slices and most segments without copies."""
-    from themis_compile.runtime import collectives
+    from themis_compile.runtime import collectives, comm_plan
 
-    collectives._SLICE_BYTES = 16
-    collectives._ZERO_COPY_BYTES = 24
-    collectives._BUCKET_BYTES = 100                     # pieces of 720-byte chunks: bucketed and alone
+    comm_plan._SLICE_BYTES = 16
+    comm_plan._ZERO_COPY_BYTES = 24
+    comm_plan._BUCKET_BYTES = 100                     # pieces of 720-byte chunks: bucketed and alone
     topology = Topology.from_env(world)
     cases = []
     for seed, E, spec_name, density in [(21, 6, "swiglu", 0.6), (22, 5, "mixed", 0.7), (23, 3, "swiglu", 1.0)]:
         cases.append(_check_case(rank, world, topology, seed, E, spec_name, density, f"sl{seed}",
                                  flat_owned=True))
-    shard, placement = _placements(21, 6, world, 0.6)
+    shard, placement = seeded_placements(21, 6, world, 0.6)
     plan = collectives.plan_sparse_all_gather(shard, placement, topology, ChunkLayout.from_spec(SPECS["swiglu"]))
     cases.append({"num_slices": plan.num_slices})
     return cases
@@ -293,14 +268,14 @@ def _run_subgroup_and_in_place(rank: int, world: int) -> dict:
 def _run_batched(rank: int, world: int) -> list[dict]:
     """The path CUDA tensors take (NCCL): each (stage, slice) posted as one `batch_isend_irecv`, run at
     once on the calling thread, waits without a deadline. Driven here on gloo with CPU tensors."""
-    from themis_compile.runtime import collectives
+    from themis_compile.runtime import collectives, comm_plan
 
     def launch_batched(handle, group, body, device) -> None:
         handle._nccl = True
         handle._run(body)
 
     collectives._launch = launch_batched
-    collectives._SLICE_BYTES = 16                       # relayed pieces in slices, as at scale
+    comm_plan._SLICE_BYTES = 16                         # relayed pieces in slices, as at scale
     topology = Topology.from_env(world)
     return [_check_case(rank, world, topology, seed, E, spec_name, density, f"b{seed}")
             for seed, E, spec_name, density in [(51, 6, "swiglu", 0.6), (52, 5, "mixed", 0.7), (53, 3, "large", 1.0)]]
@@ -386,25 +361,6 @@ def test_sub_group_and_receives_in_place() -> None:
     assert sum(s["spag_inter"] for s in per_rank) == per_rank[0]["spag_model_inter"] > 0
 
 
-def test_schedule_cache_follows_the_cutting_constants(monkeypatch) -> None:
-    from themis_compile.runtime import collectives
-
-    layout = ChunkLayout.from_spec(SPECS["swiglu"])
-    shard = Placement.contiguous(4, 4)
-    plan = plan_sparse_all_gather(shard, Placement.full(4, 4), Topology([2, 2]), layout)
-
-    def runs() -> int:
-        return sum(len(r) for recv, send in collectives._schedule(plan, layout, 0).posts.values()
-                   for _, r, *_ in (*recv, *send))
-    bucketed = runs()
-    monkeypatch.setattr(collectives, "_BUCKET_BYTES", 1)        # every transfer its own runs
-    apart = runs()
-    monkeypatch.setattr(collectives, "_ZERO_COPY_BYTES", 1)     # every segment alone
-    alone = runs()
-    assert bucketed < apart < alone
-    assert collectives._schedule(plan, layout, 0) is collectives._schedule(plan, layout, 0)
-
-
 def test_missing_rank_times_out_naming_collective_and_layer() -> None:
     results = run_multirank(_run_missing_rank, 4, timeout_s=8)
     assert results[3] == "absent"
@@ -436,86 +392,6 @@ def test_bad_input_raises_value_error() -> None:
         sparse_all_gather({}, Placement.from_owners([0, 1], 2), Placement.full(2, 2))
 
 
-# ============================================================================ plans (no processes)
-@st.composite
-def _cases(draw):
-    dpn = draw(st.sampled_from([(1,), (4,), (2, 2), (4, 4), (3, 2, 1)]))
-    D = sum(dpn)
-    E = draw(st.integers(1, 10))
-    owners = draw(st.lists(st.integers(0, D - 1), min_size=E, max_size=E))
-    extra = draw(st.lists(st.booleans(), min_size=E * D, max_size=E * D))
-    spec = draw(st.sampled_from(list(SPECS.values())))
-    shard = Placement.from_owners(owners, D)
-    placement = shard.union(Placement(np.array(extra).reshape(E, D)))
-    return Topology(dpn), shard, placement, spec
-
-
-@settings(max_examples=60, deadline=None)
-@given(_cases())
-def test_plan_matches_volume_model(case) -> None:
-    topology, shard, placement, spec = case
-    layout = ChunkLayout.from_spec(spec)
-    plan = plan_sparse_all_gather(shard, placement, topology, layout)
-    vol, model = plan.volume(), sparse_all_gather_volume(shard, placement, layout.nbytes, topology)
-    assert vol.recv_bytes_D == model.recv_bytes_D
-    assert vol.total_bytes == model.total_bytes
-    assert vol.inter_node_bytes == model.inter_node_bytes
-    assert vol.node_ingress_bytes_N == model.node_ingress_bytes_N
-    assert all(a >= b for a, b in zip(vol.send_bytes_D, model.send_bytes_D))
-    assert all(a >= b for a, b in zip(vol.node_egress_bytes_N, model.node_egress_bytes_N))
-    assert len(plan.stages) <= 2
-    # Every received chunk is covered exactly once, by element-aligned pieces.
-    cover: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    owners = shard.owners()
-    holders_after_stage0 = set()
-    for s, stage in enumerate(plan.stages):
-        for t in stage:
-            assert t.nbytes > 0 and t.src != t.dst
-            assert layout.snap(t.start) == t.start and layout.snap(t.stop) == t.stop
-            if s == 0:
-                assert t.src == owners[t.expert]
-                holders_after_stage0.add((t.expert, t.dst, t.start))
-            else:
-                assert (t.expert, t.src, t.start) in holders_after_stage0      # relays what it got
-                assert topology.node_of(t.src) == topology.node_of(t.dst)      # fan-out inside the node
-            cover.setdefault((t.expert, t.dst), []).append((t.start, t.stop))
-    for (e, d), ranges in cover.items():
-        ranges.sort()
-        assert ranges[0][0] == 0 and ranges[-1][1] == layout.nbytes
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    rs = plan_sparse_reduce_scatter(placement, shard, topology, layout).volume()
-    rs_model = sparse_reduce_scatter_volume(placement, shard, layout.nbytes, topology)
-    assert rs.send_bytes_D == rs_model.send_bytes_D and rs.inter_node_bytes == rs_model.inter_node_bytes
-    assert rs.node_egress_bytes_N == rs_model.node_egress_bytes_N
-
-
-def test_plan_balances_relay_load() -> None:
-    # Device 0 owns three experts replicated on devices 1..3 and also receives expert 3 from device 1.
-    shard = Placement.from_owners([0, 0, 0, 1], 4)
-    placement = Placement.full(4, 4)
-    layout = ChunkLayout.from_spec([((1000,), torch.float32)])
-    vol = plan_sparse_all_gather(shard, placement, Topology.single_node(4), layout).volume()
-    # Device 0 must send each of its three chunks once (3Ψ); piece sizes keep it from relaying more.
-    assert vol.send_bytes_D[0] == 3 * 4000
-    assert max(vol.send_bytes_D) <= 3 * 4000 + 4000
-    assert vol.recv_bytes_D == (4000, 12000, 16000, 16000)
-
-
-def test_empty_delta_and_zero_size_chunks_plan_nothing() -> None:
-    shard = Placement.contiguous(4, 4)
-    topo = Topology.uniform(2, 2)
-    assert plan_sparse_all_gather(shard, shard, topo, ChunkLayout.from_spec(SPECS["swiglu"])).stages == ()
-    assert plan_sparse_all_gather(shard, Placement.full(4, 4), topo,
-                                  ChunkLayout.from_spec(SPECS["empty"])).stages == ()
-
-
-def test_layout_snaps_to_element_boundaries() -> None:
-    layout = ChunkLayout.from_spec(SPECS["mixed"])
-    assert layout.offsets[:3] == (0, 30, 58)
-    assert layout.snap(31) == 30 and layout.snap(33) == 34 and layout.snap(1) == 0
-    assert layout.segments(28, 62) == [(0, 28, 30), (1, 0, 28), (3, 0, 4)]
-
-
 def test_benchmark_quick_smoke(capsys) -> None:
     from themis_compile.bench import collectives as bench
 
@@ -537,23 +413,6 @@ def test_benchmark_quick_smoke(capsys) -> None:
     for r in out["vs_naive"]:
         assert r["inter_node_bytes"] * 2 == r["naive_inter_node_bytes"]   # Ψ once per node, not per replica
         assert r["modeled_speedup"] > 1.5
-
-
-def test_runs_cut_at_large_transfers_and_segments_and_bucket_small_transfers() -> None:
-    from themis_compile.runtime.collectives import _BUCKET_BYTES, _ZERO_COPY_BYTES, _runs
-
-    big, mid = _ZERO_COPY_BYTES, _BUCKET_BYTES
-    message = [[("a", 0, 10)], [("b", 0, 20), ("c", 0, 5)],          # small transfers share one run
-               [("d", 0, mid), ("e", 0, 8)],                          # a transfer of its own
-               [("f", 0, 3)],
-               [("g", 0, 10), ("h", 0, big), ("i", 0, 7)],           # its large segment travels alone
-               [("j", 1, 2)]]
-    assert [[s[0] for s in run] for run in _runs(message)] == \
-        [["a", "b", "c"], ["d", "e"], ["f"], ["g"], ["h"], ["i"], ["j"]]
-    assert _runs([]) == []
-    # The "large" spec of the exactness cases really has segments above the threshold.
-    layout = ChunkLayout.from_spec(SPECS["large"])
-    assert sum(hi - lo >= big for _, lo, hi in layout.segments(0, layout.nbytes)) == 2
 
 
 def test_flat_chunks_make_a_run_one_span_without_copy() -> None:
@@ -584,24 +443,6 @@ def test_flat_chunks_make_a_run_one_span_without_copy() -> None:
     assert [(tuple(t.shape), t.dtype) for t in tensors] == list(zip(mixed.shapes, mixed.dtypes))
 
 
-def test_only_relayed_pieces_are_sliced_and_a_lone_new_holder_is_direct() -> None:
-    from themis_compile.runtime import collectives
-
-    topology = Topology([2, 2])
-    shard = Placement.from_owners([0, 1], 4)
-    mask = shard.mask.copy()
-    mask[0, [2, 3]] = True          # expert 0 reaches both devices of node 1: scatter, then relay
-    mask[1, 0] = True               # expert 1 reaches one device of its own node: a whole chunk
-    big = ChunkLayout.from_spec([((3 * collectives._SLICE_BYTES // 4,), torch.float32)])   # Ψ = 3 slices' worth
-    plan = plan_sparse_all_gather(shard, Placement(mask), topology, big)
-    stage0, stage1 = plan.stages
-    direct = [t for t in stage0 if t.slice == collectives.DIRECT]
-    assert [(t.src, t.dst, t.expert, t.stop - t.start) for t in direct] == [(1, 0, 1, big.nbytes)]
-    relayed = [t for t in stage0 if t.expert == 0]
-    assert {t.slice for t in relayed} == {0} and all(t.slice >= 0 for t in stage1)   # 1.5 MiB pieces: 1 slice
-    assert plan.num_slices == 1 and sum(t.nbytes for t in relayed) == big.nbytes
-
-
 def test_collective_device_follows_the_backend_for_cuda(monkeypatch) -> None:
     from themis_compile.runtime import collectives
 
@@ -612,36 +453,6 @@ def test_collective_device_follows_the_backend_for_cuda(monkeypatch) -> None:
     for config, device in [("cuda:nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cuda:3"), ("cpu:gloo,cuda:gloo", "cpu")]:
         monkeypatch.setattr(dist, "get_backend_config", lambda group=None, c=config: c)
         assert collectives.collective_device() == torch.device(device), config
-
-
-def test_plan_caches_are_keyed_by_content_and_bounded(monkeypatch) -> None:
-    """Equal placements built afresh find the cached plans (SpAG and its SpRS mirror); other contents get
-    other plans, never a stale one; the cache never holds more than its bound."""
-    from themis_compile.runtime import collectives
-
-    layout = ChunkLayout.from_spec(SPECS["swiglu"])
-    topo = Topology([2, 2])
-
-    def fresh(owners: list[int], extra: tuple[int, int]) -> tuple[Placement, Placement]:
-        shard = Placement.from_owners(owners, 4)
-        mask = shard.mask.copy()
-        mask[extra] = True
-        return shard, Placement(mask)
-
-    spag = plan_sparse_all_gather(*fresh([0, 1, 2, 3], (0, 3)), topo, layout)
-    sprs = plan_sparse_reduce_scatter(*reversed(fresh([0, 1, 2, 3], (0, 3))), topo, layout)
-    assert plan_sparse_all_gather(*fresh([0, 1, 2, 3], (0, 3)), topo, layout) is spag
-    assert plan_sparse_reduce_scatter(*reversed(fresh([0, 1, 2, 3], (0, 3))), topo, layout) is sprs
-    other = plan_sparse_reduce_scatter(*reversed(fresh([0, 1, 2, 3], (1, 3))), topo, layout)
-    # The replica of expert e on device 3 sends its gradient to e's owner e: each plan its own content.
-    assert {(t.src, t.dst, t.expert) for stage in sprs.stages for t in stage} == {(3, 0, 0)}
-    assert {(t.src, t.dst, t.expert) for stage in other.stages for t in stage} == {(3, 1, 1)}
-    monkeypatch.setattr(collectives, "_PLAN_CACHE", collectives._BoundedCache(3))
-    for d in range(4):
-        plan_sparse_all_gather(*fresh([0, 1, 2, 3], (0, d)), topo, layout)
-    assert len(collectives._PLAN_CACHE) == 3
-    assert collectives._PLAN_CACHE.get(collectives._plan_key(
-        "SparseAllGather", *fresh([0, 1, 2, 3], (0, 0)), topo, [layout] * 4)) is None    # the oldest went
 
 
 def test_worker_thread_stops_with_its_group_and_at_shutdown() -> None:

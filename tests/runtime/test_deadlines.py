@@ -115,7 +115,7 @@ def _run_case(name: str, skipper: int, members: list[int], monkeypatch_store: li
         if rank not in members:
             return "not a member"
         if config is None:
-            from themis_compile.cost_model.profile import measure_bandwidth
+            from themis_compile.runtime.profiling import measure_bandwidth
 
             if skipping:
                 raise _Skip

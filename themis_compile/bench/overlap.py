@@ -158,6 +158,7 @@ def _build(settings: dict[str, Any], world_size: int, schedule: bool, profile=No
     import themis_compile
     from themis_compile.api import runtime_of
     from themis_compile.cost_model import profile as P
+    from themis_compile.runtime.budgets import apply_budgets
 
     torch.manual_seed(0)
     model, vocab, loss_fn = _model(settings)
@@ -170,7 +171,7 @@ def _build(settings: dict[str, Any], world_size: int, schedule: bool, profile=No
     if profile is not None:
         psi = {name: int(layer.bank.chunk_bytes) for name, layer in layers.items()}
         budgets = P.budgets(profile, psi, config=runtime.config, topology=getattr(runtime.fssdp, "topology", None))
-        P.apply_budgets(layers, budgets)
+        apply_budgets(layers, budgets)
     return model, cfg, budgets
 
 
@@ -199,6 +200,7 @@ def _steps(model, cfg: _Run, settings, n: int, rank: int, opt) -> list[float]:
 def _bench_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[str, Any]:
     from themis_compile.api import runtime_of
     from themis_compile.cost_model import profile as P
+    from themis_compile.runtime import profiling
 
     torch.set_num_threads(1)
     clock = _CollectiveClock()
@@ -207,12 +209,13 @@ def _bench_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[st
         model, cfg, _ = _build(settings, world_size, schedule=True)
         runtime = runtime_of(model)
         moe_blocks = {name: dict(model.named_modules())[name] for name in runtime.layers}
-        profiler = P.AttentionProfiler(model, moe_blocks, warmup_steps=1, measure_steps=max(settings["warmup"] - 2, 1))
+        profiler = profiling.AttentionProfiler(model, moe_blocks, warmup_steps=1,
+                                               measure_steps=max(settings["warmup"] - 2, 1))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         _steps(model, cfg, settings, settings["warmup"], rank, opt)
         profile = profiler.finish()
         topology = getattr(runtime.fssdp, "topology", None)
-        bw = P.measure_bandwidth(topology=topology, nbytes=1 << 20, iters=3)
+        bw = profiling.measure_bandwidth(topology=topology, nbytes=1 << 20, iters=3)
         if profile is not None:
             profile.intra_node_bw, profile.inter_node_bw = bw.get("intra"), bw.get("inter")
             # every rank plans with the same numbers: take rank 0's T_attn
@@ -245,13 +248,13 @@ def _bench_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[st
         if settings.get("trace"):
             # A training step is collective: every rank runs it, rank 0 records and writes the trace.
             tokens = torch.randint(0, cfg.vocab_size, (settings["batch"], cfg.seq_len))
-            handles = P.annotate_attention(model)
+            handles = profiling.annotate_attention(model)
 
             def step() -> None:
                 cfg.loss(model, tokens).backward()
 
             if rank == 0:
-                P.export_chrome_trace(step, settings["trace"])
+                profiling.export_chrome_trace(step, settings["trace"])
             else:
                 step()
             for h in handles:

@@ -13,7 +13,7 @@ rows R[:, rank, :] of Alg. 3, as the runtime runs them): ``target_met`` judges i
 ``alg1_plus_alg3`` builds the full dense [E, D, D] plan (the simulator's view) and is reported beside it.
 
 ``backend`` names the planner core that ran (``"c"``: the compiled core, ``"numpy"``: its numpy
-reference; see `dispatch.planner_backend`). ``--backend both`` times the two plan by plan, interleaved,
+reference; see `planner/backend.py`). ``--backend both`` times the two plan by plan, interleaved,
 and adds ``numpy_setups`` and the per-metric median ratios ``numpy_over_c`` (ratios are what stay
 comparable on a noisy machine).
 """
@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from themis_compile.planner import (
-    PlanCost, Topology, calibrate, dispatch, heterogeneous_sharding, homogeneous_sharding,
+    PlanCost, Topology, backend, calibrate, heterogeneous_sharding, homogeneous_sharding,
     sparse_materialization, topology_aware_dispatch,
 )
 from themis_compile.planner.dispatch import dispatch_rows
@@ -82,7 +82,7 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
     """Time one setup; ``backends``: planner cores to interleave plan by plan (the compiled module, or
     None for numpy; default: the loaded one). One result per backend, in that order."""
     if backends is None:
-        backends = (dispatch._C,)
+        backends = (backend.compiled_core(),)
     rng = np.random.default_rng(seed)
     E, D = setup["num_experts"], topology.num_devices
     t, m = setup["overlap_degree"], setup["materialization_budget"]
@@ -100,18 +100,14 @@ def bench_setup(setup: dict, plans: int, seed: int, topology: Topology, seq_len:
         traces.append((tokens_ED.sum(axis=1).astype(np.float64), tokens_ED, actual_ED))
     samples = [{name: [] for name in TIMED} for _ in backends]
     imbalance = []
-    saved = dispatch._C
-    try:
-        for i in range(plans):
-            trace = traces[i % len(traces)]
-            for b, backend in enumerate(backends):
-                dispatch._C = backend
+    for i in range(plans):
+        trace = traces[i % len(traces)]
+        for b, core in enumerate(backends):
+            with backend.using(core):
                 R_EDD = _timed_plan(i, shard, trace, t, m, topology, cost, samples[b])
-            if i < len(traces):
-                ep = topology_aware_dispatch(shard, trace[1], topology).sum(axis=(0, 1))
-                imbalance.append((float(ep.max() / ep.mean()), float(R_EDD.sum(axis=(0, 1)).max() / ep.mean())))
-    finally:
-        dispatch._C = saved
+        if i < len(traces):
+            ep = topology_aware_dispatch(shard, trace[1], topology).sum(axis=(0, 1))
+            imbalance.append((float(ep.max() / ep.mean()), float(R_EDD.sum(axis=(0, 1)).max() / ep.mean())))
     imb = np.asarray(imbalance)
     return [{
         "setup": setup["name"], "num_experts": E, "top_k": setup["top_k"], "overlap_degree": t,
@@ -147,9 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     plans = 20 if args.quick else args.plans
     topology = Topology.uniform(args.nodes, args.devices_per_node)
-    loaded = dispatch._C
+    loaded = backend.compiled_core()
     if args.backend in ("c", "both") and loaded is None:
-        compiled = dispatch._load_compiled_core() if "THEMIS_PLANNER_NUMPY" not in os.environ else None
+        compiled = backend.load_compiled_core() if "THEMIS_PLANNER_NUMPY" not in os.environ else None
         if compiled is None:
             parser.error("--backend c/both: the compiled planner core is not available (pip install -e . builds "
                          "it; THEMIS_PLANNER_NUMPY must be unset)")

@@ -4,7 +4,7 @@ An attention module is one marked with `mark_attention` (or a ``themis_attention
 ``False`` opts a module out), or one whose class ``forward`` calls ``F.scaled_dot_product_attention``, flex
 attention or an HF attention interface (``attention_interface``). The scheduling pass
 (`themis_compile.passes.schedule`), its hook path (`themis_compile.passes.windows`) and the cost model's
-T_attn profiler (`themis_compile.cost_model.profile`) all recognise attention through this module.
+T_attn profiler (`themis_compile.runtime.profiling`) all recognise attention through this module.
 """
 
 from __future__ import annotations

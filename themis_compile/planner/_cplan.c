@@ -7,7 +7,7 @@
  * int64 for ids and counts, float64 for loads, one byte per entry for boolean masks; the token counts
  * T[e, d] may be any strided 2-D int64 buffer.
  *
- * The topology arrives as one int64 buffer (`Topology._c_layout`):
+ * The topology arrives as one int64 buffer (`Topology.core_layout`):
  *     [N, D, uniform, k_N (N), node_offsets (N + 1), node_D (D)].
  *
  * Return codes of the Alg. 3 entry points: 0 done; 1 a negative token count; 2 an expert with tokens

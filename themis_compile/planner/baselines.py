@@ -339,7 +339,7 @@ class FlexMoEPolicy(Policy):
         mask_ED = self.masks_LED[layer]
         load_E = predicted_load_E
         migrated = 0
-        dev_load_D = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E)
+        dev_load_D = fluid_device_load(Placement.adopt(mask_ED.copy()), load_E)
         mean = dev_load_D.mean()
         if self.replica_slots and mean > 0 and dev_load_D.max() / mean > self.threshold:
             extra_ED = mask_ED & ~self.shard.mask
@@ -359,7 +359,7 @@ class FlexMoEPolicy(Policy):
             # Expand one unit: a replica of the hottest expert on the least-loaded free device.
             cand = np.flatnonzero((free_D > 0) & ~mask_ED[hot])
             if cand.size:
-                dev_load_D = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E)
+                dev_load_D = fluid_device_load(Placement.adopt(mask_ED.copy()), load_E)
                 target = int(cand[np.argmin(dev_load_D[cand])])
                 mask_ED[hot, target] = True
                 migrated += 1

@@ -88,7 +88,7 @@ def fluid_device_load(placement: Placement, load_E: np.ndarray, topology: Topolo
     if load_E.shape != (E,):
         raise ValueError(f"load must have shape [{E}], got {load_E.shape}")
     mask_ED = placement.mask
-    copies_E = placement._copy_counts()
+    copies_E = placement.copy_counts()
     if ((copies_E == 0) & (load_E > 0)).any():
         raise ValueError("an expert with load has no holder in the placement")
     safe_E = np.maximum(copies_E, 1)

@@ -30,10 +30,9 @@ scatter; only replicated experts go through the split. Besides the full plan, `d
 rows R[:, d, :] of chosen sources (what one rank needs to route its own tokens) and
 `dispatch_device_load` the tokens every device computes, both without building the [E, D, D] plan.
 
-Backends: when the compiled core ``themis_compile.planner._cplan`` is importable (built by
-``pip install -e .``), the three functions fill their numpy output through it, bit-identical to the
-numpy code kept here; ``THEMIS_PLANNER_NUMPY=1`` in the environment forces the numpy code.
-`planner_backend` says which one runs.
+Backends: when the compiled core ``themis_compile.planner._cplan`` is in use (`planner/backend.py`
+chooses), the three functions fill their numpy output through it, bit-identical to the numpy code kept
+here; both are checked against the readable reference `planner.reference.topology_aware_dispatch`.
 
 Legend: E experts, D devices (d source, d2 destination), N nodes, X replicated experts, S planned
 sources, U the nodes of the planned sources.
@@ -42,10 +41,10 @@ sources, U the nodes of the planned sources.
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 
+from themis_compile.planner.backend import compiled_core, planner_backend
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
 
@@ -55,39 +54,10 @@ __all__ = ["topology_aware_dispatch", "dispatch_rows", "dispatch_device_load", "
            "planner_backend"]
 
 
-_CORE_ABI = 2    # the argument conventions this module calls the core with (`ABI` in _cplan.c)
-
-
-def _load_compiled_core():
-    """The compiled planner core, or None (not built, built from an older source, or
-    ``THEMIS_PLANNER_NUMPY`` set to anything but ``0``/empty): the numpy code then runs."""
-    if os.environ.get("THEMIS_PLANNER_NUMPY", "") not in ("", "0"):
-        return None
-    try:
-        from themis_compile.planner import _cplan
-    except ImportError as exc:
-        logger.debug("compiled planner core unavailable (%s); using numpy", exc)
-        return None
-    if getattr(_cplan, "ABI", None) != _CORE_ABI:
-        logger.warning("compiled planner core %s is stale (rebuild with `pip install -e .`); using numpy",
-                       _cplan.__file__)
-        return None
-    return _cplan
-
-
-# The compiled core used by this module and `materialize` (None: numpy). Tests swap it to compare both.
-_C = _load_compiled_core()
-
-
-def planner_backend() -> str:
-    """``"c"`` when Alg. 1 and Alg. 3 run through the compiled core, ``"numpy"`` otherwise."""
-    return "numpy" if _C is None else "c"
-
-
 def _c_tokens(tokens_ED: object, placement: Placement, topology: Topology) -> np.ndarray:
     """``tokens_ED`` as the compiled core reads it: an int64 [E, D] array, any strides (the core checks
     signs and orphans itself); anything else goes through `check_tokens` first."""
-    if type(tokens_ED) is np.ndarray and tokens_ED.dtype == np.int64 and tokens_ED.shape == placement._mask_ED.shape:
+    if type(tokens_ED) is np.ndarray and tokens_ED.dtype == np.int64 and tokens_ED.shape == placement.mask.shape:
         return tokens_ED
     return _checked(placement, tokens_ED, topology)[0]
 
@@ -97,7 +67,7 @@ def _run_core(core_fn, placement: Placement, tokens_ED: object, topology: Topolo
     """Run an Alg. 3 entry point of the compiled core, which writes ``out`` entirely; inputs it rejects
     get the numpy path's precise ValueError."""
     tokens_C = _c_tokens(tokens_ED, placement, topology)
-    if core_fn(topology._c_layout, placement._mask_ED, tokens_C, *args, out) == 0:
+    if core_fn(topology.core_layout, placement.mask, tokens_C, *args, out) == 0:
         return out
     _checked(placement, tokens_ED, topology)            # raises the precise ValueError
     raise AssertionError("compiled Alg. 3 rejected inputs that pass validation")
@@ -205,7 +175,7 @@ def _checked(placement: Placement, tokens_ED: np.ndarray, topology: Topology) ->
     E, D = placement.shape
     topology.validate(D)
     tokens_ED = check_tokens(tokens_ED, E, D)
-    copies_E = placement._copy_counts()
+    copies_E = placement.copy_counts()
     if E and copies_E.min() == 0:
         orphan = np.flatnonzero(copies_E == 0)
         if tokens_ED[orphan].any():
@@ -220,9 +190,10 @@ def topology_aware_dispatch(placement: Placement, tokens_ED: np.ndarray, topolog
     keeps all its tokens for e (local first); otherwise tokens stay on the source's node when a holder
     is there. ValueError when an expert with tokens has no holder or shapes do not match.
     """
-    if _C is not None:
+    core = compiled_core()
+    if core is not None:
         E, D = placement.shape
-        return _run_core(_C.dispatch, placement, tokens_ED, topology, E, out=np.empty((E, D, D), dtype=np.int64))
+        return _run_core(core.dispatch, placement, tokens_ED, topology, E, out=np.empty((E, D, D), dtype=np.int64))
     tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape
     mask_ED = placement.mask
@@ -260,7 +231,8 @@ def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topolog
     What one rank needs to route its own tokens (R[:, rank, :]) at a fraction of the cost of the full
     [E, D, D] plan: only the requested sources are split.
     """
-    if _C is not None:
+    core = compiled_core()
+    if core is not None:
         E, D = placement.shape
         if type(sources) is int and 0 <= sources < D:      # one rank's own row: the runtime's call
             src, R_out = sources, np.empty((E, D), dtype=np.int64)   # written entirely
@@ -271,7 +243,7 @@ def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topolog
                 _checked(placement, tokens_ED, topology)    # bad tokens are reported first, as below
                 raise
             R_out = np.empty((E, src.size, D), dtype=np.int64)
-        R_out = _run_core(_C.dispatch_rows, placement, tokens_ED, topology, E, src, out=R_out)
+        R_out = _run_core(core.dispatch_rows, placement, tokens_ED, topology, E, src, out=R_out)
         return R_out[:, 0, :] if R_out.ndim == 3 and np.ndim(sources) == 0 else R_out
     tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape
@@ -295,8 +267,9 @@ def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topolog
 def dispatch_device_load(placement: Placement, tokens_ED: np.ndarray, topology: Topology) -> np.ndarray:
     """[D] int64 tokens each device computes under the Alg. 3 plan, i.e.
     ``cost.device_compute_load(topology_aware_dispatch(...))``, without building the [E, D, D] plan."""
-    if _C is not None:
-        return _run_core(_C.dispatch_device_load, placement, tokens_ED, topology, placement.num_experts,
+    core = compiled_core()
+    if core is not None:
+        return _run_core(core.dispatch_device_load, placement, tokens_ED, topology, placement.num_experts,
                          out=np.empty(placement.num_devices, dtype=np.int64))
     tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
     E, D = placement.shape

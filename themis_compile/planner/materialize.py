@@ -34,7 +34,7 @@ Pseudo-code (Alg. 1, with this module's concrete choices in brackets)::
 A device never receives two copies of an expert (P' is a set). Everything is ordered by integer keys or
 by floats computed in one fixed order, so every rank and every process builds the same plan.
 
-Backends: the compiled core (``_cplan``, see `dispatch.planner_backend`) runs l.3-11 when it is built,
+Backends: the compiled core (``_cplan``, see `planner/backend.py`) runs l.3-11 when it is built,
 and calibration with token counts in one call (both steps); the numpy code below is its reference and
 the fallback (``THEMIS_PLANNER_NUMPY=1`` forces it). Both make the same floating-point operations in
 the same order, so they build the same plans and take the same decisions bit for bit.
@@ -49,8 +49,8 @@ import math
 
 import numpy as np
 
-from themis_compile.planner import dispatch as _dispatch
-from themis_compile.planner.cost import PlanCost, straggler_time
+from themis_compile.planner.backend import compiled_core
+from themis_compile.planner.cost import PlanCost, column_sums_are_sequential, fluid_device_load, straggler_time
 from themis_compile.planner.dispatch import dispatch_device_load
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
@@ -133,8 +133,6 @@ def _shard_device_load(owners_E: np.ndarray, load_E: np.ndarray, topology: Topol
     (`cost.column_sums_are_sequential`), a weighted bincount adds the same terms in the same order.
     Elsewhere (one node: a matrix product; very large E·D: pairwise sums) the model itself is called.
     """
-    from themis_compile.planner.cost import column_sums_are_sequential, fluid_device_load
-
     D = topology.num_devices
     if topology.num_nodes == 1 or not column_sums_are_sequential(owners_E.size, topology):
         return fluid_device_load(Placement.from_owners(owners_E, D), load_E, topology)
@@ -164,7 +162,7 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
     """
     if experts_J.size == 0 or not slots_D.any():
         return
-    core = _dispatch._C
+    core = compiled_core()
     if core is not None:
         # Same initial modeled loads as below (None: the core sums the model's pairs itself, in the
         # model's order); the compiled loop then makes the same float operations.
@@ -173,10 +171,8 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
         elif _bincount_is_the_model(mask_ED.shape[0], topology):
             dev_load_D = None
         else:
-            from themis_compile.planner.cost import fluid_device_load
-
-            dev_load_D = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E, topology)
-        core.place_replicas(topology._c_layout, mask_ED, np.ascontiguousarray(load_E, dtype=np.float64),
+            dev_load_D = fluid_device_load(Placement.adopt(mask_ED.copy()), load_E, topology)
+        core.place_replicas(topology.core_layout, mask_ED, np.ascontiguousarray(load_E, dtype=np.float64),
                             np.ascontiguousarray(experts_J, dtype=np.int64), slots_D, copies_E, dev_load_D,
                             None if owners_E is None else np.ascontiguousarray(owners_E, dtype=np.int64))
         return
@@ -195,9 +191,7 @@ def _place_replicas(mask_ED: np.ndarray, load_E: np.ndarray, experts_J: np.ndarr
     if owners_E is not None:
         dev_load = _shard_device_load(owners_E, load_E, topology).tolist()
     else:
-        from themis_compile.planner.cost import fluid_device_load
-
-        dev_load = fluid_device_load(Placement._trusted(mask_ED.copy()), load_E, topology).tolist()
+        dev_load = fluid_device_load(Placement.adopt(mask_ED.copy()), load_E, topology).tolist()
     # l.9 (for all experts of J at once): replica counts by load.
     n_J = _assign_slots_by_load(load_E[experts_J], copies_J, D - copies_J, int(slots_D.sum()))
     neg_slots_D = -slots_D                             # sort key "more free slots first"; >= 0: full
@@ -302,7 +296,7 @@ def sparse_materialization(shard: Placement, load_E: np.ndarray, overlap_degree:
     """
     _check_shard(shard, topology)
     E, D = shard.shape
-    core = _dispatch._C
+    core = compiled_core()
     if core is not None:
         return _materialize_compiled(core, shard, load_E, overlap_degree, materialization_budget, topology)
     load_E = check_loads(load_E, E)
@@ -319,7 +313,7 @@ def sparse_materialization(shard: Placement, load_E: np.ndarray, overlap_degree:
     else:
         slots_D = np.full(D, m, dtype=np.int64)                          # l.7 (totSlots = D·m)
         _place_replicas(mask_ED, load_E, top_J, slots_D, topology, copies_E, shard.owners())   # l.8-11
-    return Placement._trusted(mask_ED, copies_E)
+    return Placement.adopt(mask_ED, copies_E)
 
 
 def _materialize_compiled(core, shard: Placement, load_E: np.ndarray, overlap_degree: int,
@@ -337,18 +331,18 @@ def _materialize_compiled(core, shard: Placement, load_E: np.ndarray, overlap_de
     except ValueError:
         check_loads(load_E, E)                                           # bad loads are reported first
         raise
-    mask_ED = shard._mask_ED.copy()                                      # l.2
+    mask_ED = shard.mask.copy()                                      # l.2
     copies_E = np.empty(E, dtype=np.int64)                               # the core writes ones first
     dev_load_D = None    # l.10's initial modeled loads: the core's bincount where that is the model's sum
     if t > m and m and not _bincount_is_the_model(E, topology):
         dev_load_D = np.ascontiguousarray(_shard_device_load(shard.owners(), load_C, topology))
-    done = core.materialize(topology._c_layout, shard.owners(), load_C, t, m, mask_ED, copies_E, dev_load_D)
+    done = core.materialize(topology.core_layout, shard.owners(), load_C, t, m, mask_ED, copies_E, dev_load_D)
     if done < 0:
         check_loads(load_E, E)                                           # raises the precise ValueError
         raise AssertionError("compiled Alg. 1 rejected loads that pass validation")
     if done == 0:                                                        # no top expert, or m = 0
         return shard
-    return Placement._trusted(mask_ED, copies_E)
+    return Placement.adopt(mask_ED, copies_E)
 
 
 _BINCOUNT_IS_THE_MODEL: dict[tuple[int, bytes], bool] = {}    # per (E, topology layout); small
@@ -357,11 +351,9 @@ _BINCOUNT_IS_THE_MODEL: dict[tuple[int, bytes], bool] = {}    # per (E, topology
 def _bincount_is_the_model(num_experts: int, topology: Topology) -> bool:
     """Whether `_shard_device_load` takes its bincount branch (which the compiled core reproduces).
     Cached by the topology's layout bytes, whose hash Python keeps (hashing a Topology costs more)."""
-    key = (num_experts, topology._c_layout)
+    key = (num_experts, topology.core_layout)
     answer = _BINCOUNT_IS_THE_MODEL.get(key)
     if answer is None:
-        from themis_compile.planner.cost import column_sums_are_sequential
-
         answer = topology.num_nodes > 1 and column_sums_are_sequential(num_experts, topology)
         if len(_BINCOUNT_IS_THE_MODEL) > 256:
             _BINCOUNT_IS_THE_MODEL.clear()
@@ -388,7 +380,7 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
     E, D = shard.shape
     if not isinstance(materialized, Placement) or materialized.shape != shard.shape:
         raise ValueError("materialized must be a Placement with the shard's shape")
-    core = _dispatch._C
+    core = compiled_core()
     if core is not None and tokens_ED is not None:       # the core also checks P ⊆ P'
         calibrated = _calibrate_compiled(core, shard, materialized, actual_load_E, overlap_degree,
                                          materialization_budget, topology, cost, tokens_ED)
@@ -412,9 +404,9 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
     eligible_E[fresh] = True
     experts_J = order_E[eligible_E[order_E] & (actual_load_E[order_E] > 0)]
     mask_ED = materialized.mask.copy()
-    copies_E = materialized._copy_counts().copy()
+    copies_E = materialized.copy_counts().copy()
     _place_replicas(mask_ED, actual_load_E, experts_J, slots_D, topology, copies_E)
-    merged = Placement._trusted(mask_ED, copies_E)
+    merged = Placement.adopt(mask_ED, copies_E)
     if merged == materialized:
         return materialized
     # Step 2: adopt only when the gain pays for the extra critical-path transfer.
@@ -468,8 +460,6 @@ def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_
         load_C = np.ascontiguousarray(load_C, dtype=np.float64)
     dev_load_D = None    # l.10's starting loads: the core's own pair sum where that is the model's sum
     if not _bincount_is_the_model(E, topology):
-        from themis_compile.planner.cost import fluid_device_load
-
         load_C = np.ascontiguousarray(load_C, dtype=np.float64)
         try:
             dev_load_D = np.ascontiguousarray(fluid_device_load(materialized, load_C, topology))
@@ -479,10 +469,10 @@ def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_
     copies_E = np.empty(E, dtype=np.int64)
     cost_topology = cost.topology
     code, before_s, after_s, extra_s = core.calibrate(
-        topology._c_layout, cost_topology._c_layout, shard._mask_ED, materialized._mask_ED, load_C,
+        topology.core_layout, cost_topology.core_layout, shard.mask, materialized.mask, load_C,
         load_C.dtype == np.int64, t, m, tokens_ED, dev_load_D, cost.expert_bytes, cost_topology.intra_node_bw,
         cost_topology.inter_node_bw, cost.calibration_budget_s, cost.time_per_token_s, mask_ED, copies_E)
     if code == 1:
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
-        return Placement._trusted(mask_ED, copies_E)
+        return Placement.adopt(mask_ED, copies_E)
     return materialized if code == 0 else None

@@ -57,8 +57,9 @@ class Placement:
         self._node_masks: dict[tuple[int, ...], np.ndarray] = {}     # per topology (node sizes)
 
     @classmethod
-    def _trusted(cls, mask_ED: np.ndarray, copies_E: np.ndarray | None = None) -> Placement:
-        """Wrap a freshly built C-contiguous bool array without copying (internal fast path).
+    def adopt(cls, mask_ED: np.ndarray, copies_E: np.ndarray | None = None) -> Placement:
+        """Take over a freshly built C-contiguous bool [E, D] array without copying or validating it
+        (the planner's builders); the array is made read-only and must not be written afterwards.
         ``copies_E``: its per-expert holder counts when the builder already knows them."""
         obj = cls.__new__(cls)
         mask_ED.setflags(write=False)
@@ -83,7 +84,7 @@ class Placement:
             raise ValueError(f"owners must lie in [0, {num_devices}), got {owners_E.tolist()}")
         mask_ED = np.zeros((owners_E.size, int(num_devices)), dtype=np.bool_)
         mask_ED[np.arange(owners_E.size), owners_E] = True
-        return cls._trusted(mask_ED)
+        return cls.adopt(mask_ED)
 
     @classmethod
     def contiguous(cls, num_experts: int, num_devices: int) -> Placement:
@@ -103,12 +104,12 @@ class Placement:
     @classmethod
     def empty(cls, num_experts: int, num_devices: int) -> Placement:
         """The placement holding nothing."""
-        return cls._trusted(np.zeros((int(num_experts), int(num_devices)), dtype=np.bool_))
+        return cls.adopt(np.zeros((int(num_experts), int(num_devices)), dtype=np.bool_))
 
     @classmethod
     def full(cls, num_experts: int, num_devices: int) -> Placement:
         """Every chunk on every device (what dense FSDP materializes)."""
-        return cls._trusted(np.ones((int(num_experts), int(num_devices)), dtype=np.bool_))
+        return cls.adopt(np.ones((int(num_experts), int(num_devices)), dtype=np.bool_))
 
     # ----------------------------------------------------------------------------------- basic views
     @property
@@ -137,10 +138,10 @@ class Placement:
 
     def copies(self) -> np.ndarray:
         """[E] int64: how many devices hold each chunk."""
-        return self._copy_counts().copy()
+        return self.copy_counts().copy()
 
-    def _copy_counts(self) -> np.ndarray:
-        """[E] int64 holder counts, computed once (read-only; internal)."""
+    def copy_counts(self) -> np.ndarray:
+        """[E] int64 holder counts, computed once and shared: read-only (`copies` gives a writable copy)."""
         if self._copies_E is None:
             copies_E = self._mask_ED.sum(axis=1, dtype=np.int64)
             copies_E.setflags(write=False)
@@ -154,14 +155,14 @@ class Placement:
     def is_shard_placement(self) -> bool:
         """True when every chunk has exactly one owner (§3.1). Cached: the mask is immutable."""
         if self._is_shard is None:
-            self._is_shard = bool((self._copy_counts() == 1).all())
+            self._is_shard = bool((self.copy_counts() == 1).all())
         return self._is_shard
 
     def require_shard_placement(self, what: str = "placement") -> None:
         """Raise ValueError naming the offending experts unless this is a shard placement."""
         if self.is_shard_placement():
             return
-        copies_E = self._copy_counts()
+        copies_E = self.copy_counts()
         bad_E = np.flatnonzero(copies_E != 1)
         if bad_E.size:
             e = int(bad_E[0])
@@ -223,7 +224,7 @@ class Placement:
     def union(self, other: Placement) -> Placement:
         """P ∪ other."""
         self._check_same_shape(other)
-        return Placement._trusted(self._mask_ED | other._mask_ED)
+        return Placement.adopt(self._mask_ED | other._mask_ED)
 
     def __or__(self, other: Placement) -> Placement:
         return self.union(other)
@@ -235,7 +236,7 @@ class Placement:
         """
         if not base.issubset(self):
             raise ValueError("delta: the base placement is not a subset of this placement")
-        return Placement._trusted(self._mask_ED & ~base._mask_ED)
+        return Placement.adopt(self._mask_ED & ~base._mask_ED)
 
     def receive_counts(self, base: Placement) -> np.ndarray:
         """[D] int64: chunks each device receives in SpAG(base, self) (= sends in SpRS(self, base))."""

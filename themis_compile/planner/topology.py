@@ -158,7 +158,7 @@ class Topology:
         return same_DD
 
     @functools.cached_property
-    def _c_layout(self) -> bytes:
+    def core_layout(self) -> bytes:
         """The topology as the compiled planner core reads it: int64
         ``[N, D, uniform, devices_per_node (N), node_offsets (N+1), node_ids (D)]``."""
         header = np.array([self.num_nodes, self.num_devices, int(self.is_uniform)], dtype=np.int64)

@@ -16,14 +16,16 @@ Profiling never blocks training: any failure keeps the defaults with a warning.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from themis_compile.cost_model.profile import LayerBudget, Profile, ProfileCache, budgets, profile_key, resolve_profile
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import collective_device
+from themis_compile.runtime.profiling import AttentionProfiler, measure_bandwidth
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +34,11 @@ class BudgetController:
     """Owns the cost-model inputs of one optimized model and applies t, m to its FSSDP layers."""
 
     def __init__(self, model: nn.Module, runtime: Any, *, warmup_steps: int = 1, measure_steps: int = 3) -> None:
-        from themis_compile.cost_model import profile as P
-
         self.runtime = runtime
         self.config = runtime.config
         self.state = runtime.fssdp
         self.psi = {name: layer.bank.chunk_bytes for name, layer in runtime.layers.items()}
-        self.cache = P.ProfileCache(self.config.profile_path)
+        self.cache = ProfileCache(self.config.profile_path)
         self.profile = None
         self.profiler = None
         self._pending = None
@@ -50,28 +50,26 @@ class BudgetController:
         self._timeout_s = deadline.setup_timeout(self.state.timeout_s)
         cached = self._rank0(lambda: self._cached(model))
         if cached is not None:
-            self._apply(P.Profile.from_json(cached, source="cache"))
+            self._apply(Profile.from_json(cached, source="cache"))
             self._timeout_s = self.state.timeout_s
             return
         self._apply(None)   # conservative defaults until measured
         try:
-            self._bw = P.measure_bandwidth(self.state.group, self.state.topology, nbytes=1 << 20, iters=3,
-                                           timeout_s=self._timeout_s)
+            self._bw = measure_bandwidth(self.state.group, self.state.topology, nbytes=1 << 20, iters=3,
+                                         timeout_s=self._timeout_s)
         except deadline.CollectiveError:
             raise       # a rank that does not take part: the group is unusable, training cannot go on
         except Exception as exc:  # noqa: BLE001 - profiling must never block training
             logger.warning("themis: bandwidth measurement failed (%s); using configured bandwidths", exc)
         moe_blocks = dict(model.named_modules())
         blocks = {name: moe_blocks[name] for name in runtime.layers if name in moe_blocks}
-        self.profiler = P.AttentionProfiler(model, blocks, warmup_steps=warmup_steps, measure_steps=measure_steps,
-                                            on_done=self._on_profiled)
+        self.profiler = AttentionProfiler(model, blocks, warmup_steps=warmup_steps, measure_steps=measure_steps,
+                                          on_done=self._on_profiled)
         self._key_model = model
         self._timeout_s = self.state.timeout_s
 
     def _cached(self, model: nn.Module):
-        from themis_compile.cost_model import profile as P
-
-        found = P.resolve_profile(model, world_size=self.state.world_size, cache=self.cache)
+        found = resolve_profile(model, world_size=self.state.world_size, cache=self.cache)
         return None if found is None else found.to_json()
 
     def _rank0(self, fn):
@@ -120,33 +118,42 @@ class BudgetController:
         if not_ready:
             return
         self.profiler = None
-        from themis_compile.cost_model import profile as P
-
         measured, self._pending = self._pending, None
         measured.intra_node_bw = self._bw.get("intra")
         measured.inter_node_bw = self._bw.get("inter")
         data = self._rank0(lambda: measured.to_json())
-        profile = P.Profile.from_json(data, source="measured")
+        profile = Profile.from_json(data, source="measured")
         self._apply(profile)
         if self.state.rank == 0:
             try:
-                profile.key = P.profile_key(self._key_model, self.state.world_size)
+                profile.key = profile_key(self._key_model, self.state.world_size)
                 self.cache.put(profile)
             except Exception as exc:  # noqa: BLE001
                 logger.warning("themis: could not cache the profile (%s)", exc)
 
-    def _apply(self, profile) -> None:
-        from themis_compile.cost_model import profile as P
-
+    def _apply(self, profile: Profile | None) -> None:
         self.profile = profile
         # Computed on rank 0 and shared: m depends on the free memory of the machine at this moment, and
         # every rank must plan with the same t and m (the plans drive collectives).
         device = next((p.device for layer in self.runtime.layers.values() for c in layer.local_chunks().values()
                        for p in c), self._device)
-        layer_budgets = self._rank0(lambda: P.budgets(profile, self.psi, config=self.config,
-                                                      topology=self.state.topology, device=device))
-        P.apply_budgets(self.runtime.layers, layer_budgets)
+        layer_budgets = self._rank0(lambda: budgets(profile, self.psi, config=self.config,
+                                                    topology=self.state.topology, device=device))
+        apply_budgets(self.runtime.layers, layer_budgets)
         self.budgets = layer_budgets
         if self.state.rank == 0:
             logger.info("themis: budgets %s", {n: (b.overlap_degree, b.materialization_budget, b.source)
                                                for n, b in layer_budgets.items()})
+
+
+def apply_budgets(runtime_layers: Mapping[str, nn.Module], layer_budgets: Mapping[str, LayerBudget]) -> list[str]:
+    """Set ``overlap_degree``/``materialization_budget`` on the runtime's layers that have them; returns the
+    names updated."""
+    updated = []
+    for name, b in layer_budgets.items():
+        layer = runtime_layers.get(name)
+        if layer is not None and hasattr(layer, "overlap_degree"):
+            layer.overlap_degree = b.overlap_degree
+            layer.materialization_budget = b.materialization_budget
+            updated.append(name)
+    return updated

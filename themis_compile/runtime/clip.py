@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from themis_compile.api import optimized_models, runtime_of
 from themis_compile.runtime.collectives import collective_device
+from themis_compile.runtime.registry import optimized_models, runtime_of
 
 __all__ = ["clip_grad_norm_"]
 

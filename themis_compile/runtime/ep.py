@@ -207,6 +207,9 @@ def _report_in_unmodified_keys(module: "ShardedExperts", incompatible_keys) -> N
 class ShardedExperts(nn.Module):
     """Stands in for a layer's experts module: ``(x_TH, ids_TK, weights_TK) -> out_TH``.
 
+    ``kernels_backend``: the dispatch/combine kernels this layer runs (``ThemisConfig.kernels``, set by
+    ``optimize``; None: the process default of `kernels.set_backend`).
+
     Holds only the experts this rank owns, each as a child module named by its global expert id
     (``self.<e>``, as in the user's ``nn.ModuleList``), so that an optimizer built from
     ``model.parameters()`` sees exactly the owned experts, and their parameter names are the unmodified
@@ -218,6 +221,8 @@ class ShardedExperts(nn.Module):
     at its global offset. ``load_state_dict`` takes such state dicts, or the unmodified model's full one,
     keeping the experts this rank owns.
     """
+
+    kernels_backend: str | None = None
 
     def __init__(
         self,
@@ -351,12 +356,17 @@ class ShardedExperts(nn.Module):
             self._check_routing(ids_TK)
         if self.uniform_routing:
             # The paper's "Uniform" reference gate (benchmarking only: it changes the model on purpose).
-            from themis_compile.api import uniform_ids
-
             ids_TK = uniform_ids(ids_TK, self.num_experts)
         chunks = {e: [scale_grad(p, self.grad_scale) for p in c] for e, c in self.local_chunks().items()}
         return dispatch_compute_combine(
             x_TH, ids_TK, weights_TK, self.destinations(ids_TK), self.num_experts,
             lambda rows, counts: self.run_experts(chunks, rows, counts, skip_empty=self.skips_empty_experts),
             group=self.group, world_size=self.world_size, layer=self.layer, timeout_s=self.timeout_s,
+            kernels_backend=self.kernels_backend,
         )
+
+
+def uniform_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pair (t, k) -> expert (t*K + k) mod E: every expert gets the same number of pairs (up to one)."""
+    T, K = ids_TK.shape
+    return torch.arange(T * K, device=ids_TK.device).view(T, K) % num_experts

@@ -101,16 +101,20 @@ def dispatch_compute_combine(
     world_size: int = 1,
     layer: str = "",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    kernels_backend: str | None = None,
 ) -> torch.Tensor:
     """Serve every (token, k) pair on rank ``dest_TK`` and return the weighted combine ``[T, H]``.
 
     ``compute(rows_NH, counts_E)`` runs the experts on rows grouped by expert (``counts_E[e]`` rows of
     expert e, in expert order) and returns their outputs in the same order. ``layer`` names the MoE layer
     in errors; every exchange fails after ``timeout_s`` when a rank does not take part.
+    ``kernels_backend`` is the dispatch/combine kernels' implementation (``ThemisConfig.kernels``:
+    ``"auto"``, ``"torch"``, ``"triton"``; None: the process default, `kernels.set_backend`).
     """
     with record_function("themis::dispatch"):
-        counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size)
-        send_NH = kernels.permute(x_TH, dst_row_TK)
+        counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size,
+                                                            backend=kernels_backend)
+        send_NH = kernels.permute(x_TH, dst_row_TK, backend=kernels_backend)
         recv_counts_SE = exchange_counts(counts_WE, group, world_size, layer=layer, timeout_s=timeout_s)
         if world_size > 1:
             send_splits = counts_WE.sum(1).tolist()
@@ -130,4 +134,4 @@ def dispatch_compute_combine(
                                         layer=layer, timeout_s=timeout_s)
         else:
             y_send_NH = y_recv_NH
-        return kernels.unpermute_combine(y_send_NH, dst_row_TK, weights_TK)
+        return kernels.unpermute_combine(y_send_NH, dst_row_TK, weights_TK, backend=kernels_backend)

@@ -406,7 +406,7 @@ class FSSDPExperts(ShardedExperts):
             # Alg. 3, only this rank's rows: R[:, rank, :] (every rank computes its own from the same T).
             splits_ED = torch.from_numpy(np.ascontiguousarray(
                 dispatch_rows(placement, tokens_ED, self.state.topology, self.rank)))
-        dest_TK = kernels.assign_destinations(ids_TK, splits_ED.to(ids_TK.device))
+        dest_TK = kernels.assign_destinations(ids_TK, splits_ED.to(ids_TK.device), backend=self.kernels_backend)
 
         owned = self.local_chunks()
         # Decided the same way on every rank: a rank holding only replicas (it may own no expert of this
@@ -423,6 +423,7 @@ class FSSDPExperts(ShardedExperts):
             x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
             lambda rows, counts: self.run_experts(held, rows, counts),
             group=self.group, world_size=self.world_size, layer=self.layer, timeout_s=self.timeout_s,
+            kernels_backend=self.kernels_backend,
         )
         # Global condition (ΔP is the same on every rank), so that every rank issues the re-gather. The
         # last layer keeps its replicas: its backward starts right away, so releasing them would only put
@@ -491,11 +492,12 @@ class FSSDPExperts(ShardedExperts):
             with record_function("themis::rematerialize_for_recompute"):
                 self._rematerialize(record.released)
         held = record.held
-        dest_TK = kernels.assign_destinations(ids_TK, record.splits_ED.to(ids_TK.device))
+        dest_TK = kernels.assign_destinations(ids_TK, record.splits_ED.to(ids_TK.device),
+                                              backend=self.kernels_backend)
         return dispatch_compute_combine(
             x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
             lambda rows, counts: self.run_experts(held, rows, counts),
-            group=self.group, world_size=self.world_size,
+            group=self.group, world_size=self.world_size, kernels_backend=self.kernels_backend,
         )
 
     def _check_plan_digest(self, placement: Placement) -> None:

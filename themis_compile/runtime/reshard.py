@@ -2,7 +2,8 @@
 
 Every ``reshard_interval`` optimizer steps all FSSDP layers are re-sharded at once. The optimizer is
 found without any call in the user's loop: a global optimizer step post-hook recognises the optimizer
-that holds this model's owned expert parameters. An expert that changes owner travels as one chunk of
+that holds this model's owned expert parameters (once per optimizer); the hook lives as long as the
+model's runtime. An expert that changes owner travels as one chunk of
 its parameters and its optimizer state tensors (e.g. AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``)
 through the same SparseAllGather that materializes replicas: SpAG(P_old, P_old ∪ P_new) delivers exactly
 the experts each new owner lacks. The new owner then registers fresh parameters in the optimizer's
@@ -151,13 +152,20 @@ class ReshardScheduler:
     def __init__(self, runtime: Any, interval: int, dense_params: list[nn.Parameter]) -> None:
         # A weak reference: the global hook must not keep a deleted model alive.
         self._runtime = weakref.ref(runtime)
-        self._dense_ids = {id(p) for p in dense_params}
+        self._dense_ids = frozenset(id(p) for p in dense_params)
         self.interval = interval
         self.steps = 0
         self.reshards = 0
         self.moved = 0
         self._paused = 0
+        # Per optimizer: whether it holds this model's experts, and the shape of its param groups when
+        # that was decided (a param group added later asks again). Experts moving between ranks do not
+        # change the answer: a new owner registers them in the optimizer that already held its experts.
+        self._owner_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._handle = register_optimizer_step_post_hook(self._on_step)
+        # The hook is process-wide, its owner is the runtime: it goes when the runtime goes (the model
+        # deleted), so that optimizers of other models never call it again.
+        self._finalizer = weakref.finalize(runtime, self._handle.remove)
 
     @property
     def runtime(self) -> Any:
@@ -165,7 +173,16 @@ class ReshardScheduler:
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` is the one holding this model's owned experts (on a rank without
-        experts: its dense parameters)."""
+        experts: its dense parameters). Decided once per optimizer and param-group layout."""
+        layout = tuple(len(g["params"]) for g in optimizer.param_groups)
+        known = self._owner_verdicts.get(optimizer)
+        if known is not None and known[0] == layout:
+            return known[1]
+        verdict = self._scan(optimizer)
+        self._owner_verdicts[optimizer] = (layout, verdict)
+        return verdict
+
+    def _scan(self, optimizer: torch.optim.Optimizer) -> bool:
         ours = {id(p) for layer in self.runtime.layers.values() for c in layer.local_chunks().values() for p in c
                 if p.requires_grad}
         if not ours:
@@ -192,7 +209,7 @@ class ReshardScheduler:
         self.steps, self.reshards, self.moved = int(state["steps"]), int(state["reshards"]), int(state["moved"])
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if self.runtime is None:    # the model is gone (the hook cannot unregister itself mid-iteration)
+        if self.runtime is None:    # the runtime is gone but its finalizer has not run yet
             return
         if self._paused or not self.owns(optimizer):
             return
@@ -203,4 +220,5 @@ class ReshardScheduler:
             self.reshards += 1
 
     def remove(self) -> None:
-        self._handle.remove()
+        """Unregister the optimizer hook now (otherwise it goes with the runtime)."""
+        self._finalizer()

@@ -1,13 +1,16 @@
 """`make demo`: train a tiny GPT-MoE on the Python standard library's own sources, policies side by side.
 
-    python -m themis_compile.demo [--steps 150] [--policies ep,themis] [--out runs/demo] [--nproc 2]
+A program built on the library, outside its package and its import graph (nothing in ``themis_compile``
+imports it); run from the repository root:
+
+    python -m demo [--steps 150] [--policies ep,themis] [--out runs/demo] [--nproc 2]
                                   [--seq-len 128] [--batch 16] [--d-ffn 1024] [--router-skew 2.0]
 
 What happens:
 
 1. A byte-level corpus (vocab 256) is built from the ``.py`` files of the running interpreter's standard
-   library (``sysconfig.get_paths()["stdlib"]``, sorted paths, ``site-packages`` and test suites left out)
-   and saved as ``corpus.bin`` under the output folder. It exists offline on every machine.
+   library (``themis_compile.models.data.build_corpus``: sorted paths, ``site-packages`` and test suites
+   left out) and saved as ``corpus.bin`` under the output folder. It exists offline on every machine.
 2. ``torchrun --standalone --nproc-per-node N`` (``python -m torch.distributed.run``) starts N gloo ranks
    on CPU, one thread each, running this module with ``--worker``. Every policy in ``--policies`` trains
    the same model from the same seed on the same global batches, one policy after the other in the same
@@ -41,7 +44,6 @@ import math
 import os
 import subprocess
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +51,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from themis_compile.models.data import build_corpus, sample_batch, stdlib_sources
+
 logger = logging.getLogger(__name__)
+
+__all__ = ["build_corpus", "format_summary", "imbalance", "launch", "main", "max_relative_difference",
+           "sample_batch", "stdlib_sources", "summarize", "worker_main"]
 
 DEFAULT_OUT = "runs/demo"
 DEFAULT_POLICIES = ("ep", "themis")
@@ -59,61 +66,6 @@ DEFAULT_POLICIES = ("ep", "themis")
 LOSS_COINCIDE_RTOL = 1e-4
 # Policies that train exactly the model's own numerics (the paper's claim for Themis, §3).
 EXACT_POLICIES = ("ep", "themis", "themis-rm")
-# Directories of the stdlib that are not "the standard library's sources" in the sense we want: installed
-# third-party packages, and the test suites (large, repetitive, full of deliberately odd bytes).
-_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
-
-
-# ----------------------------------------------------------------------------------------------- corpus
-def stdlib_sources(root: str | os.PathLike | None = None) -> list[Path]:
-    """The ``.py`` files under the standard library ``root`` (default: this interpreter's), sorted by
-    their path relative to ``root`` so that the order is the same on every run and every rank."""
-    root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
-    if not root.is_dir():
-        raise ValueError(f"standard library directory {str(root)!r} does not exist")
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
-        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def build_corpus(max_bytes: int = 4 << 20, root: str | os.PathLike | None = None) -> np.ndarray:
-    """Byte-level corpus (tokens in [0, 256)) from the standard library's ``.py`` sources.
-
-    Files are concatenated in :func:`stdlib_sources` order, each followed by a newline, and the result is
-    cut at ``max_bytes``. Deterministic for a given interpreter installation.
-
-    Returns a 1-D ``uint8`` array.
-    """
-    if max_bytes < 2:
-        raise ValueError(f"max_bytes must be >= 2, got {max_bytes}")
-    chunks, total = [], 0
-    for path in stdlib_sources(root):
-        data = path.read_bytes() + b"\n"
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    corpus = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
-    if corpus.size < 2:
-        raise ValueError(f"no Python sources found under {root!r}")
-    return corpus
-
-
-def sample_batch(corpus: np.ndarray, step: int, global_batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
-    """The global batch of ``step``: ``global_batch`` windows of ``seq_len`` bytes at seeded offsets.
-
-    A pure function of (corpus, step, sizes, seed), so every policy and every rank sees the same data.
-    Returns int64 ``[global_batch, seq_len]``.
-    """
-    if seq_len > corpus.size:
-        raise ValueError(f"seq_len={seq_len} exceeds the corpus ({corpus.size} bytes)")
-    rng = np.random.default_rng([seed, step])
-    starts_B = rng.integers(0, corpus.size - seq_len + 1, size=global_batch)
-    return np.stack([corpus[s:s + seq_len] for s in starts_B]).astype(np.int64)
-
-
 # ------------------------------------------------------------------------------------------- statistics
 def imbalance(load: Sequence[float] | np.ndarray) -> float:
     """max / mean of a load vector (1.0 is perfect balance; 0 load counts as balanced)."""
@@ -174,7 +126,7 @@ def _tokens_per_device_ep(tokens_per_expert: Sequence[int], owners_E: Sequence[i
 # ------------------------------------------------------------------------------------------------- CLI
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m themis_compile.demo",
+        prog="python -m demo",
         description="Train a tiny GPT-MoE on the Python stdlib sources on N CPU ranks, policies side by side.",
     )
     p.add_argument("--steps", type=int, default=150, help="AdamW steps per policy (default 150)")
@@ -542,14 +494,17 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the corpus ({corpus.size} bytes)")
     corpus.tofile(out / "corpus.bin")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "themis_compile.demo", "--worker",
+           "-m", "demo", "--worker",
            "--steps", str(args.steps), "--policies", ",".join(policies), "--out", str(out),
            "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--model", args.model,
            "--router-skew", str(args.router_skew), "--lr", str(args.lr), "--seed", str(args.seed),
            "--timeout", str(args.timeout)]
     if args.no_progress:
         cmd.append("--no-progress")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The ranks import this package from its folder's parent, wherever the launcher was started from.
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     print(f"corpus: {corpus.size:,} bytes of Python stdlib sources; launching {args.nproc} ranks "
           f"({', '.join(policies)}; {args.steps} steps each)", flush=True)
     # A hanging collective fails after --timeout inside the ranks; torchrun then stops the others.
@@ -580,7 +535,3 @@ def main(argv: list[str] | None = None) -> None:
         launch(args)
     except RuntimeError as exc:
         raise SystemExit(f"demo failed: {exc}") from exc
-
-
-if __name__ == "__main__":
-    main()

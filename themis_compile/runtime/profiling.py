@@ -1,0 +1,310 @@
+"""Measuring the cost model's inputs during training: the effectful half of `cost_model/profile.py`.
+
+- `AttentionProfiler` hooks every attention module (forward pre/post hooks; tensor hooks for the backward),
+  times its forward and backward during the first steps at the real shapes, skips ``warmup_steps``, keeps
+  the median of ``measure_steps`` and removes its hooks. It also records which attention ran last before
+  each MoE layer — the window that layer's SpAG overlaps. The result is a `cost_model.profile.Profile`.
+- `measure_bandwidth` runs a point-to-point ping-pong on the actual process group, between two ranks of one
+  node (intra-node) and two ranks of different nodes (inter-node) of the `Topology`.
+- `annotate_attention` marks attention with `ATTENTION_RANGE` for the profiler; `export_chrome_trace`
+  writes the chrome trace of one step, in which the runtime's `SPAG_RANGE` / `SPRS_RANGE` ranges show the
+  overlap.
+
+`runtime/budgets.py` drives them and turns their result into t and m (`cost_model.profile.budgets`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from themis_compile.cost_model.profile import (
+    ATTENTION_RANGE, AttentionTiming, Profile, attention_modules, hardware_id,
+)
+from themis_compile.runtime import deadline
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AttentionProfiler", "annotate_attention", "export_chrome_trace", "measure_bandwidth"]
+
+
+# ----------------------------------------------------------------------------------------- T_attn
+def _sync(t: Any) -> None:
+    if isinstance(t, torch.Tensor) and t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
+def _first_tensor(args: Any) -> torch.Tensor | None:
+    if isinstance(args, torch.Tensor):
+        return args
+    if isinstance(args, (tuple, list)):
+        for a in args:
+            t = _first_tensor(a)
+            if t is not None:
+                return t
+    return None
+
+
+class _Range:
+    """A ``record_function`` range opened in one hook and closed in another (per-module LIFO)."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, list] = {}
+
+    def enter(self, key: int, name: str) -> None:
+        rf = torch.profiler.record_function(name)
+        rf.__enter__()
+        self.open.setdefault(key, []).append(rf)
+
+    def exit(self, key: int) -> None:
+        stack = self.open.get(key)
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+
+def annotate_attention(model: nn.Module) -> list:
+    """Mark every attention module's forward with the `ATTENTION_RANGE` profiler range; returns hook handles."""
+    ranges = _Range()
+    handles = []
+    for _name, module in attention_modules(model):
+        handles.append(module.register_forward_pre_hook(lambda m, a: ranges.enter(id(m), ATTENTION_RANGE)))
+        handles.append(module.register_forward_hook(lambda m, a, o: ranges.exit(id(m))))
+    return handles
+
+
+class AttentionProfiler:
+    """Times attention forward and backward during the first steps of training, then removes itself.
+
+    A step begins when the first attention module (in forward order) runs its forward with gradients
+    enabled; steps ``1..warmup_steps`` are discarded, the next ``measure_steps`` measured. When done,
+    ``profile`` holds the medians and ``on_done(profile)`` is called once. Timing hooks synchronize CUDA
+    only while measuring. Any exception inside a hook disables profiling with a warning — never training.
+
+    Args:
+        model: the model (attention modules found by `themis_compile.passes.attention.is_attention_module`).
+        moe_layers: MoE layer name -> module whose forward marks that layer (to learn each layer's window).
+        warmup_steps, measure_steps: see above.
+        on_done: callback receiving the finished `Profile`.
+    """
+
+    def __init__(self, model: nn.Module, moe_layers: Mapping[str, nn.Module] | None = None, *,
+                 warmup_steps: int = 1, measure_steps: int = 3,
+                 on_done: Callable[[Profile], None] | None = None) -> None:
+        if warmup_steps < 0 or measure_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 0 and measure_steps >= 1, got {warmup_steps}, {measure_steps}")
+        self.warmup_steps, self.measure_steps = int(warmup_steps), int(measure_steps)
+        self.on_done = on_done
+        self.profile: Profile | None = None
+        self.failed: str | None = None
+        self.step = 0
+        self._attn = attention_modules(model)
+        self._names = {id(m): n for n, m in self._attn}
+        self._first = id(self._attn[0][1]) if self._attn else None
+        self._fwd: dict[str, list[float]] = {n: [] for n, _ in self._attn}
+        self._bwd: dict[str, list[float]] = {n: [] for n, _ in self._attn}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._t0: dict[int, float] = {}
+        self._b0: dict[int, float] = {}
+        self._last_attention: str | None = None
+        self._preceding: dict[str, str] = {}
+        self._ranges = _Range()
+        self._handles: list = []
+        if not self._attn:
+            self._fail("the model has no attention module (mark one with themis_compile.passes.attention."
+                       "mark_attention)")
+            return
+        # Backward is timed with tensor hooks (gradient of the output: start; of the input: end), not
+        # module backward hooks, which torch.compile cannot capture without compiled autograd. Under
+        # torch.compile every hook is a no-op, so profiling never breaks a graph.
+        for _name, m in self._attn:
+            self._handles += [m.register_forward_pre_hook(self._guard(self._pre)),
+                              m.register_forward_hook(self._guard(self._post))]
+        for name, m in (moe_layers or {}).items():
+            self._handles.append(m.register_forward_pre_hook(self._guard(self._moe_hook(name))))
+
+    # hooks -----------------------------------------------------------------------------------------
+    def _guard(self, fn):
+        def hook(*args):
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001 - profiling must never break training
+                self._fail(f"{type(exc).__name__}: {exc}")
+                return None
+        return hook
+
+    @property
+    def measuring(self) -> bool:
+        return self.profile is None and self.failed is None and self.warmup_steps < self.step
+
+    def _pre(self, m, args):
+        if torch.compiler.is_compiling():
+            return None
+        if m is not None and id(m) == self._first and torch.is_grad_enabled():
+            self.step += 1
+            if self.step > self.warmup_steps + self.measure_steps:
+                self._finish()
+                return None
+        name = self._names[id(m)]
+        self._last_attention = name
+        if self.measuring and torch.is_grad_enabled():  # training steps only: eval shapes may differ
+            x = _first_tensor(args)
+            if x is not None:
+                self._shapes[name] = tuple(x.shape)
+                _sync(x)
+                if x.requires_grad:
+                    x.register_hook(self._guard(lambda g, key=id(m): self._bpost(key, g)))
+            self._ranges.enter(id(m), ATTENTION_RANGE)
+            self._t0[id(m)] = time.perf_counter()
+        return None
+
+    def _post(self, m, args, out):
+        if torch.compiler.is_compiling():
+            return None
+        t0 = self._t0.pop(id(m), None)
+        if t0 is not None:
+            y = _first_tensor(out)
+            _sync(y)
+            self._fwd[self._names[id(m)]].append(time.perf_counter() - t0)
+            self._ranges.exit(id(m))
+            if y is not None and y.requires_grad:
+                y.register_hook(self._guard(lambda g, key=id(m): self._bpre(key, g)))
+        return None
+
+    def _bpre(self, key: int, grad_out: torch.Tensor) -> None:
+        """Gradient of the attention's output is ready: its backward starts."""
+        _sync(grad_out)
+        self._b0[key] = time.perf_counter()
+
+    def _bpost(self, key: int, grad_in: torch.Tensor) -> None:
+        """Gradient of the attention's input is ready: its backward is done."""
+        t0 = self._b0.pop(key, None)
+        if t0 is not None:
+            _sync(grad_in)
+            self._bwd[self._names[key]].append(time.perf_counter() - t0)
+
+    def _moe_hook(self, layer: str):
+        def hook(m, args):
+            if self._last_attention is not None:
+                self._preceding.setdefault(layer, self._last_attention)
+            return None
+        return hook
+
+    # results ---------------------------------------------------------------------------------------
+    def _fail(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = why
+            logger.warning("themis: attention profiling failed (%s); the cost model falls back to defaults", why)
+        self.remove()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _finish(self) -> None:
+        attention = {}
+        for name, samples in self._fwd.items():
+            if samples:
+                bwd = self._bwd.get(name) or []
+                attention[name] = AttentionTiming(statistics.median(samples),
+                                                  statistics.median(bwd) if bwd else None,
+                                                  self._shapes.get(name, ()), len(samples))
+        self.remove()
+        if not attention:
+            self._fail("no attention forward was timed")
+            return
+        self.profile = Profile(attention=attention, preceding_attention=dict(self._preceding), source="measured",
+                               hardware=hardware_id(),
+                               world_size=dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
+        logger.info("themis: profiled T_attn of %d attention modules (median of %d steps)", len(attention),
+                    self.measure_steps)
+        if self.on_done is not None:
+            self.on_done(self.profile)
+
+    def finish(self) -> Profile | None:
+        """Stop now and return what was measured (None if nothing was)."""
+        if self.profile is None and self.failed is None:
+            self._finish()
+        return self.profile
+
+
+# ----------------------------------------------------------------------------------------- bandwidth
+def _pairs(world_size: int, topology) -> dict[str, tuple[int, int]]:
+    pairs = {}
+    if topology is None:
+        if world_size >= 2:
+            pairs["intra"] = (0, 1)
+        return pairs
+    offsets = topology.node_offsets
+    for n, count in enumerate(topology.devices_per_node):
+        if count >= 2:
+            pairs["intra"] = (int(offsets[n]), int(offsets[n]) + 1)
+            break
+    if topology.num_nodes >= 2:
+        pairs["inter"] = (int(offsets[0]), int(offsets[1]))
+    return pairs
+
+
+def measure_bandwidth(group=None, topology=None, *, nbytes: int = 1 << 22, iters: int = 5, warmup: int = 1,
+                      device: torch.device | str | None = None,
+                      timeout_s: float = deadline.DEFAULT_TIMEOUT_S) -> dict[str, float]:
+    """Bytes/s of one link by point-to-point ping-pong, ``{"intra": bw, "inter": bw}`` (keys present only
+    for pairs the topology has). Collective: every rank of ``group`` must call it; all get the same result;
+    each of its messages fails after ``timeout_s`` (`runtime/deadline.py`).
+    Returns ``{}`` without a process group or with one rank.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    group = group or dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world < 2:
+        return {}
+    if nbytes < 1 or iters < 1:
+        raise ValueError(f"nbytes and iters must be >= 1, got {nbytes}, {iters}")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    result = {}
+    for kind, (a, b) in _pairs(world, topology).items():
+        ga, gb = dist.get_global_rank(group, a), dist.get_global_rank(group, b)
+        times = []
+        deadline.barrier(group=group, timeout_s=timeout_s, purpose=f"bandwidth measurement ({kind})")
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            ping = dict(group=group, timeout_s=timeout_s, purpose=f"bandwidth measurement ({kind})")
+            if rank == a:
+                deadline.send(buf, gb, **ping)
+                deadline.recv(buf, gb, **ping)
+            elif rank == b:
+                deadline.recv(buf, ga, **ping)
+                deadline.send(buf, ga, **ping)
+            _sync(buf)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        bw = torch.tensor([nbytes / (statistics.median(times) / 2) if rank == a else 0.0], dtype=torch.float64,
+                          device=device)
+        deadline.broadcast(bw, ga, group=group, timeout_s=timeout_s, purpose=f"bandwidth measurement ({kind})")
+        result[kind] = float(bw.item())
+    return result
+
+
+# ----------------------------------------------------------------------------------------- traces
+def export_chrome_trace(step: Callable[[], Any], path: str | os.PathLike, *, with_stack: bool = False) -> Path:
+    """Run ``step()`` once under ``torch.profiler`` (CPU, and CUDA when available) and write its chrome trace
+    to ``path``; the themis ranges (`SPAG_RANGE`, `SPRS_RANGE`, `ATTENTION_RANGE`, ...) appear in it."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities, with_stack=with_stack) as prof:
+        step()
+    prof.export_chrome_trace(str(path))
+    return path
