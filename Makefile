@@ -18,8 +18,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m demo
 
+# Two workers, each taking whole test files (module fixtures computed once): single-process tests on one
+# core while a multi-rank test or a waiting deadline test holds the other.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) -m themis_compile.bench all

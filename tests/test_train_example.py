@@ -42,24 +42,6 @@ def _torchrun(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def test_train_script_runs_three_steps_on_two_ranks(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    run = _torchrun(["--model", "tiny", "--policy", "themis", "--steps", "3", "--batch", "2", "--seq-len", "32",
-                     "--log-every", "1", "--bf16", "--clip", "1.0",
-                     "--ckpt-dir", str(ckpt), "--ckpt-every", "2"], timeout_s=420)
-    assert run.returncode == 0, run.stderr[-6000:]
-    log = run.stdout + run.stderr
-    assert "optimized by themis_compile (policy themis, rank 0 of 2): 2 MoE layer(s) sharded" in log
-    lines = re.findall(r"step +(\d+)  loss ([\d.]+)  lr ([\d.e+-]+)  tok/s ([\d,]+)  imbalance ([\d.]+)  "
-                       r"grad_norm ([\d.]+)", log)
-    assert [int(step) for step, *_ in lines] == [1, 2, 3], log[-4000:]      # rank 0 only, one line a step
-    for _, loss, lr, tok_s, imbalance, grad_norm in lines:
-        assert 0 < float(loss) < 2 * math.log(256) and float(lr) > 0 and int(tok_s.replace(",", "")) > 0
-        assert float(imbalance) >= 1.0 and float(grad_norm) > 0
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000003"]
-    assert all((ckpt / name / ".metadata").exists() for name in ("step-00000002", "step-00000003"))
-
-
 def test_cosine_schedule_warms_up_then_decays_to_the_floor():
     train = _load_script()
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -85,14 +67,27 @@ def test_latest_checkpoint_skips_unfinished_ones(tmp_path):
 
 
 def test_train_script_resumes_where_it_stopped(tmp_path):
-    """Four steps straight through, against two steps, a checkpoint, and a ``--resume`` for the last two:
+    """Four steps straight through (bf16 autocast, clipping; its log lines and checkpoints checked),
+    against two steps, a checkpoint, and a ``--resume`` for the last two:
     experts were re-sharded (every 2 steps) before the checkpoint, and the resumed steps log the same
     losses and gradient norms."""
     common = ["--model", "tiny", "--policy", "themis", "--steps", "4", "--batch", "2", "--seq-len", "32",
-              "--log-every", "1", "--clip", "1.0", "--reshard-interval", "2", "--ckpt-every", "2"]
+              "--log-every", "1", "--bf16", "--clip", "1.0", "--reshard-interval", "2", "--ckpt-every", "2"]
     pattern = r"step +(\d+)  loss ([\d.]+)  .*grad_norm ([\d.]+)"
     straight = _torchrun(common + ["--ckpt-dir", str(tmp_path / "a")], timeout_s=420)
     assert straight.returncode == 0, straight.stderr[-6000:]
+    # What the script reports (rank 0 only, one line a step) and the checkpoints it writes.
+    log = straight.stdout + straight.stderr
+    assert "optimized by themis_compile (policy themis, rank 0 of 2): 2 MoE layer(s) sharded" in log
+    lines = re.findall(r"step +(\d+)  loss ([\d.]+)  lr ([\d.e+-]+)  tok/s ([\d,]+)  imbalance ([\d.]+)  "
+                       r"grad_norm ([\d.]+)", log)
+    assert [int(step) for step, *_ in lines] == [1, 2, 3, 4], log[-4000:]
+    for _, loss, lr, tok_s, imbalance, grad_norm in lines:
+        assert 0 < float(loss) < 2 * math.log(256) and float(lr) > 0 and int(tok_s.replace(",", "")) > 0
+        assert float(imbalance) >= 1.0 and float(grad_norm) > 0
+    ckpt = tmp_path / "a"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000004"]
+    assert all((ckpt / name / ".metadata").exists() for name in ("step-00000002", "step-00000004"))
     first = _torchrun(common + ["--ckpt-dir", str(tmp_path / "b"), "--steps", "2"], timeout_s=420)
     assert first.returncode == 0, first.stderr[-6000:]
     resumed = _torchrun(common + ["--ckpt-dir", str(tmp_path / "b"), "--resume"], timeout_s=420)

@@ -99,7 +99,7 @@ def test_explain_lists_or_rejects_families_of_each_kind():
     for family in ("qwen3_moe", "phimoe", "deepseek_v3"):
         expected, found, report = _detect(family)
         assert expected and set(expected) <= set(found), report
-    for family in ("switch_transformers", "llama4"):
+    for family in ("muse_spark", "llama4"):
         expected, found, report = _detect(family)
         assert expected and not set(expected) & set(found) and NOT_SHARDED[family] in report, report
 
