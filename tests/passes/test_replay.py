@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -229,20 +228,7 @@ def _dense(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(model: nn.Module, rank: int, world_size: int):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    local = BATCH // world_size
-    losses = []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, zoo.VOCAB, (BATCH, SEQ), generator=g)
-        loss = model.loss(tokens[rank * local:(rank + 1) * local])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        if world_size > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world_size)
+    losses = zoo.train_losses(model, rank, world_size, STEPS, BATCH, SEQ)
     return losses, _dense(model)
 
 

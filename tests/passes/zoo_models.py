@@ -661,3 +661,25 @@ class ZooLM(nn.Module):
     def loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         logits = self(tokens_BS)
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens_BS[:, 1:].reshape(-1))
+
+
+def train_losses(model: nn.Module, rank: int, world_size: int, steps: int, batch: int, seq: int) -> list[float]:
+    """AdamW steps of a ZooLM-like model (``model.loss(tokens)``) on seeded global batches, this rank
+    taking its contiguous slice: the global loss per step (all-reduced over the ranks)."""
+    import torch.distributed as dist
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    local = batch // world_size
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (batch, seq), generator=g)
+        loss = model.loss(tokens[rank * local:(rank + 1) * local])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        if world_size > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / world_size)
+    return losses
