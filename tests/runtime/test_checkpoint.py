@@ -11,7 +11,8 @@ taken after step 3); the checkpoint must
   checkpoint must load into an optimized one.
 
 Models: the reference model with ModuleList experts and with stacked [E, ...] experts, and tiny HF
-Mixtral (stacked ``gate_up_proj``). Spawned groups are shared: one run on 2 ranks, one on 4 ranks as
+Mixtral, Qwen3-MoE and DeepSeek-V3 (stacked ``gate_up_proj``; DeepSeek-V3 with its shared experts and
+group-limited sigmoid routing), each saved and loaded under a different pairing of policies. Spawned groups are shared: one run on 2 ranks, one on 4 ranks as
 2 nodes x 2, and one more on 2 ranks for 4 -> 2.
 """
 
@@ -43,6 +44,8 @@ MODELS = {
     "ref-loop": dict(name="tiny-moe", router_skew=2.0, experts_form="loop", top_k=2, num_experts=6),
     "ref-stacked": dict(name="tiny-moe", router_skew=2.0, experts_form="stacked", top_k=1, shared_expert=True),
     "mixtral": dict(hf="mixtral", num_experts=6),
+    "qwen3-moe": dict(hf="qwen3-moe", num_experts=8),
+    "deepseek-v3": dict(hf="deepseek-v3", num_experts=8),
 }
 # model -> (policy that saves, policy that loads the same checkpoint, policy that loads the unmodified
 # model's checkpoint, policy of the 4-rank load, optimizer state dict flattened as torchtitan does)
@@ -50,6 +53,8 @@ CASES = {
     "ref-loop": ("themis", "ep", "themis-rm", "themis-rm", True),
     "ref-stacked": ("themis-rm", "themis", "ep", "themis", False),
     "mixtral": ("themis", "themis-rm", "themis", "ep", True),
+    "qwen3-moe": ("themis-rm", "ep", "themis", "themis", False),
+    "deepseek-v3": ("themis", "ep", "themis-rm", "ep", True),
 }
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 NESTED = StateDictOptions()
