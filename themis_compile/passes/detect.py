@@ -73,7 +73,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from themis_compile.passes.replay import inline_expert_weights_reason, replay_mismatch
+from themis_compile.passes.replay import inline_expert_weights_reason, replay_mismatch, restored_attributes
 from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine
 
 logger = logging.getLogger(__name__)
@@ -246,22 +246,11 @@ def probe_input(module: nn.Module, hidden_size: int, flat: bool = False) -> torc
 @contextlib.contextmanager
 def preserved_state(module: nn.Module) -> Iterator[None]:
     """Run a probe without leaving traces: module attributes, buffers, modes and the RNG are restored."""
-    dicts = {m: dict(m.__dict__) for m in module.modules()}
-    inner = {m: (dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in dicts}
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = [p.device for p in module.parameters() if p.device.type == "cuda"]
-    with torch.random.fork_rng(devices=devices[:1]):
+    with restored_attributes(module, list(module.modules())):
         try:
             yield
         finally:
-            for m, saved in dicts.items():
-                for key in [k for k in m.__dict__ if k not in saved]:
-                    del m.__dict__[key]
-                m.__dict__.update(saved)
-                params, bufs, mods = inner[m]
-                for d, s in ((m._parameters, params), (m._buffers, bufs), (m._modules, mods)):
-                    d.clear()
-                    d.update(s)
             with torch.no_grad():
                 for b, saved_b in buffers:
                     if b.shape == saved_b.shape:

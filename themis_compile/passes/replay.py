@@ -174,21 +174,13 @@ class _Replay(_Pass):
 # --- Pass A's isolation -------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def isolated(module: nn.Module, skip: nn.Module | None = None) -> Iterator[None]:
-    """Run a forward of ``module`` without leaving traces: its buffers are clones while it runs (in-place
-    statistics and bias updates land on the clones; the originals are not touched, so tensors saved for
-    backward by other forwards stay valid), attributes it sets are restored, and the RNG is forked (the
-    next forward draws the same random numbers). ``skip`` (the experts, which pass A never runs) and its
-    submodules are left out."""
-    skipped = {id(m) for m in skip.modules()} if skip is not None else set()
-    modules = [m for m in module.modules() if id(m) not in skipped]
+def restored_attributes(module: nn.Module, modules: list[nn.Module]) -> Iterator[None]:
+    """While it runs, anything may be set on ``modules``; afterwards their attributes and their
+    parameter, buffer and submodule dicts are as before, and the RNG (CPU and ``module``'s first CUDA
+    device) has been forked. The common part of `isolated` and `passes.detect.preserved_state`."""
     dicts = {m: dict(m.__dict__) for m in modules}
     inner = {m: (dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules}
-    for m in modules:
-        for name, b in list(m._buffers.items()):
-            if b is not None:
-                m._buffers[name] = b.clone()
-    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    devices = [p.device for p in module.parameters() if p.device.type == "cuda"]
     with torch.random.fork_rng(devices=devices[:1]):
         try:
             yield
@@ -200,6 +192,23 @@ def isolated(module: nn.Module, skip: nn.Module | None = None) -> Iterator[None]
                 for d, s in zip((m._parameters, m._buffers, m._modules), inner[m]):
                     d.clear()
                     d.update(s)
+
+
+@contextlib.contextmanager
+def isolated(module: nn.Module, skip: nn.Module | None = None) -> Iterator[None]:
+    """Run a forward of ``module`` without leaving traces: its buffers are clones while it runs (in-place
+    statistics and bias updates land on the clones; the originals are not touched, so tensors saved for
+    backward by other forwards stay valid), attributes it sets are restored, and the RNG is forked (the
+    next forward draws the same random numbers). ``skip`` (the experts, which pass A never runs) and its
+    submodules are left out."""
+    skipped = {id(m) for m in skip.modules()} if skip is not None else set()
+    modules = [m for m in module.modules() if id(m) not in skipped]
+    with restored_attributes(module, modules):
+        for m in modules:
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[name] = b.clone()
+        yield
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
