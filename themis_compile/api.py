@@ -120,7 +120,10 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         state.layers = list(sharded)
     if fssdp and (config.overlap_degree is None or config.materialization_budget is None):
         state.budget_controller = BudgetController(model, runtime)
-    import themis_compile.passes.backend  # noqa: F401  registers torch.compile(backend="themis") without install
+    # torch.compile(backend="themis") also from a source tree the package's entry point does not cover.
+    from themis_compile.passes.backend import register_backend
+
+    register_backend()
     if config.schedule and fssdp:
         # Place each layer's SpAG start before the attention that precedes it (§4.2): in FX graphs where
         # the model traces, by module hooks from the first forward's order where it does not.

@@ -4,6 +4,9 @@ equal to eager, the schedule in the AOT graphs, and a loud message for models th
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -17,6 +20,8 @@ from themis_compile.models.gpt_moe import GPTMoE, MoEModelConfig, lm_loss
 from themis_compile.passes import backend as B
 from themis_compile.passes import schedule as S
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 # Caches off: a cache hit would skip the inner compile and so the report these tests read.
 NO_CACHE = dict(fx_graph_cache=False)
 
@@ -28,6 +33,19 @@ def _no_cache():
 def test_backend_is_registered():
     assert "themis" in torch._dynamo.list_backends()
     assert torch._dynamo.lookup_backend("themis") is B.themis_backend
+
+
+def test_importing_the_backend_registers_nothing():
+    # A fresh interpreter: importing the module (as the package's entry point does) leaves dynamo's
+    # registry as it was; register_backend() (which optimize calls) adds the name, once.
+    code = (
+        "from torch._dynamo.backends import registry\n"
+        "import themis_compile.passes.backend as B\n"
+        "assert 'themis' not in registry._COMPILER_FNS, 'registered at import'\n"
+        "B.register_backend(); B.register_backend()\n"
+        "assert registry._COMPILER_FNS['themis'] is B.themis_backend\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
 
 
 class CallLog(nn.Module):

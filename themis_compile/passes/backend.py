@@ -20,8 +20,9 @@ What it does with each graph dynamo captures:
    with inductor settings that keep the FX order (``reorder_for_peak_memory=False`` — its default hoists
    waits next to their starts —, ``reorder_for_locality=False``, no compute/comm reordering).
 
-The backend is registered under the name "themis" when this module is imported and through the
-``torch_dynamo_backends`` entry point of the package (``torch._dynamo.list_backends()`` lists it).
+The backend is found under the name "themis" through the ``torch_dynamo_backends`` entry point of the
+installed package (``torch._dynamo.list_backends()`` lists it). Importing this module registers nothing;
+`register_backend` registers the name for a source tree that is not installed, and ``optimize`` calls it.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ themis_backend = make_themis_backend()
 """The "themis" backend (``torch.compile(model, backend="themis")``)."""
 
 
-def _register() -> None:
+def register_backend() -> None:
+    """Make ``torch.compile(backend="themis")`` resolve to :data:`themis_backend` (idempotent)."""
     from torch._dynamo.backends import registry
 
     # When dynamo resolves "themis" through the package's entry point it imports this module and then
@@ -161,6 +163,3 @@ def _register() -> None:
     if "themis" in registry._COMPILER_FNS or registry._BACKENDS.get("themis") is not None:
         return
     registry.register_backend(compiler_fn=themis_backend, name="themis")
-
-
-_register()
