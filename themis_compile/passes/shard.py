@@ -155,6 +155,20 @@ def _slots_of(graph: fx.Graph, meta: dict, x: fx.Node, ids: fx.Node, weights: An
     return ids, weights
 
 
+def _per_expert_weights(graph: fx.Graph, meta: dict, ids: fx.Node, weights_TE: fx.Node | None) -> fx.Node | None:
+    """The selected experts' weights [T, K] of a loop that weighs expert e's rows by column e of a dense
+    ``[T, E]`` weight (zero where not selected, e.g. ``probs * mask`` with the mask scattered from the
+    selected ids): ``weights_TE.gather(-1, ids)``, inserted right after the later of the two. None when
+    there is no such tensor. The probe check of the rewrite holds it to the loop's own combine."""
+    if weights_TE is None:
+        return None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_after(max(ids, weights_TE, key=order.__getitem__)):
+        gathered = graph.call_method("gather", (weights_TE, -1, ids))
+    meta[gathered] = TensorMeta(meta[ids].shape, meta[weights_TE].dtype)
+    return gathered
+
+
 def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModule:
     """Replace the inline expert loop + weighted combine of a traced block with one
     ``self.<experts_attr>(x, ids, weights)`` call; needs ``traced.meta`` (shapes from a probe)."""
@@ -213,6 +227,9 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     slot_shapes = (tok + (K,),) + ((tok,) if not is_topk(topk) else ())
     ids = last([n for n in region_in if n in after_ids and any(tensor(n, s, False) for s in slot_shapes)])
     weights = last([n for n in region_in if n in after_topk and any(tensor(n, s, True) for s in slot_shapes)])
+    if weights is None and ids is not None:
+        weights = _per_expert_weights(graph, meta, ids, last([n for n in region_in if n in after_topk and tensor(
+            n, tok + (info.num_experts,), True)]))
     if weights is None and not set(selection_outputs(topk)[0]) & before_y:
         weights = _UNWEIGHTED   # no selected weight reaches the combine (applied after it, or none): ones
     x = last([n for n in before_calls if n not in after_calls and n not in after_topk
