@@ -630,7 +630,7 @@ def _cuts_of(sort: fx.Node) -> list[tuple[fx.Node, str, tuple[int, bool]]]:
 
 def is_sort_selection(node: fx.Node) -> bool:
     """A sort whose values or ids are cut to one fixed K along the sorted dimension (a top-K)."""
-    return is_sort(node) and len({length for _, _, length in _cuts_of(node)}) == 1
+    return is_sort(node) and len({length[0] for _, _, length in _cuts_of(node)}) == 1
 
 
 def sort_cuts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -641,8 +641,8 @@ def sort_cuts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
 
 def sort_cut_k(node: fx.Node) -> int | None:
     """K of a sort selection (None when its cuts disagree or there is none)."""
-    lengths = {length for _, _, length in _cuts_of(node)}
-    return next(iter(lengths))[0] if len(lengths) == 1 else None
+    lengths = {length[0] for _, _, length in _cuts_of(node)}
+    return next(iter(lengths)) if len(lengths) == 1 else None
 
 
 def _cut_keeps_dim(cut: fx.Node) -> bool:
@@ -651,13 +651,24 @@ def _cut_keeps_dim(cut: fx.Node) -> bool:
     return bool(length and length[1])
 
 
+def index_text(index: Any) -> str:
+    """An index as written: ``[:, :2]``, ``[..., -1]``."""
+    def entry(e: Any) -> str:
+        if e is Ellipsis:
+            return "..."
+        if isinstance(e, slice):
+            return "".join(("" if e.start is None else str(e.start), ":", "" if e.stop is None else str(e.stop)))
+        return str(e)
+    return "[" + ", ".join(entry(e) for e in (index if isinstance(index, tuple) else (index,))) + "]"
+
+
 def describe_selection(node: fx.Node) -> str:
-    """How a selection node selects, for the router's description: ``sort[:2]``, ``argsort[:2]``, or ""
-    (a top-k or a max / argmax, whose kind the top-k already says)."""
-    if not is_sort(node):
+    """How a selection node selects, for the router's description: the sort and its cut as written
+    (``sort[:, :2]``, ``argsort[..., :2]``), or "" (a top-k or a max / argmax, which the top-k already says)."""
+    cuts = _cuts_of(node) if is_sort(node) else []
+    if not cuts:
         return ""
-    k = sort_cut_k(node)
-    return f"{_SORTS.get(node.target, node.target)}[:{k}]"
+    return f"{_SORTS.get(node.target, node.target)}{index_text(cuts[0][0].args[1])}"
 
 
 _COMPARISONS = {operator.gt: ">", operator.ge: ">=", operator.lt: "<", operator.le: "<=", torch.gt: ">",
@@ -730,7 +741,7 @@ class _CallRecorder(TorchFunctionMode):
 def record_sort_cut(rec: _CallRecorder, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Run a sort or an indexing under ``rec``: a sort's outputs are remembered, and the first cut of one
     of them to k entries along the sorted dimension (:func:`cut_length`) counts as a top-k with that k,
-    the selection recorded as ``sort[:k]`` / ``argsort[:k]``. A sort never cut stays in ``uncut_sorts``
+    the selection recorded with its cut (``sort[:, :2]``, ``argsort[..., :2]``). A sort never cut stays in ``uncut_sorts``
     (tokens sorted by expert, or a variable-k cumulative threshold)."""
     out = func(*args, **kwargs)
     if func in _SORTS:
@@ -749,7 +760,7 @@ def record_sort_cut(rec: _CallRecorder, func: Callable, args: tuple, kwargs: dic
         if length is not None and tuple(out.shape) == tuple(t.shape[:-1]) + ((length[0],) if length[1] else ()):
             rec._cut.add(call)
             rec.ks.append(length[0])
-            rec.selections.append(f"{kind}[:{length[0]}]")
+            rec.selections.append(f"{kind}{index_text(args[1])}")
             rec.uncut_sorts[call] = ""
     return out
 
@@ -1602,8 +1613,8 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     if traced is not None:
         by = describe_selection(topk)
     else:    # the selection whose k is the layer's: the last top-k or sort cut recorded
-        by = next((sel for sel in reversed(rec.selections) if sel.startswith("topk(") or "[:" in sel), "")
-        by = by if "[:" in by else ""
+        by = next((sel for sel in reversed(rec.selections) if sel.startswith(("topk(", "sort[", "argsort["))), "")
+        by = by if "sort[" in by else ""
     if by:
         order += f" by {by}"
     how = "FX graph" if traced is not None else "recorded on a probe (FX failed)"
