@@ -691,7 +691,8 @@ def variable_selection_reason(gm: fx.GraphModule, num_experts: int) -> str | Non
         if not (op or sort) or (router := _router_of(gm, n)) is None or router[1] != num_experts:
             continue
         if sort:
-            what = f"sorts the scores of router '{router[0]}' ({n.target if isinstance(n.target, str) else n.target.__name__}) but never cuts them to a fixed k"
+            kind = _SORTS.get(n.target, n.target)
+            what = f"sorts the scores of router '{router[0]}' ({kind}) but never cuts them to a fixed k"
         else:
             what = f"selects experts by comparing the scores of router '{router[0]}' with a threshold ({op})"
         return (f"{what}: the number of experts per token varies with the scores (top-p / threshold routing), "
@@ -700,14 +701,12 @@ def variable_selection_reason(gm: fx.GraphModule, num_experts: int) -> str | Non
     return None
 
 
-_SELECTIONS = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax",
-               torch.sort: "sort", torch.Tensor.sort: "sort", torch.argsort: "argsort",
-               torch.Tensor.argsort: "argsort"}
+_SELECTIONS = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax"}
 
 
 class _CallRecorder(TorchFunctionMode):
-    """Records, in order, the top-k, other selections (max, argmax, sort) and score functions a forward
-    calls (at the torch-function level)."""
+    """Records, in order, the top-k, other selections (max, argmax, sorts and their cuts) and score
+    functions a forward calls (at the torch-function level)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -741,8 +740,8 @@ class _CallRecorder(TorchFunctionMode):
 def record_sort_cut(rec: _CallRecorder, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Run a sort or an indexing under ``rec``: a sort's outputs are remembered, and the first cut of one
     of them to k entries along the sorted dimension (:func:`cut_length`) counts as a top-k with that k,
-    the selection recorded with its cut (``sort[:, :2]``, ``argsort[..., :2]``). A sort never cut stays in ``uncut_sorts``
-    (tokens sorted by expert, or a variable-k cumulative threshold)."""
+    the selection recorded with its cut (``sort[:, :2]``, ``argsort[..., :2]``). A sort never cut stays
+    in ``uncut_sorts`` (tokens sorted by expert, or a variable-k cumulative threshold)."""
     out = func(*args, **kwargs)
     if func in _SORTS:
         dim = _sort_dim(args, kwargs)
@@ -777,8 +776,8 @@ def record_calls(module: nn.Module, x: torch.Tensor) -> _CallRecorder:
 def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
     """When FX cannot trace the forward (``len(proxy)``, iterating a traced tensor ...): record it while it
     runs on a probe. ``make_fx`` is no help there: it stops at the same data-dependent code (``one_hot``,
-    ``nonzero`` loops). Returns the k of every top-k (1 for each max / argmax when there is no top-k)
-    and the score functions seen, in call order."""
+    ``nonzero`` loops). Returns the k of every top-k and sort cut to k (1 for each max / argmax when
+    there is neither) and the score functions seen, in call order."""
     rec = _CallRecorder()
     with preserved_state(module), torch.no_grad(), rec:
         torch.manual_seed(PROBE_SEED)

@@ -227,7 +227,7 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     slot_shapes = (tok + (K,),) + ((tok,) if not is_topk(topk) else ())
     ids = last([n for n in region_in if n in after_ids and any(tensor(n, s, False) for s in slot_shapes)])
     weights = last([n for n in region_in if n in after_topk and any(tensor(n, s, True) for s in slot_shapes)])
-    if weights is None and ids is not None:
+    if weights is None and ids is not None and meta[ids].shape == tok + (K,):
         weights = _per_expert_weights(graph, meta, ids, last([n for n in region_in if n in after_topk and tensor(
             n, tok + (info.num_experts,), True)]))
     if weights is None and not set(selection_outputs(topk)[0]) & before_y:
