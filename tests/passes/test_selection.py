@@ -420,6 +420,28 @@ class SortedGShard(TraceableGShard):
         return torch.einsum("sec,ecm->sm", combine_TEC, out_ECH).reshape(x.shape)
 
 
+class TopkThresholdMask(nn.Module):
+    """A ``[T, E]`` mask of the scores at or above the k-th largest (the top-k's values alone), the loop
+    over ``where(mask[:, e])`` weighted by the masked, renormalised probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(_mlp() for _ in range(E))
+
+    def forward(self, x_BSH):
+        x_TH = x_BSH.reshape(-1, H)
+        probs_TE = self.router(x_TH).softmax(-1)
+        mask_TE = probs_TE >= probs_TE.topk(2, dim=-1).values[..., -1:]
+        weights_TE = probs_TE * mask_TE
+        weights_TE = weights_TE / weights_TE.sum(-1, keepdim=True)
+        out_TH = torch.zeros_like(x_TH)
+        for e in range(E):
+            (rows,) = torch.where(mask_TE[:, e])
+            out_TH.index_add_(0, rows, self.experts[e](x_TH[rows]) * weights_TE[rows, e, None])
+        return out_TH.view_as(x_BSH)
+
+
 class ThresholdRouter(nn.Module):
     """Every expert whose probability exceeds a threshold (a variable number per token)."""
 
@@ -507,7 +529,8 @@ def test_sort_selection_predicates_on_a_traced_graph():
     (ScatterMaskLoop, "inline-loop", 2, "by argsort[:, :2] (FX graph)"),
     (lambda: ScatterMaskLoop(k=3), "inline-loop", 3, "by argsort[:, :3] (FX graph)"),
     (AscendingSortTop1, "inline-loop", 1, "by sort[:, -1] (FX graph)"),
-    (SortedGShard, "dense-dispatch", 2, "selection argsort[:, :2]")])
+    (SortedGShard, "dense-dispatch", 2, "selection argsort[:, :2]"),
+    (TopkThresholdMask, "inline-loop", 2, "softmax -> top-2 (FX graph)")])
 def test_each_sort_selection_is_found_with_its_k_and_rewritten_exactly(make, rewrite, k, by):
     torch.manual_seed(0)
     block = make()
@@ -540,3 +563,23 @@ def test_a_variable_k_router_is_rejected_with_the_reason(make, why):
     assert why in rejected[0][1] and "exactly k experts" in rejected[0][1], rejected
     report = themis_compile.explain(block)
     assert report.startswith("0 MoE layer(s) found") and why in report
+
+
+def test_masked_weight_slots_read_the_weighted_experts_and_refuse_more_than_k():
+    weights_TE = torch.tensor([[0.0, 0.7, 0.0, 0.3], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    ids, weights = shard.masked_weight_slots(weights_TE, 2)
+    assert ids[0].tolist() == [1, 3] and weights[0].tolist() == pytest.approx([0.7, 0.3])
+    assert ids[1, 0] == 2 and weights[1].tolist() == pytest.approx([1.0, 0.0])
+    assert weights[2].tolist() == [0.0, 0.0]
+    with pytest.raises(RuntimeError, match="more experts than the block's top-k"):
+        shard.masked_weight_slots(weights_TE, 1)
+
+
+def test_a_threshold_mask_tied_beyond_k_fails_instead_of_being_cut():
+    torch.manual_seed(0)
+    block = TopkThresholdMask()
+    prepare_moe_layers(block, strict=True)
+    with torch.no_grad():
+        block.router.weight.zero_()           # every score ties: the user's block would run all E experts
+    with pytest.raises(RuntimeError, match="more experts than the block's top-k"):
+        block(torch.randn(1, 3, H))
