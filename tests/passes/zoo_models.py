@@ -1,8 +1,9 @@
 """MoE blocks written the way their authors write them, each inside a small transformer.
 
 Each block follows the code of one project (gpt-fast, torchtitan, MegaBlocks, DeepSeek-V3, Switch
-Transformer, HF transformers before v5 (Qwen2-MoE, Switch Transformers), fairseq/NLLB, JetMoE), reduced
-to its MoE logic, not shaped after this project's detector: they measure it.
+Transformer, HF transformers before v5 (Qwen2-MoE, Switch Transformers), fairseq/NLLB, JetMoE), or of
+research code that selects its top-k by sorting, reduced to its MoE logic, not shaped after this
+project's detector: they measure it.
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden, F ffn, E experts, K top-k, C capacity.
 """
