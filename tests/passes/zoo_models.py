@@ -666,11 +666,11 @@ class ArgsortBmmMoE(nn.Module):
             self.w_down = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
 
         def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-            T, k = ids_TK.shape
-            rows = x_TH.unsqueeze(1).expand(T, k, x_TH.shape[-1]).reshape(T * k, 1, -1)
+            (T, k), D = ids_TK.shape, x_TH.shape[-1]
+            rows = x_TH.unsqueeze(1).expand(T, k, D).reshape(T * k, 1, D)
             gate, up = torch.bmm(rows, self.w_gate_up[ids_TK.reshape(-1)]).chunk(2, dim=-1)
             out = torch.bmm(F.silu(gate) * up, self.w_down[ids_TK.reshape(-1)])
-            return out.view(T, k, -1)
+            return out.view(T, k, D)
 
     def __init__(self) -> None:
         super().__init__()
