@@ -352,3 +352,231 @@ def test_mask_and_flatten_blocks_train_like_one_process_on_two_ranks():
         reference = _train(_model(style), 0, 1)
         for step, (a, b) in enumerate(zip(results[0][style], reference)):
             assert abs(a - b) <= 1e-5 * abs(b), f"{style} step {step}: {a} vs {b}"
+
+
+# --- selection by sort / argsort cut to k --------------------------------------------------------------
+
+class ScatterMaskLoop(nn.Module):
+    """Top-k by ``argsort`` cut to k, a ``[T, E]`` mask scattered from the ids, the weights renormalised over
+    that mask, a loop taking each expert's rows with ``where(mask[:, e])`` and its column of weights."""
+
+    def __init__(self, k: int = 2) -> None:
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(_mlp() for _ in range(E))
+
+    def forward(self, x_BSH):
+        x_TH = x_BSH.reshape(-1, H)
+        probs_TE = self.router(x_TH).softmax(-1)
+        ids_TK = probs_TE.argsort(dim=-1, descending=True)[:, :self.k]
+        mask_TE = torch.zeros_like(probs_TE).scatter(1, ids_TK, 1.0)
+        weights_TE = probs_TE * mask_TE
+        weights_TE = weights_TE / weights_TE.sum(-1, keepdim=True)
+        out_TH = torch.zeros_like(x_TH)
+        for e in range(E):
+            (rows,) = torch.where(mask_TE[:, e] > 0)
+            out_TH.index_add_(0, rows, self.experts[e](x_TH[rows]) * weights_TE[rows, e:e + 1])
+        return out_TH.view_as(x_BSH)
+
+
+class AscendingSortTop1(nn.Module):
+    """Top-1 as the last entry of an ascending ``torch.sort`` (``[:, -1]``), the weight after the loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E)
+        self.experts = nn.ModuleList(_mlp() for _ in range(E))
+
+    def forward(self, x_BSH):
+        x_TH = x_BSH.reshape(-1, H)
+        probs_TE = torch.softmax(self.router(x_TH), dim=-1)
+        values_TE, order_TE = probs_TE.sort(dim=-1)
+        best_T, prob_T = order_TE[:, -1], values_TE[:, -1]
+        out_TH = torch.zeros_like(x_TH)
+        for e in range(E):
+            rows = (best_T == e).nonzero().squeeze(-1)
+            out_TH[rows] = self.experts[e](x_TH[rows])
+        return (out_TH * prob_T[:, None]).view_as(x_BSH)
+
+
+class SortedGShard(TraceableGShard):
+    """:class:`TraceableGShard` with its two choices taken by one ``argsort`` cut to 2 instead of two argmax."""
+
+    def forward(self, x):
+        x_TH = x.reshape(-1, H)
+        gates_TE = F.softmax(self.wg(x_TH), dim=1)
+        top2_T2 = torch.argsort(gates_TE, dim=1, descending=True)[:, :2]
+        mask1_TE, mask2_TE = F.one_hot(top2_T2[:, 0], E), F.one_hot(top2_T2[:, 1], E)
+        loc1_TE = torch.cumsum(mask1_TE, dim=0) - 1
+        loc2_TE = torch.cumsum(mask2_TE, dim=0) - 1 + mask1_TE.sum(dim=0, keepdim=True)
+        mask1_TE = mask1_TE * torch.lt(loc1_TE, self.capacity)
+        mask2_TE = mask2_TE * torch.lt(loc2_TE, self.capacity)
+        combine_TEC = sum((gates_TE * m).sum(1)[:, None, None] * m[:, :, None]
+                          * F.one_hot((loc * m).sum(1), self.capacity)[:, None, :]
+                          for m, loc in ((mask1_TE, loc1_TE), (mask2_TE, loc2_TE)))
+        dispatched_ECH = torch.einsum("sec,sm->ecm", combine_TEC.bool().to(x.dtype), x_TH)
+        out_ECH = torch.stack([expert(dispatched_ECH[e]) for e, expert in enumerate(self.experts)])
+        return torch.einsum("sec,ecm->sm", combine_TEC, out_ECH).reshape(x.shape)
+
+
+class TopkThresholdMask(nn.Module):
+    """A ``[T, E]`` mask of the scores at or above the k-th largest (the top-k's values alone), the loop
+    over ``where(mask[:, e])`` weighted by the masked, renormalised probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(_mlp() for _ in range(E))
+
+    def forward(self, x_BSH):
+        x_TH = x_BSH.reshape(-1, H)
+        probs_TE = self.router(x_TH).softmax(-1)
+        mask_TE = probs_TE >= probs_TE.topk(2, dim=-1).values[..., -1:]
+        weights_TE = probs_TE * mask_TE
+        weights_TE = weights_TE / weights_TE.sum(-1, keepdim=True)
+        out_TH = torch.zeros_like(x_TH)
+        for e in range(E):
+            (rows,) = torch.where(mask_TE[:, e])
+            out_TH.index_add_(0, rows, self.experts[e](x_TH[rows]) * weights_TE[rows, e, None])
+        return out_TH.view_as(x_BSH)
+
+
+class ThresholdRouter(nn.Module):
+    """Every expert whose probability exceeds a threshold (a variable number per token)."""
+
+    def __init__(self, threshold: float = 0.2) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(_mlp() for _ in range(E))
+
+    def forward(self, x_BSH):
+        x_TH = x_BSH.reshape(-1, H)
+        probs_TE = self.router(x_TH).softmax(-1)
+        mask_TE = probs_TE > self.threshold
+        out_TH = torch.zeros_like(x_TH)
+        for e in range(E):
+            (rows,) = torch.where(mask_TE[:, e])
+            out_TH.index_add_(0, rows, self.experts[e](x_TH[rows]) * probs_TE[rows, e:e + 1])
+        return out_TH.view_as(x_BSH)
+
+
+class TopPRouter(ThresholdRouter):
+    """Top-p routing: the experts of highest probability until their sum reaches p (sorted, never cut to k)."""
+
+    def forward(self, x_BSH):
+        x_TH = x_BSH.reshape(-1, H)
+        probs_TE = self.router(x_TH).softmax(-1)
+        sorted_TE, order_TE = probs_TE.sort(dim=-1, descending=True)
+        keep_TE = (sorted_TE.cumsum(-1) - sorted_TE) < 0.6
+        weights_TE = torch.zeros_like(probs_TE).scatter(1, order_TE, sorted_TE * keep_TE)
+        out_TH = torch.zeros_like(x_TH)
+        for e in range(E):
+            (rows,) = torch.where(weights_TE[:, e] > 0)
+            out_TH.index_add_(0, rows, self.experts[e](x_TH[rows]) * weights_TE[rows, e:e + 1])
+        return out_TH.view_as(x_BSH)
+
+
+class UntraceableTopP(TopPRouter):
+    def forward(self, x_BSH):
+        assert int(x_BSH.shape[-1]) == H     # int() of a traced shape: FX fails here
+        return super().forward(x_BSH)
+
+
+def test_sort_cuts_are_read_along_the_sorted_dimension():
+    cut = detect.cut_length
+    whole, e = slice(None), Ellipsis
+    assert cut((whole, slice(None, 2)), -1) == (2, True)
+    assert cut((e, slice(None, 3)), -1) == (3, True)
+    assert cut((e, slice(0, 2)), 1) is None                  # a positive dim after an Ellipsis: position unknown
+    assert cut((whole, slice(None, 2)), 1) == (2, True)
+    assert cut((e, slice(-2, None)), -1) == (2, True)        # the last k of an ascending sort
+    assert cut((whole, 0), -1) == (1, False) and cut((e, -1), -1) == (1, False)
+    assert cut((whole, 1), -1) is None                       # the second choice alone is no top-k
+    assert cut((slice(None, 2), whole), -1) is None          # cuts the tokens, not the experts
+    assert cut((whole, slice(1, 3)), -1) is None and cut((whole, slice(None, 4, 2)), -1) is None
+    assert cut((torch.tensor([0, 1]), slice(None, 2)), -1) is None
+
+
+def test_sort_selection_predicates_on_a_traced_graph():
+    def f(s):
+        a_v, a_i = torch.sort(s, dim=-1, descending=True)
+        a = (a_v[:, :2], a_i[:, :2])                             # a top-2
+        b = torch.argsort(s, dim=-1, descending=True)[..., :3]   # a top-3 (ids only)
+        c = s.sort(-1).indices[:, -1]                            # a top-1 (ascending, last)
+        d = torch.argsort(s.view(-1))                            # tokens sorted by expert: no selection
+        e_v, e_i = s.sort(dim=-1, descending=True)
+        e = (e_v[:, :2], e_i[:, :3])                             # cuts that disagree: no fixed k
+        return a, b, c, d, e
+
+    sorts = [n for n in fx.symbolic_trace(f).graph.nodes if detect.is_sort(n)]
+    assert [detect.is_sort_selection(n) for n in sorts] == [True, True, True, False, False]
+    assert [detect.selection_k(n, {}) for n in sorts[:3]] == [2, 3, 1]
+    values, ids = detect.selection_outputs(sorts[0])
+    assert len(values) == len(ids) == 1 and values[0].args[0].args == (sorts[0], 0)
+    assert detect.selection_outputs(sorts[1]) == ([], list(sorts[1].users))
+    assert [detect.describe_selection(n) for n in sorts[:2]] == ["sort[:, :2]", "argsort[..., :3]"]
+    assert detect.selections_of(fx.symbolic_trace(f).graph) and all(
+        detect.is_sort_selection(n) for n in detect.selections_of(fx.symbolic_trace(f).graph))
+
+
+@pytest.mark.parametrize("make, rewrite, k, by", [
+    (zoo.SortedTopKMoE, "inline-loop", 2, "by sort[:, :2] (FX graph)"),
+    (lambda: zoo.SortedTopKMoE(k=3), "inline-loop", 3, "by sort[:, :3] (FX graph)"),
+    (zoo.ArgsortBmmMoE, "per-slot", 2, "selection argsort[..., :2]"),
+    (zoo.SortedNonzeroMoE, "replay", 2, "by sort[:, :2] (recorded on a probe"),
+    (ScatterMaskLoop, "inline-loop", 2, "by argsort[:, :2] (FX graph)"),
+    (lambda: ScatterMaskLoop(k=3), "inline-loop", 3, "by argsort[:, :3] (FX graph)"),
+    (AscendingSortTop1, "inline-loop", 1, "by sort[:, -1] (FX graph)"),
+    (SortedGShard, "dense-dispatch", 2, "selection argsort[:, :2]"),
+    (TopkThresholdMask, "inline-loop", 2, "softmax -> top-2 (FX graph)")])
+def test_each_sort_selection_is_found_with_its_k_and_rewritten_exactly(make, rewrite, k, by):
+    torch.manual_seed(0)
+    block = make()
+    infos, rejected = find_moe_layers(block)
+    assert [(i.name, i.rewrite, i.top_k, i.num_experts) for i in infos] == [("<root>", rewrite, k, E)], rejected
+    assert by in infos[0].router, infos[0].router
+    infos = _check_equal(block, torch.randn(2, 6, H))
+    assert infos[0].rewritten
+
+
+def test_recorded_calls_count_a_sort_cut_as_a_top_k_and_an_uncut_sort_as_none():
+    x = torch.randn(2, 4, H)
+    rec = detect.record_calls(zoo.SortedNonzeroMoE(), x)
+    assert rec.ks == [2] and "sort[:, :2]" in rec.selections
+    titan = detect.record_calls(zoo.TitanGroupedMoE(), x)        # topk, then argsort of ids by expert
+    assert titan.ks == [2] and not any("[" in s for s in titan.selections)
+    assert detect.record_calls(SortedGShard(), x).ks == [2]      # the dense-dispatch K
+    assert detect._recorded_topk(AscendingSortTop1(), x)[0] == [1]
+
+
+@pytest.mark.parametrize("make, why", [
+    (ThresholdRouter, "selects experts by comparing the scores of router 'router' with a threshold (>)"),
+    (TopPRouter, "sorts the scores of router 'router' (sort) but never cuts them to a fixed k"),
+    (UntraceableTopP, "a sort ran on a probe but its output was never cut to a fixed k")])
+def test_a_variable_k_router_is_rejected_with_the_reason(make, why):
+    torch.manual_seed(0)
+    report = themis_compile.explain(make())
+    assert report.startswith("0 MoE layer(s) found\n  rejected <root>: ") and report.count("rejected") == 1, report
+    assert why in report and "exactly k experts" in report, report
+
+
+def test_masked_weight_slots_read_the_weighted_experts_and_refuse_more_than_k():
+    weights_TE = torch.tensor([[0.0, 0.7, 0.0, 0.3], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    ids, weights = shard.masked_weight_slots(weights_TE, 2)
+    assert ids[0].tolist() == [1, 3] and weights[0].tolist() == pytest.approx([0.7, 0.3])
+    assert ids[1, 0] == 2 and weights[1].tolist() == pytest.approx([1.0, 0.0])
+    assert weights[2].tolist() == [0.0, 0.0]
+    with pytest.raises(RuntimeError, match="more experts than the block's top-k"):
+        shard.masked_weight_slots(weights_TE, 1)
+
+
+def test_a_threshold_mask_tied_beyond_k_fails_instead_of_being_cut():
+    torch.manual_seed(0)
+    block = TopkThresholdMask()
+    prepare_moe_layers(block, strict=True)
+    with torch.no_grad():
+        block.router.weight.zero_()           # every score ties: the user's block would run all E experts
+    with pytest.raises(RuntimeError, match="more experts than the block's top-k"):
+        block(torch.randn(1, 3, H))

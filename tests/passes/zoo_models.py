@@ -1,8 +1,9 @@
 """MoE blocks written the way their authors write them, each inside a small transformer.
 
 Each block follows the code of one project (gpt-fast, torchtitan, MegaBlocks, DeepSeek-V3, Switch
-Transformer, HF transformers before v5 (Qwen2-MoE, Switch Transformers), fairseq/NLLB, JetMoE), reduced
-to its MoE logic, not shaped after this project's detector: they measure it.
+Transformer, HF transformers before v5 (Qwen2-MoE, Switch Transformers), fairseq/NLLB, JetMoE), or of
+research code that selects its top-k by sorting, reduced to its MoE logic, not shaped after this
+project's detector: they measure it.
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden, F ffn, E experts, K top-k, C capacity.
 """
@@ -616,11 +617,117 @@ class Llama4OldMoe(nn.Module):
         return out, router_scores
 
 
+class SortedTopKMoE(nn.Module):
+    """A top-k MoE as research code often writes it without ``topk``: softmax router, the scores sorted in
+    descending order and cut to the first k (``torch.sort`` + ``[:, :k]``), the kept weights renormalised,
+    a ``ModuleList`` of SwiGLU experts looped over, each on the (token, slot) pairs that chose it,
+    accumulated with ``index_add_``."""
+
+    class SwiGLU(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w_gate = nn.Linear(H, FFN, bias=False)
+            self.w_up = nn.Linear(H, FFN, bias=False)
+            self.w_down = nn.Linear(FFN, H, bias=False)
+
+        def forward(self, x):
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+    def __init__(self, num_experts: int = E, k: int = K) -> None:
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(H, num_experts, bias=False)
+        self.experts = nn.ModuleList(self.SwiGLU() for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = self.router(x).softmax(dim=-1)
+        sorted_probs, sorted_experts = torch.sort(probs, dim=-1, descending=True)
+        weights, chosen = sorted_probs[:, :self.k], sorted_experts[:, :self.k]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out.index_add_(0, token, weights[token, slot, None] * expert(x[token]))
+        return out.view(shape)
+
+
+class ArgsortBmmMoE(nn.Module):
+    """Top-2 by ``argsort`` of the router logits, softmax over the two kept logits (the Mixtral paper's
+    ``softmax(top2(x W_g))``); the experts are stacked weights with a fused gate/up projection ``[E, H, 2F]``,
+    gathered per (token, slot) by the ids and applied with ``torch.bmm``; the block weighs and sums the
+    slots itself."""
+
+    class StackedSwiGLU(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w_gate_up = nn.Parameter(torch.randn(E, H, 2 * FFN) * 0.1)
+            self.w_down = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+
+        def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+            (T, k), D = ids_TK.shape, x_TH.shape[-1]
+            rows = x_TH.unsqueeze(1).expand(T, k, D).reshape(T * k, 1, D)
+            gate, up = torch.bmm(rows, self.w_gate_up[ids_TK.reshape(-1)]).chunk(2, dim=-1)
+            out = torch.bmm(F.silu(gate) * up, self.w_down[ids_TK.reshape(-1)])
+            return out.view(T, k, D)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k = 2
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = self.StackedSwiGLU()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits = self.gate(x)
+        ids = torch.argsort(logits, dim=-1, descending=True)[..., :self.top_k]
+        weights = torch.softmax(logits.gather(-1, ids), dim=-1)
+        y = self.experts(x, ids)                                  # [T, K, H]
+        return (y * weights.unsqueeze(-1)).sum(dim=1).view(shape)
+
+
+class SortedNonzeroMoE(nn.Module):
+    """Scores sorted once per token (``probs.sort(descending=True)``), the first k kept and renormalised in
+    float32; only the experts some token chose are visited (``unique().tolist()``), each finding its
+    (token, slot) pairs with ``nonzero`` and adding its weighted output in place (``out[token] += ...``)."""
+
+    class Expert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(H, FFN)
+            self.fc2 = nn.Linear(FFN, H)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.fc1(x)))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts, self.num_selected = E, K
+        self.w_gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(self.Expert() for _ in range(E))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.w_gate(x), dim=-1, dtype=torch.float32)
+        vals, idx = probs.sort(dim=-1, descending=True)
+        vals, idx = vals[:, :self.num_selected], idx[:, :self.num_selected]
+        vals = vals / vals.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            out[token] += vals[token, slot].unsqueeze(-1).to(x.dtype) * self.experts[e](x[token])
+        return out.view(shape)
+
+
 BLOCKS = {
     "gpt_fast": GptFastMoE, "torchtitan": TitanGroupedMoE, "megablocks": MegaBlocksMoE,
     "deepseek_v3": DeepseekV3MoE, "switch": SwitchFFN, "hf_qwen2_moe_v4": Qwen2MoeOldBlock,
     "fairseq_top2": FairseqTop2MoE, "jetmoe": JetMoeMoE, "hf_switch_v4": SwitchSparseMLPv4,
     "hf_mixtral_v4": MixtralOldBlock, "hf_dbrx_v4": DbrxOldFFN, "hf_llama4_v4": Llama4OldMoe,
+    "sort_topk_loop": SortedTopKMoE, "argsort_bmm": ArgsortBmmMoE, "sort_nonzero": SortedNonzeroMoE,
 }
 
 

@@ -505,27 +505,47 @@ def is_top1(node: fx.Node) -> bool:
 
 
 def selections_of(graph: fx.Graph) -> list[fx.Node]:
-    """The selections of a traced forward: its top-k nodes, else (no top-k) its top-1 selections. A block
-    with a top-k that also takes a max (statistics, capacity) selects by the top-k."""
-    topks = [n for n in graph.nodes if is_topk(n)]
+    """The selections of a traced forward, in graph order: its top-k nodes and its sorts cut to a fixed K
+    (:func:`is_sort_selection`), else (neither) its top-1 selections. A block with a top-k that also takes
+    a max (statistics, capacity) selects by the top-k."""
+    topks = [n for n in graph.nodes if is_topk(n) or is_sort_selection(n)]
     return topks or [n for n in graph.nodes if is_top1(n)]
 
 
 def selection_outputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(values nodes, ids nodes) of a selection: a top-k's or max's outputs, an argmax itself (no values)."""
+    """(values nodes, ids nodes) of a selection: a top-k's or max's outputs, an argmax itself (no values),
+    a sort's cuts to K (an argsort's: ids only)."""
+    if is_sort(node):
+        return sort_cuts(node)
     if node.target in (torch.argmax, "argmax"):
         return [], [node]
     return topk_outputs(node)
 
 
 def selection_k(node: fx.Node, meta: dict) -> int | None:
-    """k of a selection: a top-k's k, 1 for max / argmax."""
+    """k of a selection: a top-k's k, a sort's cut length (None when the probe's shapes, if given, show
+    the cut is not along the last dimension), 1 for max / argmax."""
+    if is_sort(node):
+        tokens = selection_tokens(node, meta) if meta else None
+        return sort_cut_k(node) if not meta or tokens is not None else None
     return _topk_k(node, meta) if is_topk(node) else 1
 
 
 def selection_tokens(node: fx.Node, meta: dict) -> tuple[tuple[int, ...], int] | None:
-    """(token shape, k) of a selection from the probe's shapes: ``[T, K]`` values of a top-k give ``((T,),
-    K)``; a top-1's ``[T]`` ids give ``((T,), 1)``. None when the probe did not record it."""
+    """(token shape, k) of a selection from the probe's shapes: ``[T, K]`` values of a top-k (or a sort's
+    cut ids) give ``((T,), K)``; a top-1's ``[T]`` ids (or a sort's ids at position 0) give ``((T,), 1)``.
+    None when the probe did not record it."""
+    if is_sort(node):
+        values, ids = sort_cuts(node)
+        cut, k = next(iter(ids or values), None), sort_cut_k(node)
+        m, scores = meta.get(cut), meta.get(node.args[0]) if node.args else None
+        if not (isinstance(m, TensorMeta) and isinstance(scores, TensorMeta) and k is not None and scores.shape):
+            return None
+        if _sort_dim(node.args, node.kwargs) % len(scores.shape) != len(scores.shape) - 1:
+            return None            # sorted along another dimension than the experts'
+        if _cut_keeps_dim(cut):
+            return (m.shape[:-1], k) if m.shape == scores.shape[:-1] + (k,) else None
+        return (m.shape, 1) if m.shape == scores.shape[:-1] else None
     m = meta.get(node)
     if m is None:
         return None
@@ -535,24 +555,173 @@ def selection_tokens(node: fx.Node, meta: dict) -> tuple[tuple[int, ...], int] |
     return ids.shape, 1
 
 
-_SELECTIONS = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax",
-               torch.sort: "sort", torch.Tensor.sort: "sort", torch.argsort: "argsort",
-               torch.Tensor.argsort: "argsort"}
+# A top-K selection by sorting (``scores.sort(dim=-1, descending=True)``, ``torch.sort``, ``argsort``), cut
+# to K entries along the sorted dimension: ``[..., :K]`` / ``[:, :K]`` (descending), ``[..., -K:]``
+# (ascending), or one entry, ``[:, 0]`` / ``[:, -1]`` (top-1). The cut is the selection: its values and
+# ids are what a top-k's would be, up to the order of ties. A sort that is not cut (tokens sorted by
+# expert, torchtitan / MegaBlocks; a top-p cumulative threshold) selects nothing.
+_SORTS = {torch.sort: "sort", torch.Tensor.sort: "sort", torch.argsort: "argsort", torch.Tensor.argsort: "argsort"}
+
+
+def is_sort(node: fx.Node) -> bool:
+    """``torch.sort`` / ``Tensor.sort`` / ``torch.argsort`` / ``Tensor.argsort``."""
+    return ((node.op == "call_function" and node.target in _SORTS)
+            or (node.op == "call_method" and node.target in ("sort", "argsort")))
+
+
+def _sort_dim(args: tuple, kwargs: dict) -> Any:
+    """The dimension a sort runs along (``sort(x, dim=-1, descending=False)``; default -1)."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+    return dim if isinstance(dim, int) and not isinstance(dim, bool) else None
+
+
+def cut_length(index: Any, dim: int) -> tuple[int, bool] | None:
+    """(K, keeps the dimension) when ``t[index]`` cuts dimension ``dim`` of ``t`` to its first or last K
+    entries and keeps every other dimension whole: ``[..., :K]``, ``[:, :K]``, ``[..., -K:]``, ``[:, 0]``
+    (K = 1, dimension dropped). None for any other index (a gather, a mask, an unknown position)."""
+    entries = index if isinstance(index, tuple) else (index,)
+    if dim < 0:
+        if Ellipsis not in entries and dim != -1:
+            return None
+        pos = len(entries) + dim if Ellipsis in entries else len(entries) - 1
+        if Ellipsis in entries[pos + 1:]:
+            return None
+    else:
+        if Ellipsis in entries[:dim + 1]:
+            return None
+        pos = dim
+    if not 0 <= pos < len(entries):
+        return None
+    if any(not (e is Ellipsis or (isinstance(e, slice) and e == slice(None))) for i, e in enumerate(entries)
+           if i != pos):
+        return None
+    cut = entries[pos]
+    if isinstance(cut, int) and not isinstance(cut, bool):
+        return (1, False) if cut in (0, -1) else None
+    if not isinstance(cut, slice) or cut.step not in (None, 1):
+        return None
+    start, stop = cut.start, cut.stop
+    if start in (None, 0) and isinstance(stop, int) and stop > 0:
+        return stop, True
+    if isinstance(start, int) and start < 0 and stop is None:
+        return -start, True
+    return None
+
+
+def _cuts_of(sort: fx.Node) -> list[tuple[fx.Node, str, tuple[int, bool]]]:
+    """(cut node, "values" | "ids", (K, keeps dim)) of every fixed-length cut of a sort's outputs along the
+    sorted dimension."""
+    dim = _sort_dim(sort.args, sort.kwargs)
+    if dim is None:
+        return []
+    if sort.target in (torch.argsort, torch.Tensor.argsort, "argsort"):
+        outputs = [(sort, "ids")]
+    else:
+        values, ids = topk_outputs(sort)
+        outputs = [(v, "values") for v in values] + [(i, "ids") for i in ids]
+    cuts = []
+    for out, kind in outputs:
+        for u in out.users:
+            if u.op == "call_function" and u.target is operator.getitem and u.args[0] is out:
+                if (length := cut_length(u.args[1], dim)) is not None:
+                    cuts.append((u, kind, length))
+    return cuts
+
+
+def is_sort_selection(node: fx.Node) -> bool:
+    """A sort whose values or ids are cut to one fixed K along the sorted dimension (a top-K)."""
+    return is_sort(node) and len({length[0] for _, _, length in _cuts_of(node)}) == 1
+
+
+def sort_cuts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(values cuts, ids cuts) of a sort selection: the nodes that hold its top-K values and ids."""
+    cuts = _cuts_of(node)
+    return [c for c, kind, _ in cuts if kind == "values"], [c for c, kind, _ in cuts if kind == "ids"]
+
+
+def sort_cut_k(node: fx.Node) -> int | None:
+    """K of a sort selection (None when its cuts disagree or there is none)."""
+    lengths = {length[0] for _, _, length in _cuts_of(node)}
+    return next(iter(lengths)) if len(lengths) == 1 else None
+
+
+def _cut_keeps_dim(cut: fx.Node) -> bool:
+    sort = cut.args[0] if is_sort(cut.args[0]) else cut.args[0].args[0]
+    length = cut_length(cut.args[1], _sort_dim(sort.args, sort.kwargs))
+    return bool(length and length[1])
+
+
+def index_text(index: Any) -> str:
+    """An index as written: ``[:, :2]``, ``[..., -1]``."""
+    def entry(e: Any) -> str:
+        if e is Ellipsis:
+            return "..."
+        if isinstance(e, slice):
+            return "".join(("" if e.start is None else str(e.start), ":", "" if e.stop is None else str(e.stop)))
+        return str(e)
+    return "[" + ", ".join(entry(e) for e in (index if isinstance(index, tuple) else (index,))) + "]"
+
+
+def describe_selection(node: fx.Node) -> str:
+    """How a selection node selects, for the router's description: the sort and its cut as written
+    (``sort[:, :2]``, ``argsort[..., :2]``), or "" (a top-k or a max / argmax, which the top-k already says)."""
+    cuts = _cuts_of(node) if is_sort(node) else []
+    if not cuts:
+        return ""
+    return f"{_SORTS.get(node.target, node.target)}{index_text(cuts[0][0].args[1])}"
+
+
+_COMPARISONS = {operator.gt: ">", operator.ge: ">=", operator.lt: "<", operator.le: "<=", torch.gt: ">",
+                torch.ge: ">=", torch.lt: "<", torch.le: "<=", torch.greater: ">", torch.greater_equal: ">=",
+                torch.less: "<", torch.less_equal: "<="}
+_COMPARISON_METHODS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "greater": ">", "greater_equal": ">=",
+                       "less": "<", "less_equal": "<="}
+
+
+def variable_selection_reason(gm: fx.GraphModule, num_experts: int) -> str | None:
+    """Why a block without a fixed-k selection cannot be sharded, when it selects experts another way:
+    a threshold on its router's scores (``probs > 0.2``, Top-Any / dynamic routing) or a sort of them
+    that is never cut to a fixed k (a top-p cumulative threshold). Either gives each token a number of
+    experts that varies with its scores, where FSSDP's dispatch routes exactly k per token. None when
+    the graph has neither (the block is then not told apart from a dense one here)."""
+    for n in gm.graph.nodes:
+        op = (_COMPARISONS.get(n.target) if n.op == "call_function" else
+              _COMPARISON_METHODS.get(n.target) if n.op == "call_method" else None)
+        sort = is_sort(n) and not is_sort_selection(n) and _sort_dim(n.args, n.kwargs) is not None
+        if not (op or sort) or (router := _router_of(gm, n)) is None or router[1] != num_experts:
+            continue
+        if sort:
+            kind = _SORTS.get(n.target, n.target)
+            what = f"sorts the scores of router '{router[0]}' ({kind}) but never cuts them to a fixed k"
+        else:
+            what = f"selects experts by comparing the scores of router '{router[0]}' with a threshold ({op})"
+        return (f"{what}: the number of experts per token varies with the scores (top-p / threshold routing), "
+                "and FSSDP routes every token to exactly k experts; select a fixed k with torch.topk or a sort cut "
+                "to k (scores.sort(dim=-1, descending=True) then [..., :k])")
+    return None
+
+
+_SELECTIONS = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax"}
 
 
 class _CallRecorder(TorchFunctionMode):
-    """Records, in order, the top-k, other selections (max, argmax, sort) and score functions a forward
-    calls (at the torch-function level)."""
+    """Records, in order, the top-k, other selections (max, argmax, sorts and their cuts) and score
+    functions a forward calls (at the torch-function level)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ks: list[int] = []
+        self.ks: list[int] = []       # k of every top-k and of every sort cut to k (record_sort_cut)
         self.scores: list[str] = []
         self.selections: list[str] = []
         self.top1 = 0                 # top-1 selections (max / argmax along a dimension)
+        self.sorted: dict[int, tuple[torch.Tensor, str, int, int]] = {}   # id(output) -> (output, kind, dim, call)
+        self.uncut_sorts: list[str] = []    # sorts along a dimension whose outputs were never cut to a fixed k
+        self._cut: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _SORTS or func is torch.Tensor.__getitem__:
+            return record_sort_cut(self, func, args, kwargs)
         if func in _TOPK:
             k = args[1] if len(args) > 1 else kwargs.get("k")
             self.ks.append(int(k))
@@ -568,6 +737,33 @@ class _CallRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def record_sort_cut(rec: _CallRecorder, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run a sort or an indexing under ``rec``: a sort's outputs are remembered, and the first cut of one
+    of them to k entries along the sorted dimension (:func:`cut_length`) counts as a top-k with that k,
+    the selection recorded with its cut (``sort[:, :2]``, ``argsort[..., :2]``). A sort never cut stays
+    in ``uncut_sorts`` (tokens sorted by expert, or a variable-k cumulative threshold)."""
+    out = func(*args, **kwargs)
+    if func in _SORTS:
+        dim = _sort_dim(args, kwargs)
+        if dim is not None:
+            call = len(rec.uncut_sorts)
+            rec.uncut_sorts.append(_SORTS[func])
+            outputs = [("ids", out)] if _SORTS[func] == "argsort" else [("values", out[0]), ("ids", out[1])]
+            for kind, t in outputs:
+                rec.sorted[id(t)] = (t, _SORTS[func], dim % max(t.dim(), 1), call)
+        return out
+    source = rec.sorted.get(id(args[0])) if args else None
+    if source is not None and source[0] is args[0] and source[3] not in rec._cut:
+        t, kind, dim, call = source
+        length = cut_length(args[1], dim - t.dim()) if dim == t.dim() - 1 else None
+        if length is not None and tuple(out.shape) == tuple(t.shape[:-1]) + ((length[0],) if length[1] else ()):
+            rec._cut.add(call)
+            rec.ks.append(length[0])
+            rec.selections.append(f"{kind}{index_text(args[1])}")
+            rec.uncut_sorts[call] = ""
+    return out
+
+
 def record_calls(module: nn.Module, x: torch.Tensor) -> _CallRecorder:
     """The selections and score functions ``module(x)`` calls on a probe, in call order."""
     rec = _CallRecorder()
@@ -580,8 +776,8 @@ def record_calls(module: nn.Module, x: torch.Tensor) -> _CallRecorder:
 def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
     """When FX cannot trace the forward (``len(proxy)``, iterating a traced tensor ...): record it while it
     runs on a probe. ``make_fx`` is no help there: it stops at the same data-dependent code (``one_hot``,
-    ``nonzero`` loops). Returns the k of every top-k (1 for each max / argmax when there is no top-k)
-    and the score functions seen, in call order."""
+    ``nonzero`` loops). Returns the k of every top-k and sort cut to k (1 for each max / argmax when
+    there is neither) and the score functions seen, in call order."""
     rec = _CallRecorder()
     with preserved_state(module), torch.no_grad(), rec:
         torch.manual_seed(PROBE_SEED)
@@ -1323,6 +1519,8 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
                       "give the block its router as an nn.Linear(H, E) or a weight [E, H]")
     router = None
     if traced is not None:
+        if not topks and (why := variable_selection_reason(traced.gm, E)) is not None:
+            raise _Reject(why)
         if not topks:
             raise _Reject("no top-k selection (torch.topk, or max / argmax for top-1) in the traced forward of the "
                           "block or its router, and its experts are not called once as experts(x, ids, weights); "
@@ -1372,7 +1570,13 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
             raise _Reject("the top-k weights and ids never reach the output (no weighted combine); the output must "
                           "combine the selected experts' outputs with the top-k weights")
     else:
-        ks, scores = _recorded_topk(module, x)
+        rec = record_calls(module, x)
+        ks, scores = rec.ks or [1] * rec.top1, rec.scores    # no top-k: each max / argmax selects one expert
+        if not ks and (uncut := [kind for kind in rec.uncut_sorts if kind]):
+            raise _Reject(f"a {uncut[0]} ran on a probe but its output was never cut to a fixed k ([..., :k]) and no "
+                          f"topk, max or argmax ran (FX tracing failed: {fx_error}): the number of experts per "
+                          "token is not fixed (top-p / threshold routing?); FSSDP routes every token to exactly k "
+                          "experts: select them with torch.topk or a sort cut to k")
         if not ks:
             raise _Reject(f"no top-k selection: FX tracing failed ({fx_error}) and no topk, max or argmax ran on a "
                           "probe; select with torch.topk (max / argmax for top-1), or call the experts once as "
@@ -1405,6 +1609,13 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     # Step 5: description.
     score = sorted(before)[0] if before else (sorted(after)[0] if after else "none")
     order = f"{score} -> top-{top_k}" if before else f"top-{top_k} -> {score}" if after else f"top-{top_k}"
+    if traced is not None:
+        by = describe_selection(topk)
+    else:    # the selection whose k is the layer's: the last top-k or sort cut recorded
+        by = next((sel for sel in reversed(rec.selections) if sel.startswith(("topk(", "sort[", "argsort["))), "")
+        by = by if "sort[" in by else ""
+    if by:
+        order += f" by {by}"
     how = "FX graph" if traced is not None else "recorded on a probe (FX failed)"
     router_text = f"'{router_path}' [E={width}, H={H_router}]: {order} ({how})"
     expert0 = child.module[0] if child.form == "modulelist" else child.module

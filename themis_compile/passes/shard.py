@@ -155,6 +155,46 @@ def _slots_of(graph: fx.Graph, meta: dict, x: fx.Node, ids: fx.Node, weights: An
     return ids, weights
 
 
+def _per_expert_weights(graph: fx.Graph, meta: dict, ids: fx.Node, weights_TE: fx.Node | None) -> fx.Node | None:
+    """The selected experts' weights [T, K] of a loop that weighs expert e's rows by column e of a dense
+    ``[T, E]`` weight (zero where not selected, e.g. ``probs * mask`` with the mask scattered from the
+    selected ids): ``weights_TE.gather(-1, ids)``, inserted right after the later of the two. None when
+    there is no such tensor. The probe check of the rewrite holds it to the loop's own combine."""
+    if weights_TE is None:
+        return None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_after(max(ids, weights_TE, key=order.__getitem__)):
+        gathered = graph.call_method("gather", (weights_TE, -1, ids))
+    meta[gathered] = TensorMeta(meta[ids].shape, meta[weights_TE].dtype)
+    return gathered
+
+
+def masked_weight_slots(weights_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_TK, weights_TK) of per-expert weights ``[T, E]`` that are zero outside each token's selected
+    experts (a loop over ``where(mask[:, e])`` with ``mask = probs >= probs.topk(k).values[..., -1:]``):
+    the experts with a weight first (in expert order), then others with weight 0, cut to k. A token
+    with more than k weighted experts (scores tied at the threshold: the user's block runs them all)
+    fails here (``torch._assert_async``) instead of being cut to k."""
+    selected_TE = weights_TE != 0
+    torch._assert_async(selected_TE.sum(dim=-1).max() <= k,
+                        "a token is weighted by more experts than the block's top-k (scores tied at the threshold)")
+    ids_TK = torch.argsort((~selected_TE).to(torch.int8), dim=-1, stable=True)[:, :k]
+    return ids_TK, weights_TE.gather(1, ids_TK)
+
+
+def _masked_weight_slots(graph: fx.Graph, meta: dict, weights_TE: fx.Node, k: int) -> tuple[fx.Node, fx.Node]:
+    """:func:`masked_weight_slots` of ``weights_TE`` in the graph, right after it: (ids, weights) nodes."""
+    with graph.inserting_after(weights_TE):
+        slots = graph.call_function(masked_weight_slots, (weights_TE, k))
+    with graph.inserting_after(slots):
+        ids = graph.call_function(operator.getitem, (slots, 0))
+    with graph.inserting_after(ids):
+        weights = graph.call_function(operator.getitem, (slots, 1))
+    T = meta[weights_TE].shape[0]
+    meta[ids], meta[weights] = TensorMeta((T, k), torch.int64), TensorMeta((T, k), meta[weights_TE].dtype)
+    return ids, weights
+
+
 def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModule:
     """Replace the inline expert loop + weighted combine of a traced block with one
     ``self.<experts_attr>(x, ids, weights)`` call; needs ``traced.meta`` (shapes from a probe)."""
@@ -196,6 +236,8 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
         return None
 
     topks = [t for t in selections_of(graph) if set(selection_outputs(t)[1]) & before_y]
+    # A loop fed by a mask from the top-k's values alone (probs >= topk.values[..., -1:]): ids from weights.
+    topks = topks or [t for t in selections_of(graph) if set(selection_outputs(t)[0]) & before_y]
     if not topks:
         raise RewriteError(f"MoE layer {layer!r}: no top-k ids feed the expert loop")
     topk = topks[-1]
@@ -213,6 +255,11 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
     slot_shapes = (tok + (K,),) + ((tok,) if not is_topk(topk) else ())
     ids = last([n for n in region_in if n in after_ids and any(tensor(n, s, False) for s in slot_shapes)])
     weights = last([n for n in region_in if n in after_topk and any(tensor(n, s, True) for s in slot_shapes)])
+    weights_TE = last([n for n in region_in if n in after_topk and tensor(n, tok + (info.num_experts,), True)])
+    if weights is None and ids is not None and meta[ids].shape == tok + (K,):
+        weights = _per_expert_weights(graph, meta, ids, weights_TE)
+    elif ids is None and weights_TE is not None and len(tok) == 1:   # (a [T, K] value here fed the mask)
+        ids, weights = _masked_weight_slots(graph, meta, weights_TE, K)
     if weights is None and not set(selection_outputs(topk)[0]) & before_y:
         weights = _UNWEIGHTED   # no selected weight reaches the combine (applied after it, or none): ones
     x = last([n for n in before_calls if n not in after_calls and n not in after_topk
