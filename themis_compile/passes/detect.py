@@ -1235,9 +1235,10 @@ def all_rows_experts_class(experts_cls: type) -> type:
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         E = next(self.parameters()).shape[0]
         T, H = x_TH.shape
-        # No rows: run on one zero row and keep none of it (the expert still gets its zero gradient).
-        rows_NH = x_TH.repeat(E, 1) if T else x_TH.new_zeros((E, H))
-        y_ETH = experts_cls.forward(self, rows_NH).view(E, -1, H)[:, :T]
+        # No rows: run on one zero row padded to them and keep none of it, so that the expert gets its zero
+        # gradient and the (empty) input one too: the runtime's exchange of these rows runs its backward.
+        rows_NH = (x_TH if T else F.pad(x_TH, (0, 0, 0, 1))).repeat(E, 1)
+        y_ETH = experts_cls.forward(self, rows_NH).view(E, max(T, 1), H)[:, :T]
         w_TE = x_TH.new_zeros((T, E), dtype=y_ETH.dtype).scatter_add_(1, ids_TK, weights_TK.to(y_ETH.dtype))
         return torch.einsum("eth,te->th", y_ETH, w_TE)
 
