@@ -945,6 +945,11 @@ class _Reject(Exception):
     pass
 
 
+class _CallReject(_Reject):
+    """A rejection by behaviour that read the experts call and says best what stops it (over what the
+    routing analysis, which did not understand the call, says)."""
+
+
 def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     """The layer ``module`` is, None when it does not look MoE-like; raises _Reject with the reason.
 
@@ -972,7 +977,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     except _Reject as behaviour:
         # The routing analysis saw the layer first and says best what it found, unless all it says is
         # that it found no top-k: then what the experts call (or the probe) showed is the reason.
-        if reject is not None and not str(reject).startswith("no top-k selection"):
+        if reject is not None and not str(reject).startswith("no top-k selection") and not isinstance(
+                behaviour, _CallReject):
             raise reject
         raise behaviour
     if found is not None:
@@ -1294,13 +1300,27 @@ def zero_rows_reason(experts: nn.Module, H: int) -> str | None:
             if not isinstance(y_NH, torch.Tensor) or y_NH.shape != x_NH.shape:
                 return f"on zero rows it returns {getattr(y_NH, 'shape', type(y_NH).__name__)}"
             if (y_NH != 0).any():
-                return f"it maps a zero row to {float(y_NH.abs().max()):.3g}, not 0 (a bias, or act(0) != 0)"
+                return f"it maps a zero row to {float(y_NH.detach().abs().max()):.3g}, not 0 (a bias, or act(0) != 0)"
             g_NH = torch.randn(y_NH.shape, generator=gen).to(y_NH)
             names = ["its input"] + [n for n, p in trial.named_parameters() if p.is_floating_point()]
             grads = torch.autograd.grad((y_NH * g_NH).sum(), [x_NH] + params, allow_unused=True)
         for name, g in zip(names, grads):
             if g is not None and (g != 0).any():
                 return f"at zero rows the gradient of {name} is not 0 (a bias, or an ungated activation)"
+    return None
+
+
+def token_copies_reason(x_NH: torch.Tensor, num_experts: int) -> str | None:
+    """Why the rows ``x [E * T, H]`` of an all-rows call are not expert-major copies of T tokens (row
+    ``e * T + t`` a multiple of token t's hidden state, e.g. scaled by its router score), or None when
+    they are on this probe: the rows ``(., t)`` of every t span at most one direction. Only then does a
+    token's number of nonzero rows count the experts it is routed to (at most the router's top-k)."""
+    E = num_experts
+    x_TEH = x_NH.detach().view(E, -1, x_NH.shape[-1]).transpose(0, 1).double()
+    s_TR = torch.linalg.svdvals(x_TEH)
+    if s_TR.shape[-1] > 1 and bool((s_TR[:, 1] > 1e-6 * s_TR[:, 0]).any()):
+        return ("the rows e * T + t of a token t are not copies of one hidden state (row-major by token, or "
+                "each expert's rows transformed differently), so its nonzero rows do not count its experts")
     return None
 
 
@@ -1341,12 +1361,12 @@ def _all_rows_layer(name: str, module: nn.Module, child: _ExpertsChild, x_NH: to
     try:
         bank = ExpertBank(experts)
     except ValueError as exc:
-        raise _Reject(f"{where}; its experts cannot be cut into equal per-expert chunks "
+        raise _CallReject(f"{where}; its experts cannot be cut into equal per-expert chunks "
                       f"({str(exc).split(': ', 1)[-1]})")
     finally:
         experts.__class__ = original_cls
     if bank.num_experts != E:
-        raise _Reject(f"{where}; its weights hold {bank.num_experts} rows along the leading dimension, not {E} "
+        raise _CallReject(f"{where}; its weights hold {bank.num_experts} rows along the leading dimension, not {E} "
                       "experts: store them stacked [E, ...]")
     rec = record_calls(module, x)
     K = rec.ks[-1] if rec.ks else rec.top1
@@ -1354,6 +1374,8 @@ def _all_rows_layer(name: str, module: nn.Module, child: _ExpertsChild, x_NH: to
     plain = AllRowsPlan(num_experts=E, slots=E, sparse=False)
     if not 1 <= K < E:
         why_plain = f"the routing makes {K} selections (topk, max or argmax) on the probe, not 1 to {E - 1}"
+    elif (why_plain := token_copies_reason(x_NH, E)) is not None:
+        pass
     elif int(nonzero_T.max()) > K:
         why_plain = f"a probe token has {int(nonzero_T.max())} nonzero expert rows, more than its top-{K}"
     else:
@@ -1361,8 +1383,9 @@ def _all_rows_layer(name: str, module: nn.Module, child: _ExpertsChild, x_NH: to
                      or _all_rows_mismatch(module, child.attr, AllRowsPlan(E, K, True), x))
     plan = plain if why_plain else AllRowsPlan(num_experts=E, slots=K, sparse=True)
     if why_plain and (why := _all_rows_mismatch(module, child.attr, plain, x)) is not None:
-        raise _Reject(f"{where}; read as row e * T + t = token t's copy for expert e, every row routed to its "
-                      f"expert, {why}: the rows are not expert-major copies each expert maps alone")
+        raise _CallReject(f"{where}; with row n served by expert n // T (the leading dimension of its [E, T, H] view), "
+                      f"{why}: the experts module does not run its rows expert-major, each row by its expert "
+                      "alone; view the rows [E, T, H] in its forward")
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
     scores = "+".join(dict.fromkeys(rec.scores)) or "none"
     selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
