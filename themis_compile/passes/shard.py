@@ -13,11 +13,12 @@ forward too (:func:`replace_dense_dispatch`): dispatch, the experts on their cap
 combine become one ``self.experts(x, ids, weights)`` with (ids, weights) read from the combine tensor.
 
 Blocks whose experts module is called per slot (``experts(x, ids) -> [T, K, H]``, gpt-fast), on rows
-sorted by expert (``experts(rows, counts)``, torchtitan), with a one-hot dispatch mask (HF Switch) or on
-unflattened hidden states (DBRX) keep their forward: while it runs, the experts attribute is seen as an
-adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`)
-serving that call with one ``experts(x, ids, weights)`` call, and the experts module's class gets that
-interface.
+sorted by expert (``experts(rows, counts)``, torchtitan), with a one-hot dispatch mask (HF Switch), on
+unflattened hidden states (DBRX) or on every row with the routing folded into the input
+(``experts(x [E*T, H])``, Llama 4) keep their forward: while it runs, the experts attribute is seen as an
+adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`,
+:class:`AllRowsCall`) serving that call with one ``experts(x, ids, weights)`` call, and the experts
+module's class gets that interface.
 
 Blocks whose forward calls ``experts[i](rows)`` in code FX cannot trace keep their forward too; it runs
 twice around one ``experts(x, ids, weights)`` call (capture and replay, :mod:`themis_compile.passes.replay`).
