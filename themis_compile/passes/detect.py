@@ -134,7 +134,8 @@ class MoELayerInfo:
                                  "experts call)",
                 "flatten": f"calls {self.experts_attr}(x [B, S, H], ids, weights) (rewritten to one call on flat "
                            "x [T, H])",
-                "all-rows": f"calls {self.experts_attr}(x [E*T, H]) on every row (rewritten to one experts call)"}.get(self.rewrite,
+                "all-rows": f"calls {self.experts_attr}(x [E*T, H]) on every row (rewritten to one experts "
+                            "call)"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -1255,14 +1256,16 @@ def all_rows_experts_class(experts_cls: type) -> type:
                                                        "_themis_original_class": experts_cls})
 
 
-def all_rows_call(calls: list[tuple], outputs: list[Any], num_experts: int, T: int, H: int) -> torch.Tensor | None:
+def all_rows_call(calls: list[tuple], outputs: list[Any], num_experts: int, T: int, H: int
+                  ) -> torch.Tensor | None:
     """The rows ``x [E * T, H]`` when the experts were called once on them alone, returning rows of the
     same shape (every expert on every row, Llama 4), else None."""
     if len(calls) != 1 or len(calls[0]) != 1 or num_experts < 2:
         return None
     (x_NH,), y = calls[0], outputs[0] if outputs else None
     if not (isinstance(x_NH, torch.Tensor) and x_NH.is_floating_point() and x_NH.dim() == 2
-            and tuple(x_NH.shape) == (num_experts * T, H) and isinstance(y, torch.Tensor) and y.shape == x_NH.shape):
+            and tuple(x_NH.shape) == (num_experts * T, H)
+            and isinstance(y, torch.Tensor) and y.shape == x_NH.shape):
         return None
     return x_NH
 
@@ -1302,7 +1305,8 @@ def zero_rows_reason(experts: nn.Module, H: int) -> str | None:
             if not isinstance(y_NH, torch.Tensor) or y_NH.shape != x_NH.shape:
                 return f"on zero rows it returns {getattr(y_NH, 'shape', type(y_NH).__name__)}"
             if (y_NH != 0).any():
-                return f"it maps a zero row to {float(y_NH.detach().abs().max()):.3g}, not 0 (a bias, or act(0) != 0)"
+                return (f"it maps a zero row to {float(y_NH.detach().abs().max()):.3g}, not 0 (a bias, or "
+                        "act(0) != 0)")
             g_NH = torch.randn(y_NH.shape, generator=gen).to(y_NH)
             names = ["its input"] + [n for n, p in trial.named_parameters() if p.is_floating_point()]
             grads = torch.autograd.grad((y_NH * g_NH).sum(), [x_NH] + params, allow_unused=True)
@@ -1357,19 +1361,20 @@ def _all_rows_layer(name: str, module: nn.Module, child: _ExpertsChild, x_NH: to
     layer is rejected with what differs."""
     experts, E = child.module, child.num_experts
     T = x_NH.shape[0] // E
-    where = f"'{child.attr}' is called on every row alone (experts(x [E*T={x_NH.shape[0]}, H={H}]), Llama 4 style)"
+    where = (f"'{child.attr}' is called on every row alone ({child.attr}(x [E*T={x_NH.shape[0]}, H={H}]), "
+             "Llama 4 style)")
     original_cls = type(experts)
     experts.__class__ = all_rows_experts_class(original_cls)
     try:
         bank = ExpertBank(experts)
     except ValueError as exc:
         raise _CallReject(f"{where}; its experts cannot be cut into equal per-expert chunks "
-                      f"({str(exc).split(': ', 1)[-1]})")
+                          f"({str(exc).split(': ', 1)[-1]})")
     finally:
         experts.__class__ = original_cls
     if bank.num_experts != E:
-        raise _CallReject(f"{where}; its weights hold {bank.num_experts} rows along the leading dimension, not {E} "
-                      "experts: store them stacked [E, ...]")
+        raise _CallReject(f"{where}; its weights hold {bank.num_experts} rows along the leading dimension, "
+                          f"not {E} experts: store them stacked [E, ...]")
     rec = record_calls(module, x)
     K = rec.ks[-1] if rec.ks else rec.top1
     nonzero_T = (x_NH.view(E, T, H) != 0).any(dim=-1).sum(dim=0)
@@ -1385,9 +1390,9 @@ def _all_rows_layer(name: str, module: nn.Module, child: _ExpertsChild, x_NH: to
                      or _all_rows_mismatch(module, child.attr, AllRowsPlan(E, K, True), x))
     plan = plain if why_plain else AllRowsPlan(num_experts=E, slots=K, sparse=True)
     if why_plain and (why := _all_rows_mismatch(module, child.attr, plain, x)) is not None:
-        raise _CallReject(f"{where}; with row n served by expert n // T (the leading dimension of its [E, T, H] view), "
-                      f"{why}: the experts module does not run its rows expert-major, each row by its expert "
-                      "alone; view the rows [E, T, H] in its forward")
+        raise _CallReject(f"{where}; with row n served by expert n // T (the leading dimension of an [E, T, H] "
+                          f"view), {why}: the experts module does not run its rows expert-major, each row by "
+                          "its expert alone; view the rows [E, T, H] in its forward")
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
     scores = "+".join(dict.fromkeys(rec.scores)) or "none"
     selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
