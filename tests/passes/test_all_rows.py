@@ -253,3 +253,18 @@ def test_hf_llama4_block_is_served_sparse_and_matches_the_original():
     block, reference, info = _prepared(moe)
     assert info.rewrite == "all-rows" and info.plan == AllRowsPlan(num_experts=E, slots=2, sparse=True)
     _assert_equal_with_gradients(block, reference, seeds=range(2))
+
+
+def test_a_rewrite_with_wrong_gradients_is_caught_and_leaves_the_model_unchanged(monkeypatch):
+    """prepare_moe_layers checks the rewrite's gradients too: an adapter equal in value whose rows reach
+    the experts detached (no gradient to the router or the input through them) is refused."""
+    from themis_compile.passes import shard
+
+    serve = shard.serve_all_rows
+    monkeypatch.setattr(shard, "serve_all_rows", lambda experts, x_NH, plan: serve(experts, x_NH.detach(), plan))
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"moe": AllRowsMoE(top_k=2)})
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match="all-rows rewrite does not reproduce the gradients"):
+        prepare_moe_layers(model, strict=True)
+    assert [type(m) for m in model.modules()] == classes
