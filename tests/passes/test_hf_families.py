@@ -31,7 +31,6 @@ NOT_SHARDED = {
     "gemma4": "the forward fails on probe hidden states",            # MoE inside the decoder layer itself
     "jetmoe": ("are called as input_linear(Tensor[16, 32], list)",     # ParallelExperts: half an expert each
                "the forward fails on probe hidden states"),             # attention experts (MoA)
-    "llama4": "are called as experts(Tensor[32, 32])",                # every expert on every row
     "longcat_flash": "cannot be cut into equal per-expert chunks",    # zero experts stacked with real ones
     "muse_spark": "cannot be cut into equal per-expert chunks",       # a norm shared by all experts
     "deepseek_v4": "the forward fails on probe hidden states",      # layer 0 only: hash routing by input_ids
@@ -94,12 +93,12 @@ def test_explain_lists_the_moe_layers_or_says_why_not(family):
 
 
 def test_explain_lists_or_rejects_families_of_each_kind():
-    """The quick run: a family found by its routing code, one found by behaviour, an encoder-decoder
-    with its reason, one whose experts are called otherwise with its reason."""
-    for family in ("qwen3_moe", "phimoe", "deepseek_v3"):
+    """The quick run: a family found by its routing code, ones found by behaviour (llama4: every expert
+    on every row, the all-rows rewrite), one whose experts cannot be sharded with its reason."""
+    for family in ("qwen3_moe", "phimoe", "deepseek_v3", "llama4"):
         expected, found, report = _detect(family)
         assert expected and set(expected) <= set(found), report
-    for family in ("muse_spark", "llama4"):
+    for family in ("muse_spark",):
         expected, found, report = _detect(family)
         assert expected and not set(expected) & set(found) and NOT_SHARDED[family] in report, report
 

@@ -17,9 +17,10 @@ and combine tensors (GShard; traced with the block's methods kept as calls);
 or, whatever the routing code (``max``, sorts, masks, group limits, a router module returning ids), when
 its behaviour on a probe shows it: its experts child, swapped for a stand-in, is called once as
 ``experts(x_TH, ids_TK, weights_TK)``, ``experts(x_TH, ids_TK) -> y_TKH`` (per slot),
-``experts(rows_NH sorted by expert, counts_E)``, ``experts(x_TH, one-hot mask_TKE, weights_TK)`` or
-``experts(x_BSH, ids_TK, weights_TK)`` (unflattened) and the output is unchanged. A whole-module call is
-accepted only when it computes what the sharded runtime computes (:func:`combine_mismatch`).
+``experts(rows_NH sorted by expert, counts_E)``, ``experts(x_TH, one-hot mask_TKE, weights_TK)``,
+``experts(x_BSH, ids_TK, weights_TK)`` (unflattened) or ``experts(x [E*T, H])`` (every expert on every
+row, Llama 4: :class:`AllRowsPlan`) and the output is unchanged. A whole-module call is accepted only
+when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
     ``find_moe_layers(model)`` is read-only: probes run under ``torch.no_grad`` with the RNG forked and
@@ -29,8 +30,9 @@ Contract:
     reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
     model in both forms); ``"inline-loop"`` when the forward loops over a ``ModuleList`` of experts
     itself, which :mod:`themis_compile.passes.shard` rewrites.
-    ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` when the experts are called
-    per slot, on sorted rows, with a one-hot mask or on unflattened hidden states (found by behaviour;
+    ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` / ``"all-rows"`` when the
+    experts are called per slot, on sorted rows, with a one-hot mask, on unflattened hidden states or on
+    every row (found by behaviour;
     :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"dense-dispatch"`` for
     dense ``[T, E, C]`` dispatch and combine tensors (the forward is rewritten).
     ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace (the
@@ -51,7 +53,7 @@ Pseudo-code:
         if rejected: trace with the block's methods as calls; dense [T, E, C] dispatch?    # dense dispatch
         if none of that finds it: swap each experts child for a stand-in on a probe and read
         the call (x, ids, weights) / (x, ids) / (sorted rows, counts) / (x, mask, weights) /
-        (x_BSH, ids, weights); check combine_mismatch                                       # behaviour
+        (x_BSH, ids, weights) / (x [E*T, H]); check combine_mismatch                        # behaviour
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """
@@ -59,8 +61,10 @@ Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
+import itertools
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -73,7 +77,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from themis_compile.passes.replay import inline_expert_weights_reason, replay_mismatch, restored_attributes
+from themis_compile.passes.replay import (gradient_mismatch, inline_expert_weights_reason, replay_mismatch,
+                                          restored_attributes)
 from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine
 
 logger = logging.getLogger(__name__)
@@ -96,7 +101,8 @@ class MoELayerInfo:
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
     rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
-                                               # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay"
+                                               # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay" |
+                                               # "all-rows"
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -106,7 +112,8 @@ class MoELayerInfo:
     probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
     skips_empty_experts: bool = False          # runs only the experts that receive tokens (skips_empty_experts)
     plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
-                                                                 # (passes.replay.ReplayPlan for "replay")
+                                                                 # (passes.replay.ReplayPlan for "replay",
+                                                                 # AllRowsPlan for "all-rows")
 
     @property
     def experts(self) -> nn.Module:
@@ -126,7 +133,9 @@ class MoELayerInfo:
                 "dispatch-mask": f"calls {self.experts_attr}(x, one-hot mask [T, K, E], weights) (rewritten to one "
                                  "experts call)",
                 "flatten": f"calls {self.experts_attr}(x [B, S, H], ids, weights) (rewritten to one call on flat "
-                           "x [T, H])"}.get(self.rewrite,
+                           "x [T, H])",
+                "all-rows": f"calls {self.experts_attr}(x [E*T, H]) on every row (rewritten to one experts "
+                            "call)"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -1135,6 +1144,11 @@ class _Reject(Exception):
     pass
 
 
+class _CallReject(_Reject):
+    """A rejection by behaviour that read the experts call and says best what stops it (over what the
+    routing analysis, which did not understand the call, says)."""
+
+
 def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     """The layer ``module`` is, None when it does not look MoE-like; raises _Reject with the reason.
 
@@ -1162,7 +1176,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     except _Reject as behaviour:
         # The routing analysis saw the layer first and says best what it found, unless all it says is
         # that it found no top-k: then what the experts call (or the probe) showed is the reason.
-        if reject is not None and not str(reject).startswith("no top-k selection"):
+        if reject is not None and not str(reject).startswith("no top-k selection") and not isinstance(
+                behaviour, _CallReject):
             raise reject
         raise behaviour
     if found is not None:
@@ -1363,6 +1378,231 @@ def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, ca
         hidden_size=H, probe_flat=flat)
 
 
+# --- Experts run on every row, the routing folded into their input (Llama 4) ---------------------------
+
+@dataclass(frozen=True)
+class AllRowsPlan:
+    """How a block that runs every expert on every row is served: its call ``experts(x_NH) -> y_NH`` with
+    ``N = E * T`` rows, expert-major (row ``e * T + t`` is token t's copy for expert e, already scaled by
+    the routing; Llama 4), becomes one ``experts(rows, ids, weights)`` call with ``slots`` rows per token.
+
+    ``sparse=False`` (the plain reading): every row is routed to its expert with weight 1, ``slots = E``;
+    exact for any expert, but every token goes to every expert. ``sparse=True``: only the rows that are
+    not all-zero are routed (at most ``slots``, the router's top-k, per token; fewer are padded with
+    weight-0 slots) and zero rows return 0; exact only for experts that map a zero row to 0 with zero
+    input- and weight-gradients there (gated, bias-free: ``act(g) * u`` with ``g = u = 0``), which
+    detection checks (:func:`zero_rows_reason`)."""
+
+    num_experts: int
+    slots: int
+    sparse: bool
+
+
+def serve_all_rows(experts: Callable, x_NH: torch.Tensor, plan: AllRowsPlan) -> torch.Tensor:
+    """``y_NH`` of an all-rows call, computed by one ``experts(rows_MH, ids_M1, weights_M1)`` call of the
+    runtime's interface (every served row a token of its own, ``M = T * slots``).
+
+    Pseudo-code:
+        x [E, T, H] = x_NH viewed expert-major
+        served[t, e] = row (e, t) is not all-zero (sparse), else True
+        ids [T, K] = each token's served experts first (in expert order), then others, cut to K
+        assert no token has more than K served rows        # sparse: more would be cut
+        y [T, K, H] = experts(x[ids, t], ids, served[t, ids])   # a padded slot has weight 0
+        out [E, T, H] = 0; out[ids, t] = y                 # rows not served stay 0
+    """
+    E, K = plan.num_experts, plan.slots
+    N, H = x_NH.shape
+    T = N // E
+    if N != E * T:
+        raise ValueError(f"an all-rows experts call has {N} rows, not a multiple of its {E} experts")
+    x_ETH = x_NH.view(E, T, H)
+    if plan.sparse:
+        served_TE = (x_ETH != 0).any(dim=-1).transpose(0, 1)
+        torch._assert_async(served_TE.sum(dim=-1).max() <= K if T else torch.tensor(True),
+                            "a token has more nonzero expert rows than the block selects experts")
+    else:
+        served_TE = torch.ones((T, E), dtype=torch.bool, device=x_NH.device)
+    ids_TK = torch.argsort((~served_TE).to(torch.int8), dim=-1, stable=True)[:, :K]
+    t_TK = torch.arange(T, device=x_NH.device).view(T, 1).expand(T, K)
+    rows_TKH = x_ETH[ids_TK, t_TK]
+    weights_TK = served_TE.gather(1, ids_TK).to(x_NH.dtype)
+    y_TKH = experts(rows_TKH.reshape(T * K, H), ids_TK.reshape(-1, 1), weights_TK.reshape(-1, 1)).view(T, K, H)
+    # (e, t) pairs are distinct (ids of a token are a permutation's prefix): a plain index_put.
+    return x_NH.new_zeros((E, T, H), dtype=y_TKH.dtype).index_put((ids_TK, t_TK), y_TKH).view(N, H)
+
+
+def all_rows_experts_class(experts_cls: type) -> type:
+    """A subclass of an all-rows experts module's class (``experts(x [E * T, H]) -> [E * T, H]``, every
+    expert on every row) called as ``experts(x_TH, ids_TK, weights_TK)``: its own forward on every token's
+    copy for every expert, combined with each token's weights (0 for experts it does not select). The
+    runtime runs it one expert at a time (E = 1 slices), where that is one forward on the expert's rows."""
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        E = next(self.parameters()).shape[0]
+        T, H = x_TH.shape
+        # No rows: run on one zero row padded to them and keep none of it, so that the expert gets its zero
+        # gradient and the (empty) input one too: the runtime's exchange of these rows runs its backward.
+        rows_NH = (x_TH if T else F.pad(x_TH, (0, 0, 0, 1))).repeat(E, 1)
+        y_ETH = experts_cls.forward(self, rows_NH).view(E, max(T, 1), H)[:, :T]
+        w_TE = x_TH.new_zeros((T, E), dtype=y_ETH.dtype).scatter_add_(1, ids_TK, weights_TK.to(y_ETH.dtype))
+        return torch.einsum("eth,te->th", y_ETH, w_TE)
+
+    forward.__doc__ = f"{experts_cls.__name__}.forward on every token for every expert, combined with the weights."
+    return type(experts_cls.__name__, (experts_cls,), {"forward": forward, "__module__": experts_cls.__module__,
+                                                       "_themis_original_class": experts_cls})
+
+
+def all_rows_call(calls: list[tuple], outputs: list[Any], num_experts: int, T: int, H: int
+                  ) -> torch.Tensor | None:
+    """The rows ``x [E * T, H]`` when the experts were called once on them alone, returning rows of the
+    same shape (every expert on every row, Llama 4), else None."""
+    if len(calls) != 1 or len(calls[0]) != 1 or num_experts < 2:
+        return None
+    (x_NH,), y = calls[0], outputs[0] if outputs else None
+    if not (isinstance(x_NH, torch.Tensor) and x_NH.is_floating_point() and x_NH.dim() == 2
+            and tuple(x_NH.shape) == (num_experts * T, H)
+            and isinstance(y, torch.Tensor) and y.shape == x_NH.shape):
+        return None
+    return x_NH
+
+
+class _AllRowsStandIn(nn.Module):
+    """The experts of a trial block as the all-rows rewrite serves them (:func:`serve_all_rows`), run as
+    the sharded runtime runs them (:class:`RuntimeReference`)."""
+
+    def __init__(self, experts: nn.Module, plan: AllRowsPlan) -> None:
+        super().__init__()
+        self.reference = RuntimeReference(experts)
+        self.plan = plan
+
+    def forward(self, x_NH: torch.Tensor) -> torch.Tensor:
+        return serve_all_rows(self.reference, x_NH, self.plan)
+
+
+def zero_rows_reason(experts: nn.Module, H: int) -> str | None:
+    """Why serving only the nonzero rows of an all-rows experts module would not be exact, or None when it
+    is: on zero rows its output, its input-gradient and every parameter's gradient must be 0. Checked on
+    a copy with random parameters (a zero-initialised bias would pass at the user's weights and fail once
+    trained), in train and eval mode, for a random output-gradient."""
+    trial = copy.deepcopy(experts)
+    params = [p for p in trial.parameters() if p.is_floating_point()]
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=gen).to(p))
+    E = next(iter(params)).shape[0] if params else 1
+    dtype, device = (params[0].dtype, params[0].device) if params else (torch.get_default_dtype(), "cpu")
+    for training in (True, False):
+        trial.train(training)
+        x_NH = torch.zeros((E * 2, H), dtype=dtype, device=device, requires_grad=True)
+        with torch.enable_grad():
+            torch.manual_seed(PROBE_SEED)
+            y_NH = trial(x_NH)
+            if not isinstance(y_NH, torch.Tensor) or y_NH.shape != x_NH.shape:
+                return f"on zero rows it returns {getattr(y_NH, 'shape', type(y_NH).__name__)}"
+            if (y_NH != 0).any():
+                return (f"it maps a zero row to {float(y_NH.detach().abs().max()):.3g}, not 0 (a bias, or "
+                        "act(0) != 0)")
+            g_NH = torch.randn(y_NH.shape, generator=gen).to(y_NH)
+            names = ["its input"] + [n for n, p in trial.named_parameters() if p.is_floating_point()]
+            grads = torch.autograd.grad((y_NH * g_NH).sum(), [x_NH] + params, allow_unused=True)
+        for name, g in zip(names, grads):
+            if g is not None and (g != 0).any():
+                return f"at zero rows the gradient of {name} is not 0 (a bias, or an ungated activation)"
+    return None
+
+
+def token_copies_reason(x_NH: torch.Tensor, num_experts: int) -> str | None:
+    """Why the rows ``x [E * T, H]`` of an all-rows call are not expert-major copies of T tokens (row
+    ``e * T + t`` a multiple of token t's hidden state, e.g. scaled by its router score), or None when
+    they are on this probe: the rows ``(., t)`` of every t span at most one direction. Only then does a
+    token's number of nonzero rows count the experts it is routed to (at most the router's top-k)."""
+    E = num_experts
+    x_TEH = x_NH.detach().view(E, -1, x_NH.shape[-1]).transpose(0, 1).double()
+    s_TR = torch.linalg.svdvals(x_TEH)
+    if s_TR.shape[-1] > 1 and bool((s_TR[:, 1] > 1e-6 * s_TR[:, 0]).any()):
+        return ("the rows e * T + t of a token t are not copies of one hidden state (row-major by token, or "
+                "each expert's rows transformed differently), so its nonzero rows do not count its experts")
+    return None
+
+
+def _all_rows_mismatch(module: nn.Module, attr: str, plan: AllRowsPlan, x: torch.Tensor) -> str | None:
+    """Why ``module`` with its all-rows experts served by ``plan`` (each expert run alone, as the runtime
+    runs it) differs from ``module`` on the probe ``x``: values in train and eval mode, then the input's and
+    every parameter's gradients; None when it agrees."""
+    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    trial = copy.deepcopy(module, shared)
+    experts = trial._modules[attr]
+    experts.__class__ = all_rows_experts_class(type(experts))
+    trial._modules[attr] = _AllRowsStandIn(experts, plan)
+    for training in (True, False):
+        expected = run_probe(module, x, training=training)
+        try:
+            got = run_probe(trial, x, training=training)
+        except Exception as exc:
+            return f"it fails when served so ({type(exc).__name__}: {exc})".splitlines()[0]
+        if not _outputs_close(expected, got):
+            return f"its output differs ({'train' if training else 'eval'} mode)"
+    why = gradient_mismatch(module, trial, x, PROBE_SEED)
+    return None if why is None else f"its gradients differ ({why})"
+
+
+def _all_rows_layer(name: str, module: nn.Module, child: _ExpertsChild, x_NH: torch.Tensor, x: torch.Tensor,
+                    routers: list[tuple[str, int, int]], H: int, flat: bool) -> MoELayerInfo:
+    """The layer whose experts run on every row, the routing folded into their input (``experts(x [E * T,
+    H])``, Llama 4): served by one ``experts(x, ids, weights)`` call (:func:`serve_all_rows`). The sparse
+    reading (the nonzero rows, K = the router's top-k per token) is taken when the experts keep zero rows
+    at 0 in value and gradient (:func:`zero_rows_reason`) and the block, served so, equals the original
+    on the probe, gradients included; else the plain reading (every row, K = E) when that does; else the
+    layer is rejected with what differs."""
+    experts, E = child.module, child.num_experts
+    T = x_NH.shape[0] // E
+    where = (f"'{child.attr}' is called on every row alone ({child.attr}(x [E*T={x_NH.shape[0]}, H={H}]), "
+             "Llama 4 style)")
+    original_cls = type(experts)
+    experts.__class__ = all_rows_experts_class(original_cls)
+    try:
+        bank = ExpertBank(experts)
+    except ValueError as exc:
+        raise _CallReject(f"{where}; its experts cannot be cut into equal per-expert chunks "
+                          f"({str(exc).split(': ', 1)[-1]})")
+    finally:
+        experts.__class__ = original_cls
+    if bank.num_experts != E:
+        raise _CallReject(f"{where}; its weights hold {bank.num_experts} rows along the leading dimension, "
+                          f"not {E} experts: store them stacked [E, ...]")
+    rec = record_calls(module, x)
+    K = rec.ks[-1] if rec.ks else rec.top1
+    nonzero_T = (x_NH.view(E, T, H) != 0).any(dim=-1).sum(dim=0)
+    plain = AllRowsPlan(num_experts=E, slots=E, sparse=False)
+    if not 1 <= K < E:
+        why_plain = f"the routing makes {K} selections (topk, max or argmax) on the probe, not 1 to {E - 1}"
+    elif (why_plain := token_copies_reason(x_NH, E)) is not None:
+        pass
+    elif int(nonzero_T.max()) > K:
+        why_plain = f"a probe token has {int(nonzero_T.max())} nonzero expert rows, more than its top-{K}"
+    else:
+        why_plain = (zero_rows_reason(experts, H)
+                     or _all_rows_mismatch(module, child.attr, AllRowsPlan(E, K, True), x))
+    plan = plain if why_plain else AllRowsPlan(num_experts=E, slots=K, sparse=True)
+    if why_plain and (why := _all_rows_mismatch(module, child.attr, plain, x)) is not None:
+        raise _CallReject(f"{where}; with row n served by expert n // T (the leading dimension of an [E, T, H] "
+                          f"view), {why}: the experts module does not run its rows expert-major, each row by "
+                          "its expert alone; view the rows [E, T, H] in its forward")
+    router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    reading = (f"the nonzero rows, top-{K} per token (zero rows stay 0 in value and gradient)" if plan.sparse
+               else f"every row, K = E = {E} (not only the nonzero ones: {why_plain})")
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=plan.slots, experts_form=child.form,
+        router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}; every expert "
+                f"on every row, served: {reading} (behaviour)"),
+        activation=describe_activation(experts), shared_experts=False, experts_attr=child.attr,
+        rewrite="all-rows", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        hidden_size=H, probe_flat=flat, plan=plan)
+
+
 def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
     """An MoE layer recognised by what it does, whatever its routing code looks like (``max``, sorts,
     masks, group limits, bias corrections ...): its experts child, swapped for a stand-in, is called once
@@ -1451,6 +1691,8 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                     activation=describe_activation(child.module), shared_experts=False, experts_attr=child.attr,
                     rewrite=rewrite, router_path=router_path or "",
                     score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
+            if (rows := all_rows_call(calls, stand_in.outputs, child.num_experts, T, H)) is not None:
+                return _all_rows_layer(name, module, child, rows, x, routers, H, flat)
             if not ok:
                 # Only a child that names experts, or is called with integer ids, is an experts
                 # container used otherwise; a parent of a whole MoE block is not.
@@ -1887,7 +2129,9 @@ def explain_moe_layers(model: nn.Module) -> str:
                                                 "dispatch-mask": "experts(x, one-hot mask [T, K, E], weights) "
                                                                  "(rewritten by optimize)",
                                                 "flatten": "experts(x [B, S, H], ids, weights) (rewritten by "
-                                                           "optimize to flat x [T, H])"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
+                                                           "optimize to flat x [T, H])",
+                                                "all-rows": "experts(x [E*T, H]), every expert on every row "
+                                                            "(rewritten by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

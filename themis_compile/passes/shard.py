@@ -13,11 +13,12 @@ forward too (:func:`replace_dense_dispatch`): dispatch, the experts on their cap
 combine become one ``self.experts(x, ids, weights)`` with (ids, weights) read from the combine tensor.
 
 Blocks whose experts module is called per slot (``experts(x, ids) -> [T, K, H]``, gpt-fast), on rows
-sorted by expert (``experts(rows, counts)``, torchtitan), with a one-hot dispatch mask (HF Switch) or on
-unflattened hidden states (DBRX) keep their forward: while it runs, the experts attribute is seen as an
-adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`)
-serving that call with one ``experts(x, ids, weights)`` call, and the experts module's class gets that
-interface.
+sorted by expert (``experts(rows, counts)``, torchtitan), with a one-hot dispatch mask (HF Switch), on
+unflattened hidden states (DBRX) or on every row with the routing folded into the input
+(``experts(x [E*T, H])``, Llama 4) keep their forward: while it runs, the experts attribute is seen as an
+adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`,
+:class:`AllRowsCall`) serving that call with one ``experts(x, ids, weights)`` call, and the experts
+module's class gets that interface.
 
 Blocks whose forward calls ``experts[i](rows)`` in code FX cannot trace keep their forward too; it runs
 twice around one ``experts(x, ids, weights)`` call (capture and replay, :mod:`themis_compile.passes.replay`).
@@ -57,6 +58,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from themis_compile.passes.detect import (
+    AllRowsPlan,
+    all_rows_experts_class,
+    serve_all_rows,
     PROBE_SEED,
     SEARCHED,
     MoELayerInfo,
@@ -535,6 +539,40 @@ class FlattenCall:
         return self.experts(x_BSH.reshape(-1, x_BSH.shape[-1]), ids_TK, weights_TK).view(x_BSH.shape)
 
 
+class AllRowsCall:
+    """``self.<experts>`` as an all-rows block's forward sees it: ``experts(x_NH) -> y_NH`` with ``N = E * T``
+    rows, expert-major (row ``e * T + t`` is token t's copy for expert e, scaled by the routing), every
+    expert on every row (Llama 4). Computed with one call of the runtime's interface
+    (:func:`~themis_compile.passes.detect.serve_all_rows`): every served row a token of its own, routed to
+    its expert; the plan says which rows are served (every row, or the nonzero ones)."""
+
+    def __init__(self, experts: nn.Module, plan: AllRowsPlan) -> None:
+        self.experts = experts
+        self.plan = plan
+
+    def __call__(self, x_NH: torch.Tensor) -> torch.Tensor:
+        return serve_all_rows(self.experts, x_NH, self.plan)
+
+
+def _all_rows_rewrite_classes(block_cls: type, experts_cls: type, attr: str, plan: AllRowsPlan
+                              ) -> tuple[type, type]:
+    """(block class, experts class) of an all-rows rewrite: the block's forward runs unchanged with
+    ``self.<attr>`` seen as an :class:`AllRowsCall`; the experts module is called as
+    ``experts(x_TH, ids_TK, weights_TK)`` (:func:`~themis_compile.passes.detect.all_rows_experts_class`)."""
+
+    def block_forward(self, *args, **kwargs):
+        self.__dict__[attr] = AllRowsCall(self._modules[attr], plan)   # shadows the submodule inside forward only
+        try:
+            return block_cls.forward(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(attr, None)
+
+    block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr} served by one experts(x, ids, weights) call."
+    new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
+                                                        "_themis_original_class": block_cls})
+    return new_block, all_rows_experts_class(experts_cls)
+
+
 # The rewrites that keep the block's forward and serve its experts call through an adapter.
 CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten")
 
@@ -614,6 +652,17 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
         info.rewritten = True
         logger.info("MoE layer %s: %s(x, ids) served by one %s(x, ids, weights) call", info.name,
                     info.experts_attr, info.experts_attr)
+        return
+    if info.rewrite == "all-rows":
+        experts = info.experts
+        block_cls, experts_cls = _all_rows_rewrite_classes(type(info.module), type(experts), info.experts_attr,
+                                                           info.plan)
+        info.module.__class__ = block_cls
+        experts.__class__ = experts_cls
+        info.rewritten = True
+        logger.info("MoE layer %s: %s(x [E*T, H]) served by one %s(x, ids, weights) call on %s", info.name,
+                    info.experts_attr, info.experts_attr,
+                    f"the nonzero rows (top-{info.plan.slots})" if info.plan.sparse else "every row")
         return
     if info.rewrite == "replay":
         plan = info.plan if isinstance(info.plan, ReplayPlan) else ReplayPlan(num_experts=info.num_experts)
@@ -736,12 +785,16 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
-        if info.rewrite in CALL_REWRITES or info.rewrite == "replay":
+        if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows"):
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr])
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
         if info.rewrite == "dense-dispatch":
             verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
+        if info.rewrite == "all-rows" and (why := gradient_mismatch(info.module, trial, _probe_for(info),
+                                                                   PROBE_SEED)) is not None:
+            raise ValueError(f"MoE layer {info.name!r}: the all-rows rewrite does not reproduce the gradients of "
+                             f"the original on a probe input ({why}); the model was left unchanged")
         if info.rewrite == "replay" and (why := gradient_mismatch(info.module, trial, _probe_for(info),
                                                                  PROBE_SEED)) is not None:
             raise ValueError(f"MoE layer {info.name!r}: the capture-and-replay rewrite does not reproduce the "
