@@ -215,6 +215,134 @@ def test_replayed_calls_that_differ_from_the_captured_ones_raise():
         skipping(torch.randn(1, 1, zoo.H))
 
 
+class DictLoopMoE(nn.Module):
+    """Experts in an ``nn.ModuleDict`` next to a parameter-free entry (a token dropout on each expert's
+    output, NLLB style), run one by one by the block itself over ``.tolist()`` rows (untraceable), only
+    those with tokens; top-2 softmax routing. ``access`` is how the loop reaches the experts: the ways
+    real code reaches ModuleDict entries, each with ``len`` or ``in`` beside it."""
+
+    ACCESS = ("getattr", "getitem", "items", "values", "keys", "iter")
+
+    class DenseActDense(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wi, self.wo = nn.Linear(zoo.H, zoo.FFN), nn.Linear(zoo.FFN, zoo.H)
+
+        def forward(self, x):
+            return self.wo(F.relu(self.wi(x)))
+
+    def __init__(self, access: str) -> None:
+        super().__init__()
+        self.access = access
+        self.router = nn.Linear(zoo.H, zoo.E, bias=False)
+        self.experts = nn.ModuleDict({f"expert_{i}": self.DenseActDense() for i in range(zoo.E)})
+        self.experts["token_dropout"] = nn.Dropout(0.2)
+
+    def _experts(self):
+        d, access = self.experts, self.access
+        if access == "getattr":
+            return [(e, getattr(d, f"expert_{e}")) for e in range(len(d) - 1)]
+        if access == "getitem":
+            return [(e, d[f"expert_{e}"]) for e in range(zoo.E) if f"expert_{e}" in d]
+        if access == "items":
+            return [(int(k.split("_")[1]), m) for k, m in d.items() if k.startswith("expert_")]
+        if access == "values":
+            return list(enumerate(list(d.values())[:len(d) - 1]))
+        keys = d.keys() if access == "keys" else iter(d)
+        return [(int(k.split("_")[1]), d[k]) for k in keys if k != "token_dropout"]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        weights, ids = self.router(x).softmax(dim=-1).topk(zoo.K, dim=-1)
+        dropout = self.experts["token_dropout"] if "token_dropout" in self.experts else nn.Identity()
+        out = torch.zeros_like(x)
+        for e, expert in self._experts():
+            pairs = [(t, k) for t, row in enumerate(ids.tolist()) for k, i in enumerate(row) if i == e]
+            if not pairs:
+                continue
+            token, slot = (list(v) for v in zip(*pairs))
+            y = dropout(expert(x[token])) * weights[token, slot, None]
+            out = out.index_add(0, torch.tensor(token, dtype=torch.long), y)
+        return out.view(hidden.shape)
+
+
+class DictExpertReadInRouting(DictLoopMoE):
+    """The router reads an expert's weight (``self.experts["expert_0"].wi.weight``): an expert read as a
+    module, which capture and replay cannot serve (the expert's parameters live in the runtime)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        tied = (x @ self.experts["expert_0"].wi.weight[:zoo.E].t()).softmax(dim=-1)
+        self.router_z = tied.mean()
+        return super().forward(hidden)
+
+
+@pytest.mark.parametrize("access", DictLoopMoE.ACCESS)
+def test_moduledict_experts_run_by_the_block_are_served_equal_to_the_original(access):
+    """Outputs and gradients (train with the token dropout, and eval), on a probe where every expert gets
+    tokens and on one token (2 of 4 experts: the others' gradients stay None, as in the original)."""
+    torch.manual_seed(0)
+    original = DictLoopMoE(access)
+    rewritten = copy.deepcopy(original)
+    (info,) = prepare_moe_layers(rewritten, strict=True)
+    assert (info.rewrite, info.experts_form, info.num_experts, info.top_k, info.router_path) == (
+        "replay", "moduledict", zoo.E, zoo.K, "router")
+    assert info.skips_empty_experts and info.plan.skips_empty
+    assert info.plan.expert_keys == tuple(f"expert_{e}" for e in range(zoo.E))
+    assert [n for n, _ in rewritten.named_parameters()] == [n for n, _ in original.named_parameters()]
+    for shape in ((3, 5, zoo.H), (1, 1, zoo.H)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        for training in (True, False):
+            results = []
+            for block in (original, rewritten):
+                block.train(training)
+                torch.manual_seed(7)
+                x_in = x.clone().requires_grad_(True)
+                out = block(x_in)
+                loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+                results.append((out.detach(), torch.autograd.grad(loss, [x_in] + list(block.parameters()),
+                                                                  allow_unused=True)))
+            (out_a, grads_a), (out_b, grads_b) = results
+            torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-6)
+            names = ["input"] + [n for n, _ in original.named_parameters()]
+            for name, a, b in zip(names, grads_a, grads_b):
+                assert (a is None) == (b is None), (shape, training, name)
+                if a is not None:
+                    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{shape} {training} {name}")
+            if shape[0] == 1:
+                assert sum(g is None for g in grads_a) == 2 * 4, "one token should reach 2 of the 4 experts"
+
+
+def test_moduledict_experts_read_as_modules_are_rejected_with_the_reason():
+    infos, rejected = find_moe_layers(DictExpertReadInRouting("getattr"))
+    assert infos == [] and len(rejected) == 1, (infos, rejected)
+    why = rejected[0][1]
+    assert "runs the experts in 'experts' (ModuleDict) one by one itself" in why, why
+    assert "expert 0 is read as .wi inside the forward" in why, why
+
+
+def test_moduledict_view_behaves_like_the_moduledict():
+    """What the block's forward sees in place of the ModuleDict (either pass)."""
+    from themis_compile.passes.replay import ExpertsDictView, _Capture, dict_layout
+
+    block = DictLoopMoE("items")
+    keys, expert_keys = dict_layout(block.experts)
+    assert keys == tuple(block.experts.keys()) and expert_keys == keys[:zoo.E]
+    view = ExpertsDictView(_Capture(zoo.E, stop_at_last=False), keys, expert_keys,
+                           {"token_dropout": block.experts["token_dropout"]})
+    assert len(view) == len(block.experts) and list(view) == list(block.experts) == list(view.keys())
+    assert "expert_3" in view and "expert_4" not in view
+    assert view["token_dropout"] is block.experts["token_dropout"] is view.token_dropout
+    assert getattr(view, "expert_2") is view["expert_2"] is dict(view.items())["expert_2"]
+    assert list(view.values())[2] is view["expert_2"] and view["expert_2"] is not view["expert_1"]
+    with pytest.raises(KeyError):
+        view["expert_9"]
+    with pytest.raises(AttributeError, match="not one of their entries"):
+        view.num_experts
+    with pytest.raises(AttributeError, match="expert 2 is read as .wi"):
+        view.expert_2.wi
+
+
 STEPS, BATCH, SEQ = 3, 4, 8
 
 

@@ -992,7 +992,7 @@ def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
         E = next((v for k in ("num_experts", "num_local_experts", "n_routed_experts")
                   if isinstance(v := getattr(child, k, None), int)), None)
         if E is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            E = len(child)
+            E = len(expert_modules(child))   # a ModuleDict's entries without parameters are not experts
         found.append(_ExpertsChild(attr, child, E or 0, "modulelist" if isinstance(child, nn.ModuleList)
                                    else "stacked"))
     return found
