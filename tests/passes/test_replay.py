@@ -343,6 +343,54 @@ def test_moduledict_view_behaves_like_the_moduledict():
         view.expert_2.wi
 
 
+class _DriftsWhenTold(DeepseekV3NoSkip):
+    """Once ``drift`` is set, its replayed pass makes one expert call more than its captured one (a
+    count kept in a list, which pass A's isolation does not restore): a ReplayError on that rank only."""
+
+    drift = False
+
+    def moe_infer(self, x, topk_ids, topk_weight):
+        if self.drift:
+            self.passes.append(1)
+            if len(self.passes) % 2 == 0:
+                self.experts[0](x[:1])
+        return super().moe_infer(x, topk_ids, topk_weight)
+
+
+def _one_rank_fails(rank: int, world_size: int):
+    """Rank 1's first MoE layer raises ReplayError in its forward, and rank 1 stays alive (it caught the
+    error; over NCCL a dead peer is not noticed either): rank 0 waits in the runtime's next collective.
+    Each rank: (error type, message, seconds from the forward to the error, failed_rank)."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = zoo.ZooLM("deepseek_v3")
+    for layer in model.layers:
+        layer.moe = _DriftsWhenTold()
+        layer.moe.passes = []
+    model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy="themis", collective_timeout_s=90),
+                                    strict=True)
+    if rank == 1:
+        model.layers[0].moe.drift = True
+    tokens = torch.randint(0, zoo.VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    store = dist.distributed_c10d._get_default_store()
+    start = time.monotonic()
+    try:
+        model.loss(tokens).backward()
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        result = type(exc).__name__, str(exc), time.monotonic() - start, getattr(exc, "failed_rank", None)
+    else:
+        result = None
+    if rank == 0:
+        store.set("test_replay/rank0_done", "1")
+    else:
+        store.wait(["test_replay/rank0_done"], datetime.timedelta(seconds=100))
+    return result
+
+
 STEPS, BATCH, SEQ = 3, 4, 8
 
 
@@ -365,14 +413,30 @@ def _ranks(rank: int, world_size: int, names: list[str]):
     for name in names:
         model = themis_compile.optimize(_lm(name), themis_compile.ThemisConfig(policy="themis"), strict=True)
         out[name] = _train(model, rank, world_size)
+    out["one rank fails"] = _one_rank_fails(rank, world_size)    # last: it leaves the group unusable
     return out
 
 
-def test_two_ranks_under_themis_train_like_one_process():
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One process group of 2 gloo ranks for the distributed cases of this file."""
     from themis_compile.testing.multirank import run_multirank
 
+    return run_multirank(_ranks, 2, args=(sorted(BLOCKS),), timeout_s=180)
+
+
+def test_a_replay_error_on_one_rank_fails_the_others_promptly_with_its_reason(two_ranks):
+    """Without the report rank 0 would wait in its collective for the 90 s deadline."""
+    waiting, failed = (r["one rank fails"] for r in two_ranks)
+    assert failed[0] == "ReplayError" and "in the replayed forward but" in failed[1], failed
+    assert waiting[0] == "PeerFailedError" and waiting[3] == 1, waiting
+    assert "rank 1 failed outside any collective (ReplayError: MoE layer 'layers.0.moe'" in waiting[1], waiting
+    assert waiting[2] < 30, f"rank 0 learnt of rank 1's failure only after {waiting[2]:.1f} s"
+
+
+def test_two_ranks_under_themis_train_like_one_process(two_ranks):
     names = sorted(BLOCKS)
-    results = run_multirank(_ranks, 2, args=(names,), timeout_s=180)
+    results = two_ranks
     for name in names:
         ref_losses, ref_dense = _train(_lm(name), 0, 1)
         losses, dense = results[0][name]

@@ -53,6 +53,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from themis_compile.runtime import deadline
 from themis_compile.runtime.experts import expert_modules, loop_combine
 
 logger = logging.getLogger(__name__)
@@ -294,7 +295,19 @@ def _clone_tensors(value: Any) -> Any:
 def capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: ReplayPlan, layer: str,
                        args: tuple, kwargs: dict) -> Any:
     """``forward(module, *args, **kwargs)`` with ``module.<attr>`` served by one ``experts(x, ids, weights)``
-    call of ``module._modules[attr]`` (the module docstring's pseudo-code)."""
+    call of ``module._modules[attr]`` (the module docstring's pseudo-code). A :class:`ReplayError` is
+    reported to the other ranks of the runtime's process group before it is raised
+    (``runtime.deadline.report_failure``): it depends on this rank's batch, and the others would
+    otherwise wait for the deadline in a collective this rank will not post."""
+    try:
+        return _capture_and_replay(forward, module, attr, plan, layer, args, kwargs)
+    except ReplayError as err:
+        deadline.report_failure(f"{type(err).__name__}: {err}", group=getattr(module._modules[attr], "group", None))
+        raise
+
+
+def _capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: ReplayPlan, layer: str,
+                        args: tuple, kwargs: dict) -> Any:
     E = plan.num_experts
     others = module.__dict__.get(OTHER_ENTRIES, {})    # a ModuleDict's entries that are not experts
     for m in others.values():
