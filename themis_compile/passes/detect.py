@@ -33,8 +33,9 @@ Contract:
     per slot, on sorted rows, with a one-hot mask or on unflattened hidden states (found by behaviour;
     :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"dense-dispatch"`` for
     dense ``[T, E, C]`` dispatch and combine tensors (the forward is rewritten).
-    ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace (the
-    loop stays as written, served by :mod:`themis_compile.passes.replay`).
+    ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace, or
+    over a ``ModuleDict`` of experts (found by behaviour: ``getattr(self.experts, key)``, HF Switch
+    before v5) (the loop stays as written, served by :mod:`themis_compile.passes.replay`).
     Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
     their forward, or an experts child called otherwise) but fail a check are returned as
     ``(name, reason)``, the reason saying what would make the layer work.

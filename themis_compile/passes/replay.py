@@ -4,8 +4,9 @@ The FSSDP runtime (paper §3.1) replaces a layer's experts with a module computi
 ``experts(x_TH, ids_TK, weights_TK) -> out_TH`` in one call per forward. A block whose forward loops over
 an ``nn.ModuleList`` of experts itself, with Python control flow on tensor values that FX cannot trace
 (DeepSeek-V3's reference ``moe_infer``: counts through ``.cpu().numpy()``, tokens sorted by expert and
-split by those counts), cannot have its loop rewritten into that call. Its routing code is kept as
-written instead and run twice:
+split by those counts), or over an ``nn.ModuleDict`` of experts (HF Switch Transformers and NLLB-MoE
+before transformers 5: ``getattr(self.experts, f"expert_{idx}")(rows)`` for the experts with tokens),
+cannot have its loop rewritten into that call. Its routing code is kept as written instead and run twice:
 
 - **pass A (capture)**: the block's forward with every expert replaced by a stand-in that records the
   rows it is given (the differentiable tensors the user's code built) and answers zeros; module state is
@@ -16,6 +17,13 @@ written instead and run twice:
 - **pass B (replay)**: the block's forward again, each stand-in answering the next slice of the result
   (its expert and row count checked against pass A's; :class:`ReplayError` otherwise).
 
+The forward reaches the experts through a view that behaves like the container it stands for: a
+ModuleList's ``len``, ``[i]``, iteration; a ModuleDict's ``getattr(experts, key)``, ``[key]``, ``keys()``,
+``values()``, ``items()``, iteration over the keys, ``len``, ``in``. A ModuleDict's entries without
+parameters are not experts (``runtime.experts.expert_modules``): the view gives the real module (a
+token dropout), which the block holds since the runtime replaces the container. An expert read as a
+module (``experts["expert_0"].wi.weight``) fails with the reason.
+
 Gradients: the expert inputs get theirs through pass A's graph (the captured rows), the router and
 everything else through pass B's; the expert outputs enter pass B only as the runtime's result, so each
 path of the original chain rule is counted once. Cost: the routing code (everything of the forward but
@@ -24,13 +32,18 @@ call every expert exactly once, pass A stops at its last expert call.
 
 Contract:
     :func:`replay_mismatch` says (on a probe, read-only) why a block cannot be served this way, or None:
-    every expert call is ``experts[i](rows [..., H])`` returning rows of the same shape, the rows given
-    to the experts do not depend on any expert's output (no chain of experts), and every expert is called
-    on every forward, even one that receives no token (with an empty batch of rows; one that is skipped
-    has no gradient in one process but a zero gradient from the sharded runtime).
+    every expert call is ``experts[i](rows [..., H])`` (or ``experts[key]``) returning rows of the same
+    shape, the rows given to the experts do not depend on any expert's output (no chain of experts), and
+    every expert is called on every forward, even one that receives no token (with an empty batch of
+    rows; one that is skipped has no gradient in one process but a zero gradient from the sharded
+    runtime) — unless ``allow_skipping``: the plan then says ``skips_empty`` and the runtime must leave
+    experts without tokens ungraded, as the block does.
     :func:`replay_classes` changes only classes: the block's forward runs the two passes around one call
-    of ``self.<attr>`` (whatever module the runtime put there), and the ModuleList's forward becomes
-    ``experts(x, ids, weights)`` over the same expert modules (parameters, names, state-dict keys unchanged).
+    of ``self.<attr>`` (whatever module the runtime put there), and the ModuleList's (ModuleDict's)
+    forward becomes ``experts(x, ids, weights)`` over the same expert modules (parameters, names,
+    state-dict keys unchanged).
+    A ReplayError (this rank's batch made the passes differ) is reported to the other ranks before it is
+    raised (``runtime.deadline.report_failure``), so that they do not wait for a collective's deadline.
 
 Pseudo-code (each forward of the rewritten block):
     with isolated(block): rows, ids = forward(stand-ins record rows, answer zeros)     # Step 1, pass A
