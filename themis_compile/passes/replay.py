@@ -315,12 +315,15 @@ def capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: Re
     try:
         return _capture_and_replay(forward, module, attr, plan, layer, args, kwargs)
     except ReplayError as err:
-        deadline.report_failure(f"{type(err).__name__}: {err}", group=getattr(module._modules[attr], "group", None))
+        experts = module._modules[attr]
+        if hasattr(experts, "group"):      # the runtime's experts (not a probe's or a verification's)
+            deadline.report_failure(f"{type(err).__name__}: {err}", group=experts.group)
         raise
 
 
 def _capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: ReplayPlan, layer: str,
                         args: tuple, kwargs: dict) -> Any:
+    """Steps 1-4 of the module docstring's pseudo-code."""
     E = plan.num_experts
     others = module.__dict__.get(OTHER_ENTRIES, {})    # a ModuleDict's entries that are not experts
     for m in others.values():
@@ -465,9 +468,9 @@ def _probe_pass(module: nn.Module, attr: str, run: _Pass, E: int, x: torch.Tenso
 def captured_rows(module: nn.Module, attr: str, x: torch.Tensor, seed: int) -> int:
     """How many rows the block's forward gives its experts on the probe ``x`` (train mode, read-only):
     K rows per token for a top-K routing without drops."""
-    experts = module._modules[attr]
-    capture = _Capture(len(expert_modules(experts)), stop_at_last=False)
-    _probe_pass(module, attr, capture, len(expert_modules(experts)), x, seed, True)
+    E = len(expert_modules(module._modules[attr]))
+    capture = _Capture(E, stop_at_last=False)
+    _probe_pass(module, attr, capture, E, x, seed, True)
     return sum(r.shape[:-1].numel() for r in capture.rows)
 
 
