@@ -413,6 +413,7 @@ def _ranks(rank: int, world_size: int, names: list[str]):
     for name in names:
         model = themis_compile.optimize(_lm(name), themis_compile.ThemisConfig(policy="themis"), strict=True)
         out[name] = _train(model, rank, world_size)
+    out["caught failure"] = _a_caught_failure_is_withdrawn(rank, world_size)
     out["one rank fails"] = _one_rank_fails(rank, world_size)    # last: it leaves the group unusable
     return out
 
@@ -423,6 +424,31 @@ def two_ranks():
     from themis_compile.testing.multirank import run_multirank
 
     return run_multirank(_ranks, 2, args=(sorted(BLOCKS),), timeout_s=180)
+
+
+def _a_caught_failure_is_withdrawn(rank: int, world_size: int):
+    """Rank 1 reports a failure, catches it and goes on: its next collective withdraws the report, so a
+    later wait of rank 0 longer than WATCH_S (a slow peer, which makes it read the store) completes.
+    Each rank: (the sum, seconds rank 0 waited in the slow collective)."""
+    import time
+
+    from themis_compile.runtime import deadline
+
+    t = torch.ones(1)
+    deadline.all_reduce(t, group=None, timeout_s=60, purpose="test: start together")
+    if rank == 1:
+        deadline.report_failure("ReplayError: caught by the training loop", group=None)
+    deadline.all_reduce(t, group=None, timeout_s=60, purpose="test: withdraws rank 1's report")
+    if rank == 1:
+        time.sleep(1.5 * deadline.WATCH_S)
+    start = time.monotonic()
+    deadline.all_reduce(t, group=None, timeout_s=60, purpose="test: a slow peer")
+    return t.item(), time.monotonic() - start
+
+
+def test_a_caught_replay_error_does_not_fail_the_others_later(two_ranks):
+    (total, waited), _ = (r["caught failure"] for r in two_ranks)
+    assert total == 8.0 and waited >= 1.0, (total, waited)
 
 
 def test_a_replay_error_on_one_rank_fails_the_others_promptly_with_its_reason(two_ranks):

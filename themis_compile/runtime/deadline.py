@@ -46,8 +46,10 @@ A rank that fails outside any collective (a check of its own raises, e.g. captur
 wait in. It says so with `report_failure` (one store append, on that path only); a rank whose host wait
 in one of this module's collectives passes ``WATCH_S`` looks for such a report in the store, then again
 every ``WATCH_S``, and raises `PeerFailedError` naming the failed rank and its error instead of waiting
-for the deadline. A wait that completes within ``WATCH_S`` (the normal case) never reads the store. A
-rank waiting in a collective outside this module (FSDP2's, the user's) waits for that one's own timeout.
+for the deadline. A wait that completes within ``WATCH_S`` (the normal case) never reads the store. The
+report holds until the failed rank's next collective of that group (it caught the error and goes on),
+which withdraws it first. A rank waiting in a collective outside this module (FSDP2's, the user's) waits
+for that one's own timeout.
 
 Set-up collectives (those of ``optimize``: the experts' broadcast, the sparse-collective group's first
 operation, the first cost-model exchanges) wait at least `SETUP_TIMEOUT_S` (`setup_timeout`): ranks
