@@ -215,6 +215,182 @@ def test_replayed_calls_that_differ_from_the_captured_ones_raise():
         skipping(torch.randn(1, 1, zoo.H))
 
 
+class DictLoopMoE(nn.Module):
+    """Experts in an ``nn.ModuleDict`` next to a parameter-free entry (a token dropout on each expert's
+    output, NLLB style), run one by one by the block itself over ``.tolist()`` rows (untraceable), only
+    those with tokens; top-2 softmax routing. ``access`` is how the loop reaches the experts: the ways
+    real code reaches ModuleDict entries, each with ``len`` or ``in`` beside it."""
+
+    ACCESS = ("getattr", "getitem", "items", "values", "keys", "iter")
+
+    class DenseActDense(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wi, self.wo = nn.Linear(zoo.H, zoo.FFN), nn.Linear(zoo.FFN, zoo.H)
+
+        def forward(self, x):
+            return self.wo(F.relu(self.wi(x)))
+
+    def __init__(self, access: str) -> None:
+        super().__init__()
+        self.access = access
+        self.router = nn.Linear(zoo.H, zoo.E, bias=False)
+        self.experts = nn.ModuleDict({f"expert_{i}": self.DenseActDense() for i in range(zoo.E)})
+        self.experts["token_dropout"] = nn.Dropout(0.2)
+
+    def _experts(self):
+        d, access = self.experts, self.access
+        if access == "getattr":
+            return [(e, getattr(d, f"expert_{e}")) for e in range(len(d) - 1)]
+        if access == "getitem":
+            return [(e, d[f"expert_{e}"]) for e in range(zoo.E) if f"expert_{e}" in d]
+        if access == "items":
+            return [(int(k.split("_")[1]), m) for k, m in d.items() if k.startswith("expert_")]
+        if access == "values":
+            return list(enumerate(list(d.values())[:len(d) - 1]))
+        keys = d.keys() if access == "keys" else iter(d)
+        return [(int(k.split("_")[1]), d[k]) for k in keys if k != "token_dropout"]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        weights, ids = self.router(x).softmax(dim=-1).topk(zoo.K, dim=-1)
+        dropout = self.experts["token_dropout"] if "token_dropout" in self.experts else nn.Identity()
+        out = torch.zeros_like(x)
+        for e, expert in self._experts():
+            pairs = [(t, k) for t, row in enumerate(ids.tolist()) for k, i in enumerate(row) if i == e]
+            if not pairs:
+                continue
+            token, slot = (list(v) for v in zip(*pairs))
+            y = dropout(expert(x[token])) * weights[token, slot, None]
+            out = out.index_add(0, torch.tensor(token, dtype=torch.long), y)
+        return out.view(hidden.shape)
+
+
+class DictExpertReadInRouting(DictLoopMoE):
+    """The router reads an expert's weight (``self.experts["expert_0"].wi.weight``): an expert read as a
+    module, which capture and replay cannot serve (the expert's parameters live in the runtime)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        tied = (x @ self.experts["expert_0"].wi.weight[:zoo.E].t()).softmax(dim=-1)
+        self.router_z = tied.mean()
+        return super().forward(hidden)
+
+
+@pytest.mark.parametrize("access", DictLoopMoE.ACCESS)
+def test_moduledict_experts_run_by_the_block_are_served_equal_to_the_original(access):
+    """Outputs and gradients (train with the token dropout, and eval), on a probe where every expert gets
+    tokens and on one token (2 of 4 experts: the others' gradients stay None, as in the original)."""
+    torch.manual_seed(0)
+    original = DictLoopMoE(access)
+    rewritten = copy.deepcopy(original)
+    (info,) = prepare_moe_layers(rewritten, strict=True)
+    assert (info.rewrite, info.experts_form, info.num_experts, info.top_k, info.router_path) == (
+        "replay", "moduledict", zoo.E, zoo.K, "router")
+    assert info.skips_empty_experts and info.plan.skips_empty
+    assert info.plan.expert_keys == tuple(f"expert_{e}" for e in range(zoo.E))
+    assert [n for n, _ in rewritten.named_parameters()] == [n for n, _ in original.named_parameters()]
+    for shape in ((3, 5, zoo.H), (1, 1, zoo.H)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        for training in (True, False):
+            results = []
+            for block in (original, rewritten):
+                block.train(training)
+                torch.manual_seed(7)
+                x_in = x.clone().requires_grad_(True)
+                out = block(x_in)
+                loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+                results.append((out.detach(), torch.autograd.grad(loss, [x_in] + list(block.parameters()),
+                                                                  allow_unused=True)))
+            (out_a, grads_a), (out_b, grads_b) = results
+            torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-6)
+            names = ["input"] + [n for n, _ in original.named_parameters()]
+            for name, a, b in zip(names, grads_a, grads_b):
+                assert (a is None) == (b is None), (shape, training, name)
+                if a is not None:
+                    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"{shape} {training} {name}")
+            nones = sum(g is None for g in grads_a)
+            assert nones == (2 * 4 if shape[0] == 1 else 0), f"{shape}: {nones} parameters without gradient"
+
+
+def test_moduledict_experts_read_as_modules_are_rejected_with_the_reason():
+    infos, rejected = find_moe_layers(DictExpertReadInRouting("getattr"))
+    assert infos == [] and len(rejected) == 1, (infos, rejected)
+    why = rejected[0][1]
+    assert "runs the experts in 'experts' (ModuleDict) one by one itself" in why, why
+    assert "expert 0 is read as .wi inside the forward" in why, why
+
+
+def test_moduledict_view_behaves_like_the_moduledict():
+    """What the block's forward sees in place of the ModuleDict (either pass)."""
+    from themis_compile.passes.replay import ExpertsDictView, _Capture, dict_layout
+
+    block = DictLoopMoE("items")
+    keys, expert_keys = dict_layout(block.experts)
+    assert keys == tuple(block.experts.keys()) and expert_keys == keys[:zoo.E]
+    view = ExpertsDictView(_Capture(zoo.E, stop_at_last=False), keys, expert_keys,
+                           {"token_dropout": block.experts["token_dropout"]})
+    assert len(view) == len(block.experts) and list(view) == list(block.experts) == list(view.keys())
+    assert "expert_3" in view and "expert_4" not in view
+    assert view["token_dropout"] is block.experts["token_dropout"] is view.token_dropout
+    assert getattr(view, "expert_2") is view["expert_2"] is dict(view.items())["expert_2"]
+    assert list(view.values())[2] is view["expert_2"] and view["expert_2"] is not view["expert_1"]
+    with pytest.raises(KeyError):
+        view["expert_9"]
+    with pytest.raises(AttributeError, match="not one of their entries"):
+        view.num_experts
+    with pytest.raises(AttributeError, match="expert 2 is read as .wi"):
+        view.expert_2.wi
+
+
+class _DriftsWhenTold(DeepseekV3NoSkip):
+    """Once ``drift`` is set, its replayed pass makes one expert call more than its captured one (a
+    count kept in a list, which pass A's isolation does not restore): a ReplayError on that rank only."""
+
+    drift = False
+
+    def moe_infer(self, x, topk_ids, topk_weight):
+        if self.drift:
+            self.passes.append(1)
+            if len(self.passes) % 2 == 0:
+                self.experts[0](x[:1])
+        return super().moe_infer(x, topk_ids, topk_weight)
+
+
+def _one_rank_fails(rank: int, world_size: int):
+    """Rank 1's first MoE layer raises ReplayError in its forward, and rank 1 stays alive (it caught the
+    error; over NCCL a dead peer is not noticed either): rank 0 waits in the runtime's next collective.
+    Each rank: (error type, message, seconds from the forward to the error, failed_rank)."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = zoo.ZooLM("deepseek_v3")
+    for layer in model.layers:
+        layer.moe = _DriftsWhenTold()
+        layer.moe.passes = []
+    model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy="themis", collective_timeout_s=90),
+                                    strict=True)
+    if rank == 1:
+        model.layers[0].moe.drift = True
+    tokens = torch.randint(0, zoo.VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    store = dist.distributed_c10d._get_default_store()
+    start = time.monotonic()
+    try:
+        model.loss(tokens).backward()
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        result = type(exc).__name__, str(exc), time.monotonic() - start, getattr(exc, "failed_rank", None)
+    else:
+        result = None
+    if rank == 0:
+        store.set("test_replay/rank0_done", "1")
+    else:
+        store.wait(["test_replay/rank0_done"], datetime.timedelta(seconds=100))
+    return result
+
+
 STEPS, BATCH, SEQ = 3, 4, 8
 
 
@@ -237,14 +413,56 @@ def _ranks(rank: int, world_size: int, names: list[str]):
     for name in names:
         model = themis_compile.optimize(_lm(name), themis_compile.ThemisConfig(policy="themis"), strict=True)
         out[name] = _train(model, rank, world_size)
+    out["caught failure"] = _a_caught_failure_is_withdrawn(rank, world_size)
+    out["one rank fails"] = _one_rank_fails(rank, world_size)    # last: it leaves the group unusable
     return out
 
 
-def test_two_ranks_under_themis_train_like_one_process():
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One process group of 2 gloo ranks for the distributed cases of this file."""
     from themis_compile.testing.multirank import run_multirank
 
+    return run_multirank(_ranks, 2, args=(sorted(BLOCKS),), timeout_s=180)
+
+
+def _a_caught_failure_is_withdrawn(rank: int, world_size: int):
+    """Rank 1 reports a failure, catches it and goes on: its next collective withdraws the report, so a
+    later wait of rank 0 longer than WATCH_S (a slow peer, which makes it read the store) completes.
+    Each rank: (the sum, seconds rank 0 waited in the slow collective)."""
+    import time
+
+    from themis_compile.runtime import deadline
+
+    t = torch.ones(1)
+    deadline.all_reduce(t, group=None, timeout_s=60, purpose="test: start together")
+    if rank == 1:
+        deadline.report_failure("ReplayError: caught by the training loop", group=None)
+    deadline.all_reduce(t, group=None, timeout_s=60, purpose="test: withdraws rank 1's report")
+    if rank == 1:
+        time.sleep(1.5 * deadline.WATCH_S)
+    start = time.monotonic()
+    deadline.all_reduce(t, group=None, timeout_s=60, purpose="test: a slow peer")
+    return t.item(), time.monotonic() - start
+
+
+def test_a_caught_replay_error_does_not_fail_the_others_later(two_ranks):
+    (total, waited), _ = (r["caught failure"] for r in two_ranks)
+    assert total == 8.0 and waited >= 1.0, (total, waited)
+
+
+def test_a_replay_error_on_one_rank_fails_the_others_promptly_with_its_reason(two_ranks):
+    """Without the report rank 0 would wait in its collective for the 90 s deadline."""
+    waiting, failed = (r["one rank fails"] for r in two_ranks)
+    assert failed[0] == "ReplayError" and "in the replayed forward but" in failed[1], failed
+    assert waiting[0] == "PeerFailedError" and waiting[3] == 1, waiting
+    assert "rank 1 failed outside any collective (ReplayError: MoE layer 'layers.0.moe'" in waiting[1], waiting
+    assert waiting[2] < 30, f"rank 0 learnt of rank 1's failure only after {waiting[2]:.1f} s"
+
+
+def test_two_ranks_under_themis_train_like_one_process(two_ranks):
     names = sorted(BLOCKS)
-    results = run_multirank(_ranks, 2, args=(names,), timeout_s=180)
+    results = two_ranks
     for name in names:
         ref_losses, ref_dense = _train(_lm(name), 0, 1)
         losses, dense = results[0][name]

@@ -19,7 +19,7 @@ EXPECTED = {
     "deepseek_v3": None,   # untraceable counts loop that skips empty experts: capture and replay
     "switch": None,        # top-1 by max, weight after the loop: inline-loop rewrite with weights 1
     "fairseq_top2": None,  # [T, E, C] dispatch and combine tensors: the dense-dispatch rewrite
-    "hf_switch_v4": "runs the experts in 'experts' (ModuleDict) one by one itself",
+    "hf_switch_v4": None,  # ModuleDict experts run one by one with getattr, skipping empty ones: capture and replay
     "megablocks": "expert weights are flat parameters of the block itself",
     "hf_mixtral_v4": None,  # inline loop with `continue` and list indexing: the inline-loop rewrite
     "hf_dbrx_v4": "is called as experts(float[2, 4, 32], float[8, 4], float[8, 2], int[8, 2])",

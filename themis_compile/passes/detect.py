@@ -35,8 +35,9 @@ Contract:
     every row (found by behaviour;
     :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"dense-dispatch"`` for
     dense ``[T, E, C]`` dispatch and combine tensors (the forward is rewritten).
-    ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace (the
-    loop stays as written, served by :mod:`themis_compile.passes.replay`).
+    ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace, or
+    over a ``ModuleDict`` of experts (found by behaviour: ``getattr(self.experts, key)``, HF Switch
+    before v5) (the loop stays as written, served by :mod:`themis_compile.passes.replay`).
     Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
     their forward, or an experts child called otherwise) but fail a check are returned as
     ``(name, reason)``, the reason saying what would make the layer work.
@@ -77,7 +78,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from themis_compile.passes.replay import (gradient_mismatch, inline_expert_weights_reason, replay_mismatch,
+from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
+                                          replay_mismatch,
                                           restored_attributes)
 from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine
 
@@ -95,7 +97,7 @@ class MoELayerInfo:
     module: nn.Module
     num_experts: int
     top_k: int
-    experts_form: str          # "modulelist" | "stacked"
+    experts_form: str          # "modulelist" | "stacked" | "moduledict" (run one by one by the block itself)
     router: str                # how the router scores experts, e.g. "linear gate [E=8, H=64] -> softmax -> top-k"
     activation: str
     shared_experts: bool
@@ -1202,7 +1204,7 @@ def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
         E = next((v for k in ("num_experts", "num_local_experts", "n_routed_experts")
                   if isinstance(v := getattr(child, k, None), int)), None)
         if E is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            E = len(child)
+            E = len(expert_modules(child))   # a ModuleDict's entries without parameters are not experts
         found.append(_ExpertsChild(attr, child, E or 0, "modulelist" if isinstance(child, nn.ModuleList)
                                    else "stacked"))
     return found
@@ -1603,6 +1605,40 @@ def _all_rows_layer(name: str, module: nn.Module, child: _ExpertsChild, x_NH: to
         hidden_size=H, probe_flat=flat, plan=plan)
 
 
+def _moduledict_replay_layer(name: str, module: nn.Module, child: _ExpertsChild, x: torch.Tensor,
+                             routers: list[tuple[str, int, int]], H: int, flat: bool
+                             ) -> tuple[MoELayerInfo | None, str | None]:
+    """(layer, None) for a block that runs the experts of its ``nn.ModuleDict`` one by one itself (HF
+    Switch Transformers and NLLB-MoE before transformers 5: ``getattr(self.experts, f"expert_{idx}")
+    (rows)`` over the experts that have tokens), served by capture and replay (``rewrite == "replay"``);
+    else (None, why). The experts are the entries with parameters (``expert_modules``); K is read off
+    the rows the experts get on the probe (ceil(rows / tokens)), the router from the calls recorded."""
+    experts = expert_modules(child.module)
+    head = f"the forward runs the experts in '{child.attr}' (ModuleDict) one by one itself"
+    if len(experts) < 2:
+        return None, f"{head}, but only {len(experts)} of its entries has parameters (an expert)"
+    if (why := _non_identical_reason(experts)) is not None:
+        return None, why
+    plan, why = replay_mismatch(module, child.attr, x, PROBE_SEED, allow_skipping=True)
+    if why is not None:
+        return None, (f"{head} and capture and replay cannot serve it: {why}; reach the experts only as "
+                      f"{child.attr}[key](rows) / getattr({child.attr}, key)(rows), or give the container a "
+                      f"forward called once as {child.attr}(x, ids, weights)")
+    E, T = plan.num_experts, x.shape[:-1].numel()
+    K = min(E, max(1, -(-captured_rows(module, child.attr, x, PROBE_SEED) // T)))
+    rec = record_calls(module, x)
+    router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=K, experts_form="moduledict",
+        router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
+                f"{K} row(s) per token seen at the expert calls (behaviour)"),
+        activation=describe_activation(experts[0]), shared_experts=False, experts_attr=child.attr,
+        rewrite="replay", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        hidden_size=H, probe_flat=flat, plan=plan), None
+
+
 def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
     """An MoE layer recognised by what it does, whatever its routing code looks like (``max``, sorts,
     masks, group limits, bias corrections ...): its experts child, swapped for a stand-in, is called once
@@ -1632,7 +1668,15 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             try:
                 run_probe(module, x)
             except Exception as exc:
-                if "expert" in child.attr.lower() and not stand_in.calls and not isinstance(
+                if "expert" in child.attr.lower() and not stand_in.calls and isinstance(child.module, nn.ModuleDict):
+                    # The forward reaches into the ModuleDict (getattr(self.experts, f"expert_{i}")) instead
+                    # of calling it: it runs the experts itself, which capture and replay serves.
+                    setattr(module, child.attr, child.module)    # the probes below run the real experts
+                    found, why = _moduledict_replay_layer(name, module, child, x, routers, H, flat)
+                    if found is not None:
+                        return found
+                    reject = reject or _Reject(why)
+                elif "expert" in child.attr.lower() and not stand_in.calls and not isinstance(
                         child.module, nn.ModuleList):
                     # The forward reaches into the experts container (getattr(self.experts, f"expert_{i}"))
                     # instead of calling it: it runs the experts itself.

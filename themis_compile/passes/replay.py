@@ -4,8 +4,9 @@ The FSSDP runtime (paper §3.1) replaces a layer's experts with a module computi
 ``experts(x_TH, ids_TK, weights_TK) -> out_TH`` in one call per forward. A block whose forward loops over
 an ``nn.ModuleList`` of experts itself, with Python control flow on tensor values that FX cannot trace
 (DeepSeek-V3's reference ``moe_infer``: counts through ``.cpu().numpy()``, tokens sorted by expert and
-split by those counts), cannot have its loop rewritten into that call. Its routing code is kept as
-written instead and run twice:
+split by those counts), or over an ``nn.ModuleDict`` of experts (HF Switch Transformers and NLLB-MoE
+before transformers 5: ``getattr(self.experts, f"expert_{idx}")(rows)`` for the experts with tokens),
+cannot have its loop rewritten into that call. Its routing code is kept as written instead and run twice:
 
 - **pass A (capture)**: the block's forward with every expert replaced by a stand-in that records the
   rows it is given (the differentiable tensors the user's code built) and answers zeros; module state is
@@ -16,6 +17,13 @@ written instead and run twice:
 - **pass B (replay)**: the block's forward again, each stand-in answering the next slice of the result
   (its expert and row count checked against pass A's; :class:`ReplayError` otherwise).
 
+The forward reaches the experts through a view that behaves like the container it stands for: a
+ModuleList's ``len``, ``[i]``, iteration; a ModuleDict's ``getattr(experts, key)``, ``[key]``, ``keys()``,
+``values()``, ``items()``, iteration over the keys, ``len``, ``in``. A ModuleDict's entries without
+parameters are not experts (``runtime.experts.expert_modules``): the view gives the real module (a
+token dropout), which the block holds since the runtime replaces the container. An expert read as a
+module (``experts["expert_0"].wi.weight``) fails with the reason.
+
 Gradients: the expert inputs get theirs through pass A's graph (the captured rows), the router and
 everything else through pass B's; the expert outputs enter pass B only as the runtime's result, so each
 path of the original chain rule is counted once. Cost: the routing code (everything of the forward but
@@ -24,13 +32,18 @@ call every expert exactly once, pass A stops at its last expert call.
 
 Contract:
     :func:`replay_mismatch` says (on a probe, read-only) why a block cannot be served this way, or None:
-    every expert call is ``experts[i](rows [..., H])`` returning rows of the same shape, the rows given
-    to the experts do not depend on any expert's output (no chain of experts), and every expert is called
-    on every forward, even one that receives no token (with an empty batch of rows; one that is skipped
-    has no gradient in one process but a zero gradient from the sharded runtime).
+    every expert call is ``experts[i](rows [..., H])`` (or ``experts[key]``) returning rows of the same
+    shape, the rows given to the experts do not depend on any expert's output (no chain of experts), and
+    every expert is called on every forward, even one that receives no token (with an empty batch of
+    rows; one that is skipped has no gradient in one process but a zero gradient from the sharded
+    runtime) — unless ``allow_skipping``: the plan then says ``skips_empty`` and the runtime must leave
+    experts without tokens ungraded, as the block does.
     :func:`replay_classes` changes only classes: the block's forward runs the two passes around one call
-    of ``self.<attr>`` (whatever module the runtime put there), and the ModuleList's forward becomes
-    ``experts(x, ids, weights)`` over the same expert modules (parameters, names, state-dict keys unchanged).
+    of ``self.<attr>`` (whatever module the runtime put there), and the ModuleList's (ModuleDict's)
+    forward becomes ``experts(x, ids, weights)`` over the same expert modules (parameters, names,
+    state-dict keys unchanged).
+    A ReplayError (this rank's batch made the passes differ) is reported to the other ranks before it is
+    raised (``runtime.deadline.report_failure``), so that they do not wait for a collective's deadline.
 
 Pseudo-code (each forward of the rewritten block):
     with isolated(block): rows, ids = forward(stand-ins record rows, answer zeros)     # Step 1, pass A
@@ -46,20 +59,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from themis_compile.runtime.experts import loop_combine
+from themis_compile.runtime import deadline
+from themis_compile.runtime.experts import expert_modules, loop_combine
 
 logger = logging.getLogger(__name__)
 
 
 class ReplayError(RuntimeError):
     """The block's forward did not call its experts the same way in both passes (or skipped one)."""
+
+
+OTHER_ENTRIES = "_themis_replay_other_entries"   # block attribute: a ModuleDict's entries that are not experts
 
 
 class _CaptureDone(BaseException):
@@ -71,12 +88,16 @@ class ReplayPlan:
     """What a probe showed about a block's expert calls: ``calls_each_once`` when every expert was called
     exactly once per forward, so that pass A may stop at the E-th call; ``hidden_size`` H of the rows;
     ``skips_empty`` when the block does not call experts that receive no tokens (accepted only where the
-    runtime leaves such experts without gradient, as one process does)."""
+    runtime leaves such experts without gradient, as one process does); for experts in an
+    ``nn.ModuleDict``, ``keys`` (every entry, in order) and ``expert_keys`` (the entries with parameters,
+    in expert order: :func:`dict_layout`), empty for a ModuleList."""
 
     num_experts: int
     calls_each_once: bool = False
     hidden_size: int = 0
     skips_empty: bool = False
+    keys: tuple[str, ...] = ()
+    expert_keys: tuple[str, ...] = ()
 
 
 # --- The experts attribute as the block's forward sees it in either pass ------------------------------
@@ -114,8 +135,11 @@ class ExpertsView:
     def __len__(self) -> int:
         return len(self._stand_ins)
 
-    def __iter__(self) -> Iterator[_ExpertStandIn]:
+    def __iter__(self) -> Iterator[Any]:
         return iter(self._stand_ins)
+
+    def __contains__(self, item: Any) -> bool:
+        return any(item is s for s in self._stand_ins)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, torch.Tensor):
@@ -125,6 +149,63 @@ class ExpertsView:
     def __getattr__(self, name: str) -> Any:
         raise AttributeError(f"the experts are read as .{name} inside the forward; capture and replay serves "
                              "only len(experts), experts[i], iteration and expert(rows) calls")
+
+
+class ExpertsDictView(ExpertsView):
+    """``self.<attr>`` during a pass when the experts are an ``nn.ModuleDict`` (HF Switch / NLLB before
+    transformers 5): reached as the ModuleDict is, ``getattr(experts, key)``, ``experts[key]``, ``keys()``,
+    ``values()``, ``items()``, iteration over the keys, ``len``, ``key in experts``. An entry with
+    parameters is an expert (its stand-in); an entry without (a token dropout) is not, and is the real
+    module (``runtime.experts.expert_modules``)."""
+
+    def __init__(self, run: _Pass, keys: tuple[str, ...], expert_keys: tuple[str, ...],
+                 others: dict[str, nn.Module]) -> None:
+        super().__init__(run, len(expert_keys))
+        index = {k: e for e, k in enumerate(expert_keys)}
+        self._entries = {k: self._stand_ins[index[k]] if k in index else others[k] for k in keys}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._entries
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._entries[key]
+
+    def keys(self) -> Iterable[str]:
+        return self._entries.keys()
+
+    def values(self) -> Iterable[Any]:
+        return self._entries.values()
+
+    def items(self) -> Iterable[tuple[str, Any]]:
+        return self._entries.items()
+
+    def __getattr__(self, name: str) -> Any:
+        entries = self.__dict__.get("_entries", {})
+        if name in entries:
+            return entries[name]
+        raise AttributeError(f"the experts are read as .{name} inside the forward, which is not one of their "
+                             "entries; capture and replay serves only getattr(experts, key), experts[key], "
+                             "keys(), values(), items(), iteration, len, `in` and expert(rows) calls")
+
+
+def dict_layout(experts: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(every key, the experts' keys) of a ModuleDict of experts, in order: its experts are the entries
+    with parameters (as ``runtime.experts.expert_modules`` counts them); ((), ()) for any other module."""
+    if not isinstance(experts, nn.ModuleDict):
+        return (), ()
+    return tuple(experts.keys()), tuple(k for k, m in experts.items() if any(True for _ in m.parameters()))
+
+
+def _view(run: _Pass, num_experts: int, keys: tuple[str, ...], expert_keys: tuple[str, ...],
+          others: dict[str, nn.Module]) -> ExpertsView:
+    """The view of the experts container for one pass: a ModuleDict's when ``keys``, else a ModuleList's."""
+    return ExpertsDictView(run, keys, expert_keys, others) if keys else ExpertsView(run, num_experts)
 
 
 class _Capture(_Pass):
@@ -227,12 +308,30 @@ def _clone_tensors(value: Any) -> Any:
 def capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: ReplayPlan, layer: str,
                        args: tuple, kwargs: dict) -> Any:
     """``forward(module, *args, **kwargs)`` with ``module.<attr>`` served by one ``experts(x, ids, weights)``
-    call of ``module._modules[attr]`` (the module docstring's pseudo-code)."""
+    call of ``module._modules[attr]`` (the module docstring's pseudo-code). A :class:`ReplayError` is
+    reported to the other ranks of the runtime's process group before it is raised
+    (``runtime.deadline.report_failure``): it depends on this rank's batch, and the others would
+    otherwise wait for the deadline in a collective this rank will not post."""
+    try:
+        return _capture_and_replay(forward, module, attr, plan, layer, args, kwargs)
+    except ReplayError as err:
+        experts = module._modules[attr]
+        if hasattr(experts, "group"):      # the runtime's experts (not a probe's or a verification's)
+            deadline.report_failure(f"{type(err).__name__}: {err}", group=experts.group)
+        raise
+
+
+def _capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: ReplayPlan, layer: str,
+                        args: tuple, kwargs: dict) -> Any:
+    """Steps 1-4 of the module docstring's pseudo-code."""
     E = plan.num_experts
+    others = module.__dict__.get(OTHER_ENTRIES, {})    # a ModuleDict's entries that are not experts
+    for m in others.values():
+        m.train(module.training)
     # Step 1 (pass A): the rows each expert call gets; the forward's result and state changes are dropped.
     capture = _Capture(E, stop_at_last=plan.calls_each_once)
     with isolated(module, skip=module._modules[attr]):
-        module.__dict__[attr] = ExpertsView(capture, E)
+        module.__dict__[attr] = _view(capture, E, plan.keys, plan.expert_keys, others)
         try:
             forward(module, *_clone_tensors(args), **_clone_tensors(kwargs))
         except _CaptureDone:
@@ -262,7 +361,7 @@ def capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: Re
     outputs = [y.view(r.shape) for y, r in zip(y_NH.split(sizes), capture.rows)]
     # Step 4 (pass B): the forward as written, each expert call answered by its slice of the result.
     replay = _Replay(capture.ids, outputs, layer)
-    module.__dict__[attr] = ExpertsView(replay, E)
+    module.__dict__[attr] = _view(replay, E, plan.keys, plan.expert_keys, others)
     try:
         out = forward(module, *args, **kwargs)
     finally:
@@ -271,18 +370,18 @@ def capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: Re
     return out
 
 
-def _experts_forward(self: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+def _experts_forward(self: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor,
                      weights_TK: torch.Tensor) -> torch.Tensor:
-    """The experts ModuleList (not yet replaced by the runtime) as ``experts(x, ids, weights)``."""
-    return loop_combine(self, x_TH, ids_TK, weights_TK)
+    """The experts ModuleList or ModuleDict (not yet replaced by the runtime) as ``experts(x, ids, weights)``."""
+    return loop_combine(expert_modules(self), x_TH, ids_TK, weights_TK)
 
 
-def _experts_forward_skipping_empty(self: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+def _experts_forward_skipping_empty(self: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor,
                                     weights_TK: torch.Tensor) -> torch.Tensor:
     """As :func:`_experts_forward`, but an expert without rows is not run (no gradient), as the block's own
     loop does."""
     out_TH = torch.zeros_like(x_TH)
-    for e, expert in enumerate(self):
+    for e, expert in enumerate(expert_modules(self)):
         token_N, k_N = torch.where(ids_TK == e)
         if token_N.numel():
             y_NH = expert(x_TH[token_N]) * weights_TK[token_N, k_N, None]
@@ -311,11 +410,20 @@ def replay_classes(block_cls: type, experts_cls: type, attr: str, plan: ReplayPl
 
 
 def apply_replay(module: nn.Module, attr: str, plan: ReplayPlan, layer: str = "") -> None:
-    """Rewrite ``module`` in place (classes only, see :func:`replay_classes`)."""
+    """Rewrite ``module`` in place (classes only, see :func:`replay_classes`). A ModuleDict's entries
+    without parameters are not experts: the block holds them (unregistered, ``OTHER_ENTRIES``, their
+    training mode following the block's), since the runtime replaces the whole container."""
     experts = module._modules[attr]
-    if not isinstance(experts, nn.ModuleList):
-        raise ValueError(f"MoE layer {layer!r}: capture and replay needs an nn.ModuleList of experts, not "
-                         f"{type(experts).__name__}")
+    if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(f"MoE layer {layer!r}: capture and replay needs an nn.ModuleList or nn.ModuleDict of "
+                         f"experts, not {type(experts).__name__}")
+    keys, expert_keys = dict_layout(experts)
+    if (keys, expert_keys) != (plan.keys, plan.expert_keys) or len(expert_modules(experts)) != plan.num_experts:
+        raise ValueError(f"MoE layer {layer!r}: its experts {type(experts).__name__} (keys {list(keys)}) are not "
+                         f"the ones the replay plan was made for (keys {list(plan.keys)}, {plan.num_experts} "
+                         "experts)")
+    if others := {k: m for k, m in experts.items() if k not in expert_keys} if keys else {}:
+        module.__dict__[OTHER_ENTRIES] = others
     block_cls, experts_cls = replay_classes(type(module), type(experts), attr, plan, layer)
     module.__class__ = block_cls
     experts.__class__ = experts_cls
@@ -326,8 +434,8 @@ def apply_replay(module: nn.Module, attr: str, plan: ReplayPlan, layer: str = ""
 class _RealCalls(_Pass):
     """The experts run as written, recording (expert, rows): what pass A's capture must match."""
 
-    def __init__(self, experts: nn.ModuleList) -> None:
-        self.experts = experts
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = expert_modules(experts)
         self.ids: list[int] = []
         self.rows: list[torch.Tensor] = []
         self.outputs: list[Any] = []
@@ -342,16 +450,28 @@ class _RealCalls(_Pass):
 
 def _probe_pass(module: nn.Module, attr: str, run: _Pass, E: int, x: torch.Tensor, seed: int,
                 training: bool) -> None:
+    experts = module._modules[attr]
+    keys, expert_keys = dict_layout(experts)
+    others = {k: m for k, m in experts.items() if k not in expert_keys} if keys else {}
     with isolated(module), torch.no_grad():
         modes = [(m, m.training) for m in module.modules()]
         module.train(training)
-        module.__dict__[attr] = ExpertsView(run, E)
+        module.__dict__[attr] = _view(run, E, keys, expert_keys, others)
         try:
             torch.manual_seed(seed)
             module(x.clone())
         finally:
             for m, mode in modes:
                 m.training = mode
+
+
+def captured_rows(module: nn.Module, attr: str, x: torch.Tensor, seed: int) -> int:
+    """How many rows the block's forward gives its experts on the probe ``x`` (train mode, read-only):
+    K rows per token for a top-K routing without drops."""
+    E = len(expert_modules(module._modules[attr]))
+    capture = _Capture(E, stop_at_last=False)
+    _probe_pass(module, attr, capture, E, x, seed, True)
+    return sum(r.shape[:-1].numel() for r in capture.rows)
 
 
 def replay_mismatch(module: nn.Module, attr: str, x: torch.Tensor, seed: int, *, allow_skipping: bool = False
@@ -361,7 +481,8 @@ def replay_mismatch(module: nn.Module, attr: str, x: torch.Tensor, seed: int, *,
     A block that skips experts without tokens is rejected unless ``allow_skipping`` (the runtime then
     has to leave those experts without gradient: ``plan.skips_empty``)."""
     experts = module._modules[attr]
-    E = len(experts)
+    E = len(expert_modules(experts))
+    keys, expert_keys = dict_layout(experts)
     each_once = True
     for training in (True, False):
         real, capture = _RealCalls(experts), _Capture(E, stop_at_last=False)
@@ -394,14 +515,16 @@ def replay_mismatch(module: nn.Module, attr: str, x: torch.Tensor, seed: int, *,
         logger.debug("one-token probe of %s failed: %s", type(module).__name__, exc)
     else:
         if len(set(capture.ids)) != E and allow_skipping:
-            return ReplayPlan(num_experts=E, hidden_size=x.shape[-1], skips_empty=True), None
+            return ReplayPlan(num_experts=E, hidden_size=x.shape[-1], skips_empty=True, keys=keys,
+                              expert_keys=expert_keys), None
         if len(set(capture.ids)) != E:
             called = sorted(set(capture.ids))
             return None, (f"it skips experts that receive no tokens (on a one-token probe it calls only experts "
                           f"{called} of {E}): one process leaves their gradient None, the sharded runtime gives "
                           "zero, and AdamW moves a zero-gradient parameter by its momentum; call every expert "
                           "each step (an empty batch of rows)")
-    return ReplayPlan(num_experts=E, calls_each_once=each_once, hidden_size=x.shape[-1]), None
+    return ReplayPlan(num_experts=E, calls_each_once=each_once, hidden_size=x.shape[-1], keys=keys,
+                      expert_keys=expert_keys), None
 
 
 # --- Gradients on the probe ---------------------------------------------------------------------------

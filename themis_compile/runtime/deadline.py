@@ -41,6 +41,16 @@ Where the wait happens:
     every later operation of its communicator). The process group's own timeout (the NCCL watchdog)
     applies as well.
 
+A rank that fails outside any collective (a check of its own raises, e.g. capture and replay's
+``ReplayError`` on the rows of this rank's batch) will post none of the collectives the other ranks then
+wait in. It says so with `report_failure` (one store append, on that path only); a rank whose host wait
+in one of this module's collectives passes ``WATCH_S`` looks for such a report in the store, then again
+every ``WATCH_S``, and raises `PeerFailedError` naming the failed rank and its error instead of waiting
+for the deadline. A wait that completes within ``WATCH_S`` (the normal case) never reads the store. The
+report holds until the failed rank's next collective of that group (it caught the error and goes on),
+which withdraws it first. A rank waiting in a collective outside this module (FSDP2's, the user's) waits
+for that one's own timeout.
+
 Set-up collectives (those of ``optimize``: the experts' broadcast, the sparse-collective group's first
 operation, the first cost-model exchanges) wait at least `SETUP_TIMEOUT_S` (`setup_timeout`): ranks
 reach them after rank-local work of any length (loading weights, detection probes), where a deadline
@@ -74,6 +84,7 @@ __all__ = [
     "Call",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "PeerFailedError",
     "all_gather",
     "all_gather_object",
     "all_reduce",
@@ -83,6 +94,7 @@ __all__ = [
     "broadcast",
     "broadcast_object",
     "recv",
+    "report_failure",
     "send",
     "setup_timeout",
 ]
@@ -95,6 +107,7 @@ _POLL_S = 2e-4
 _MAX_IN_FLIGHT = 64          # device-async calls remembered per group for naming a stuck one
 _STORE_PREFIX = "themis_compile/deadline"
 _P2P = -1                    # the call number of point-to-point messages
+WATCH_S = 1.0                # a host wait longer than this looks for another rank's failure report
 
 
 # ============================================================================================ errors
@@ -133,6 +146,22 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
         self.waited_s = waited_s
 
 
+class PeerFailedError(CollectiveError):
+    """Another rank of the group reported a failure outside any collective (`report_failure`): the
+    collective this rank waits in will not complete.
+
+    Attributes (besides `CollectiveError`'s):
+        failed_rank: the global rank that failed.
+        reason: its error, one line.
+    """
+
+    def __init__(self, message: str, collective: str = "", layer: str = "", rank: int = -1,
+                 failed_rank: int = -1, reason: str = "") -> None:
+        super().__init__(message, collective, layer, rank)
+        self.failed_rank = failed_rank
+        self.reason = reason
+
+
 class Call(NamedTuple):
     """One collective call, for messages: torch's operation, what it is for, and the layer it serves.
     (A named tuple: one is made per call, on the hot path.)"""
@@ -154,11 +183,12 @@ class _Clock:
     """Per process group: how many calls of this module it has seen, and the device-async calls that may
     still be running (call number, call, completion test)."""
 
-    __slots__ = ("calls", "in_flight")
+    __slots__ = ("calls", "in_flight", "reported")
 
     def __init__(self) -> None:
         self.calls = itertools.count()
         self.in_flight: deque[tuple[int, Call, Callable[[], bool]]] = deque(maxlen=_MAX_IN_FLIGHT)
+        self.reported = False     # this rank reported a failure (report_failure) and posted nothing since
 
 
 # Tied to the process group's lifetime: an entry goes when its group does.
@@ -212,6 +242,8 @@ def _run(post: Callable[[], Any], call: Call, group: Any, timeout_s: float, devi
     number (``_P2P``) and the ranks' numbering of the group's collectives stays the same."""
     group = _group(group)
     clock = _clock(group)
+    if clock.reported:        # it failed, was caught, and goes on: its report no longer holds
+        _withdraw_report(group, clock)
     seq = next(clock.calls) if peers is None else _P2P
     start = time.monotonic()
     try:
@@ -221,9 +253,12 @@ def _run(post: Callable[[], Any], call: Call, group: Any, timeout_s: float, devi
     deadline = start + timeout_s - _grace(timeout_s)
     if _host_waits(device):
         try:
-            work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            _wait_watching(work, group, call, deadline)
+        except PeerFailedError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a timeout or a failed peer, named below
             if work.is_completed() and not _says_timeout(exc):
+                _raise_reported_failure(group, call)     # a peer that reported its error, then exited
                 raise _failure(call, exc) from exc
             raise _timed_out(clock, group, seq, call, timeout_s, start, peers) from exc
         return
@@ -233,12 +268,85 @@ def _run(post: Callable[[], Any], call: Call, group: Any, timeout_s: float, devi
             clock.in_flight.popleft()
         clock.in_flight.append((seq, call, _device_done(work)))
         return
-    spin_until = time.monotonic() + _SPIN_S
+    spin_until, watch_at = time.monotonic() + _SPIN_S, start + WATCH_S
     while not work.is_completed():
         now = time.monotonic()
         if now >= deadline:
             raise _timed_out(clock, group, seq, call, timeout_s, start, peers)
+        if now >= watch_at:
+            _raise_reported_failure(group, call)
+            watch_at = now + WATCH_S
         time.sleep(0 if now < spin_until else _POLL_S)
+
+
+def _wait_watching(work: Any, group: Any, call: Call, deadline: float) -> None:
+    """``work.wait()`` until ``deadline`` (raising as it does when that passes); past the first
+    ``WATCH_S`` and every ``WATCH_S`` after, a failure another rank reported raises `PeerFailedError`.
+    (A gloo wait that times out leaves the operation running: the next wait may still complete it.)"""
+    while True:
+        until = min(deadline, time.monotonic() + WATCH_S)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=max(until - time.monotonic(), 1e-3)))
+            return
+        except Exception as exc:  # noqa: BLE001 - past the deadline, or not a timeout: the caller names it
+            if until >= deadline or work.is_completed() or not _says_timeout(exc):
+                raise
+        _raise_reported_failure(group, call)
+
+
+# ============================================================================================ failures
+def _failure_key(group: Any) -> str:
+    return f"{_STORE_PREFIX}/{group.group_name}/failed"
+
+
+def report_failure(reason: str, *, group: Any = None) -> None:
+    """Tell the other ranks of ``group`` that this rank failed outside any collective with ``reason``
+    and will not post the collectives they may be waiting in: those waiting in one of this module's
+    raise `PeerFailedError` within about ``WATCH_S`` instead of at their deadline. Call it right before
+    raising. One append to the rendezvous store; a no-op without a process group. The report holds
+    until this rank's next collective of ``group`` (a caught error)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    group = _group(group)
+    line = " ".join(str(reason).split())[:2000]
+    try:
+        dist.distributed_c10d._get_default_store().append(_failure_key(group), f"{_global_rank()}\t{line}\n")
+    except Exception as exc:  # noqa: BLE001 - the others then fail at their deadline, as without it
+        logger.warning("themis_compile: could not report a failure through the store: %s", exc)
+        return
+    _clock(group).reported = True
+
+
+def _withdraw_report(group: Any, clock: _Clock) -> None:
+    clock.reported = False
+    try:
+        dist.distributed_c10d._get_default_store().append(_failure_key(group), f"{_global_rank()}\t\n")
+    except Exception as exc:  # noqa: BLE001 - a stale report only makes a slow wait fail early
+        logger.warning("themis_compile: could not withdraw a failure report from the store: %s", exc)
+
+
+def _raise_reported_failure(group: Any, call: Call) -> None:
+    """Raise `PeerFailedError` if another rank of ``group`` reported a failure (its latest line)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = _failure_key(group)
+        if not store.check([key]):
+            return
+        latest: dict[int, str] = {}
+        for line in store.get(key).decode().splitlines():
+            r, reason = line.split("\t", 1)
+            latest[int(r)] = reason
+    except Exception:  # noqa: BLE001 - naming a failed peer is a courtesy; the deadline still holds
+        return
+    rank = _global_rank()
+    ranks = set(dist.get_process_group_ranks(group))
+    failed = sorted((r, why) for r, why in latest.items() if why and r != rank and r in ranks)
+    if failed:
+        r, why = failed[0]
+        raise PeerFailedError(
+            f"themis_compile: rank {rank} was waiting in {call} when rank {r} failed outside any collective "
+            f"({why}); rank {r} will not post it, so it cannot complete; the process group is unusable now "
+            "and must be rebuilt", call.collective, call.layer, rank, failed_rank=r, reason=why)
 
 
 def _says_timeout(exc: BaseException) -> bool:
