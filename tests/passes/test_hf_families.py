@@ -96,7 +96,7 @@ def test_explain_lists_the_moe_layers_or_says_why_not(family):
 def test_explain_lists_or_rejects_families_of_each_kind():
     """The quick run: a family found by its routing code, one found by behaviour, an encoder-decoder
     with its reason, one whose experts are called otherwise with its reason."""
-    for family in ("qwen3_moe", "phimoe", "deepseek_v3"):
+    for family in ("qwen3_moe", "phimoe", "deepseek_v3", "deepseek_v4"):   # v4: layer 0 routes by token ids
         expected, found, report = _detect(family)
         assert expected and set(expected) <= set(found), report
     for family in ("muse_spark", "llama4"):

@@ -927,6 +927,10 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
     if info.rewrite not in ("none", "inline-loop") or info.top_k >= info.num_experts:
         return False
     # A loop of the block's own (inline, or through a helper over a container without a forward).
+    if recorded_call(module) is not None:
+        raise ValueError("its forward needs the arguments recorded in a forward of the model and loops over its "
+                         "experts itself, so no one-token probe can tell whether it skips experts without tokens; "
+                         f"call its experts once as {attr}(x, ids, weights)")
     calls = [0] * info.num_experts
     hooks = [m.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
              for i, m in enumerate(expert_modules(experts))]
