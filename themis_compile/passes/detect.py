@@ -22,8 +22,11 @@ its behaviour on a probe shows it: its experts child, swapped for a stand-in, is
 accepted only when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
-    ``find_moe_layers(model)`` is read-only: probes run under ``torch.no_grad`` with the RNG forked and
-    every module attribute and buffer restored afterwards.
+    ``find_moe_layers(model, example_inputs)`` is read-only: probes run under ``torch.no_grad`` with the
+    RNG forked and every module attribute and buffer restored afterwards. A candidate whose forward
+    fails on hidden states alone is probed again with the arguments recorded in one forward of the
+    model (``example_inputs``, or synthesized token ids for an HF model), the hidden states replaced by
+    the probe's (:func:`record_inputs`, :func:`recorded_inputs`); no such forward runs otherwise.
     Each layer found records *how* its experts are called (``rewrite``): ``"none"`` when swapping the
     experts child for any module with the interface ``experts(x_TH, ids_TK, weights_TK) -> out_TH``
     reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
