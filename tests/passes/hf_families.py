@@ -97,12 +97,6 @@ def moe_families() -> dict[str, str]:
     return out
 
 
-# Families whose first matching class cannot run alone (the class to build instead, and why).
-_MODEL_CLASS = {
-    "diffusion_gemma": "DiffusionGemmaModel",   # its DecoderModel reads the encoder's prefix from a cache
-}
-
-
 def _model_class(module):
     """The family's text model with a loss head when it has one: ``*ForCausalLM``, else an
     encoder-decoder ``*ForConditionalGeneration`` taking ``input_ids``, else ``*TextModel`` / ``*Model``."""
@@ -110,9 +104,6 @@ def _model_class(module):
 
     classes = {n: c for n, c in vars(module).items() if inspect.isclass(c) and issubclass(c, PreTrainedModel)
                and c.__module__ == module.__name__ and "PreTrained" not in n}
-    family = module.__name__.split(".")[-2]
-    if family in _MODEL_CLASS:
-        return classes[_MODEL_CLASS[family]]
     for pattern in (r"ForCausalLM$", r"^[A-Za-z0-9_]+ForConditionalGeneration$", r"TextModel$", r"Model$"):
         for name, cls in classes.items():
             if re.search(pattern, name) and not re.search(r"Vision|Audio|Talker|Code2Wav|Encoder", name):
