@@ -49,6 +49,22 @@ class StackedExperts(nn.Module):
         return out_TH
 
 
+class PerSlotExperts(nn.Module):
+    """gpt-fast ``ConditionalFeedForward``: ``experts(x_TH, ids_TK) -> y_TKH``, the stacked weights gathered
+    by the ids and applied with einsum (the block combines the slots itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, H, FFN) * 0.1)
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+        h_TKF = F.silu(torch.einsum("th,tkfh->tkf", x_TH, self.w1[ids_TK]))
+        h_TKF = h_TKF * torch.einsum("th,tkfh->tkf", x_TH, self.w3[ids_TK])
+        return torch.einsum("tkf,tkhf->tkh", h_TKF, self.w2[ids_TK])
+
+
 class HashRoutedMoE(nn.Module):
     """Hash routing (DeepSeek-V4 ``DeepseekV4HashRouter``): a frozen token id -> K experts table picks the
     experts, the learned gate's sigmoid scores, renormalised, weigh them."""
@@ -69,19 +85,22 @@ class HashRoutedMoE(nn.Module):
 
 
 class PositionBiasedMoE(nn.Module):
-    """A softmax top-k router whose logits get a learned bias per position (``moe(x, position_ids)``)."""
+    """A softmax top-k router whose logits get a learned bias per position (``moe(x, position_ids)``), its
+    experts called per slot (gpt-fast), so the call is rewritten and the rewrite verified on probes with
+    the recorded positions."""
 
     def __init__(self) -> None:
         super().__init__()
         self.router = nn.Linear(H, E, bias=False)
         self.position_bias = nn.Embedding(MAX_POS, E)
-        self.experts = StackedExperts()
+        self.experts = PerSlotExperts()
 
     def forward(self, x_BSH: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
         x_TH = x_BSH.reshape(-1, H)
         logits_TE = self.router(x_TH) + self.position_bias(position_ids_BS).reshape(-1, E)
         weights_TK, ids_TK = torch.topk(logits_TE.softmax(-1), K, dim=-1)
-        return self.experts(x_TH, ids_TK, weights_TK).view_as(x_BSH)
+        y_TKH = self.experts(x_TH, ids_TK)
+        return torch.einsum("tkh,tk->th", y_TKH, weights_TK).view_as(x_BSH)
 
 
 BLOCKS = {"hash": HashRoutedMoE, "position": PositionBiasedMoE}
@@ -160,6 +179,8 @@ def test_found_with_example_inputs_rejected_without(kind):
     call = infos[0].probe_call
     assert call is not None and call.hidden_states.shape == (2, SEQ, H)
     assert [i.top_k for i in infos] == [K, K] and [i.num_experts for i in infos] == [E, E]
+    assert {i.rewrite for i in infos} == {"none" if kind == "hash" else "per-slot"}
+    assert "probed with:" in themis_compile.explain(model, verbose=True, example_inputs=_example())
     # Read-only: no parameter, buffer or forward of the model is left changed.
     assert all(torch.equal(t, state[n]) for n, t in model.state_dict().items())
     assert not any("forward" in m.__dict__ for m in model.modules())   # the recorded probes are gone
@@ -257,6 +278,25 @@ def _train(rank: int, world_size: int, kind: str, policy: str):
 
 def _ranks(rank: int, world_size: int, cases: list[tuple[str, str]]):
     return [_train(rank, world_size, kind, policy) for kind, policy in cases]
+
+
+def test_rewrite_is_verified_with_the_recorded_inputs():
+    """The per-slot rewrite of the position-biased block is checked against the original on probes that
+    carry the recorded positions; a rewrite that ignored them would not match."""
+    from themis_compile.passes.shard import prepare_moe_layers
+
+    model = _model("position")
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.moe.position_bias.weight.mul_(20.0)     # positions decide the routing
+    infos = prepare_moe_layers(model, strict=True, example_inputs=_example())
+    assert [i.name for i in infos] == LAYERS and all(i.rewritten for i in infos)
+    tokens = _example()[0]
+    reference = _model("position")
+    with torch.no_grad():
+        for layer in reference.layers:
+            layer.moe.position_bias.weight.mul_(20.0)
+        torch.testing.assert_close(model(tokens), reference(tokens))
 
 
 def test_two_ranks_train_like_one_process():
