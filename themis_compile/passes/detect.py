@@ -55,6 +55,9 @@ Pseudo-code:
         if none of that finds it: swap each experts child for a stand-in on a probe and read
         the call (x, ids, weights) / (x, ids) / (sorted rows, counts) / (x, mask, weights) /
         (x_BSH, ids, weights); check combine_mismatch                                       # behaviour
+    if a candidate's forward fails on probe hidden states: record the (args, kwargs) it gets in one
+    forward of the model on example_inputs (or synthesized token ids) and inspect it again, each
+    probe's hidden states in place of the recorded ones                              # recorded inputs
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """
@@ -290,7 +293,7 @@ def run_probe(module: nn.Module, x: torch.Tensor, *, training: bool | None = Non
 # one forward of the whole model: its forward, while detection and the rewrite's verification run, is
 # ``_ProbeForward``, which puts a probe's hidden states in place of the recorded ones.
 
-ExampleInputs = "tuple | dict"   # positional arguments or keyword arguments of model(...), as torch.export's
+ExampleInputs = tuple | dict   # positional or keyword arguments of model(...), as torch.export takes them
 SYNTHESIZED_BATCH, SYNTHESIZED_SEQ = 2, 8
 _PASS_INPUTS = ("pass example_inputs to optimize() / explain() (a tuple of positional arguments or a dict of "
                 "keyword arguments for model(...)) so that it is probed with the arguments it gets in a forward "
@@ -1851,17 +1854,15 @@ def find_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = Non
     calls, failure = record_inputs(model, list(targets.values()), example_inputs)
     recorded = {name: calls[m] for name, m in targets.items() if m in calls}
     with recorded_inputs({targets[name]: call for name, call in recorded.items()}):
-        again, again_rejected = _find_in(model, names=set(recorded), outside=found)
-    for info in again:
-        info.probe_call = recorded[info.name]
-    again_why = dict((name, str(why)) for name, why in again_rejected)
+        again, again_rejected = _find_in(model, names=set(recorded), outside=found)   # sets probe_call
+    again_why = {name: str(why) for name, why in again_rejected}
+    first_why = dict(rejected)
     reasons = {}
     for name in needy:
-        why = dict(rejected)[name]
         if name in again_why:
             reasons[name] = f"{again_why[name]} (probed with the arguments recorded in a forward of the model)"
         elif name not in recorded:
-            reasons[name] = f"{why}; {failure or _NOT_CALLED}"
+            reasons[name] = f"{first_why[name]}; {failure or _NOT_CALLED}"
     found_names = {info.name for info in again}
     rejected = [(name, reasons.get(name, why)) for name, why in rejected if name not in found_names]
     order = {name or "<root>": i for i, name in enumerate(modules)}
