@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from themis_compile.config import ThemisConfig
-from themis_compile.passes.detect import SEARCHED, MoELayerInfo, explain_moe_layers, find_moe_layers
+from themis_compile.passes.detect import (SEARCHED, MoELayerInfo, explain_moe_layers, find_moe_layers,
+                                          probing_as_recorded)
 from themis_compile.passes.schedule import schedule_model
 from themis_compile.passes.shard import prepare_moe_layers
 from themis_compile.planner import PlanCost, Placement, Topology
@@ -45,7 +46,8 @@ def _broadcast_experts(module: nn.Module, group, timeout_s: float = deadline.DEF
         deadline.broadcast(p.data, src, group=group, timeout_s=timeout_s, purpose="experts from rank 0")
 
 
-def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None, strict: bool = False) -> nn.Module:
+def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None, strict: bool = False,
+             example_inputs: tuple | dict | None = None) -> nn.Module:
     """Shard the MoE layers of ``model`` over the ranks of ``group`` and make dense parameters data-parallel.
 
     Args:
@@ -54,6 +56,13 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         group: a ProcessGroup or DeviceMesh; default the default group, or world size 1 without one.
         strict: raise ``ValueError`` instead of warning when no MoE layer is found or when a module that
             looks MoE-like is not sharded.
+        example_inputs: arguments for one forward of ``model``, as for ``torch.export``: a tuple of
+            positional arguments or a dict of keyword arguments of ``model(...)``, the same on every rank.
+            Used only when a candidate MoE layer's forward does not run on hidden states alone (it needs
+            position embeddings, masks or token ids): detection then probes it with the arguments it gets
+            in that forward. Default: seeded token ids ``[2, 8]`` from the text config's vocabulary for an
+            HF ``PreTrainedModel``; for any other model such a candidate is rejected with a reason that
+            asks for ``example_inputs``.
 
     Returns the same module object, modified in place: its MoE layers' experts are replaced by sharded
     experts holding only the experts this rank owns, and everything else is made data-parallel with
@@ -71,9 +80,10 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         raise ValueError("this model was already optimized by themis_compile")
     # Detect (read-only); name what will not be sharded before anything changes. Then rewrite expert
     # loops into one experts(x, ids, weights) call and verify each on a probe (raises naming the layer).
-    found, rejected = find_moe_layers(model)
+    found, rejected = find_moe_layers(model, example_inputs)
     _report_unsharded(model, found, rejected, strict=strict, world_size=world_size, config=config)
-    infos = prepare_moe_layers(model, strict=strict) if found else []
+    with probing_as_recorded(found):     # layers found with recorded inputs are found so again, no forward
+        infos = prepare_moe_layers(model, strict=strict, example_inputs=example_inputs) if found else []
 
     runtime = ThemisRuntime(config=config, rank=rank, world_size=world_size, group=group,
                             unsharded=[(name, _one_line(why)) for name, why in rejected])
@@ -246,10 +256,11 @@ def _make_uniform_route(route, num_experts: int):
     return uniform_route
 
 
-def explain(model: nn.Module, verbose: bool = False) -> str:
+def explain(model: nn.Module, verbose: bool = False, *, example_inputs: tuple | dict | None = None) -> str:
     """A report of the MoE layers ``optimize`` would shard (router kind, experts form, top-k, activation,
     shared experts) and of MoE-like modules it rejected, with the reason; ``verbose`` adds the router
-    path, score function, auxiliary outputs and how the experts are called.
+    path, score function, auxiliary outputs and how the experts are called. ``example_inputs`` as for
+    :func:`optimize`: what a candidate that does not run on hidden states alone is probed with.
 
     On a model ``optimize`` already prepared: the layers it sharded (policy, experts, the experts this
     rank owns, top-k, experts form) and what it left data-parallel, with the reason for each MoE-like
@@ -259,8 +270,8 @@ def explain(model: nn.Module, verbose: bool = False) -> str:
     if runtime is not None:
         return _explain_optimized(runtime, verbose)
     if verbose:
-        return explain_moe_layers(model)
-    infos, rejected = find_moe_layers(model)
+        return explain_moe_layers(model, example_inputs)
+    infos, rejected = find_moe_layers(model, example_inputs)
     lines = [f"{len(infos)} MoE layer(s) found"]
     lines += [f"  {info.name}: {info.describe()}" for info in infos]
     lines += [f"  rejected {name}: {why}" for name, why in rejected]

@@ -23,8 +23,11 @@ row, Llama 4: :class:`AllRowsPlan`) and the output is unchanged. A whole-module 
 when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
-    ``find_moe_layers(model)`` is read-only: probes run under ``torch.no_grad`` with the RNG forked and
-    every module attribute and buffer restored afterwards.
+    ``find_moe_layers(model, example_inputs)`` is read-only: probes run under ``torch.no_grad`` with the
+    RNG forked and every module attribute and buffer restored afterwards. A candidate whose forward
+    fails on hidden states alone is probed again with the arguments recorded in one forward of the
+    model (``example_inputs``, or synthesized token ids for an HF model), the hidden states replaced by
+    the probe's (:func:`record_inputs`, :func:`recorded_inputs`); no such forward runs otherwise.
     Each layer found records *how* its experts are called (``rewrite``): ``"none"`` when swapping the
     experts child for any module with the interface ``experts(x_TH, ids_TK, weights_TK) -> out_TH``
     reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
@@ -55,6 +58,9 @@ Pseudo-code:
         if none of that finds it: swap each experts child for a stand-in on a probe and read
         the call (x, ids, weights) / (x, ids) / (sorted rows, counts) / (x, mask, weights) /
         (x_BSH, ids, weights) / (x [E*T, H]); check combine_mismatch                        # behaviour
+    if a candidate's forward fails on probe hidden states: record the (args, kwargs) it gets in one
+    forward of the model on example_inputs (or synthesized token ids) and inspect it again, each
+    probe's hidden states in place of the recorded ones                              # recorded inputs
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """
@@ -116,6 +122,8 @@ class MoELayerInfo:
     plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
                                                                  # (passes.replay.ReplayPlan for "replay",
                                                                  # AllRowsPlan for "all-rows")
+    probe_call: RecordedCall | None = field(default=None, repr=False, compare=False)   # the arguments it is
+                                                # probed with when hidden states alone do not run it
 
     @property
     def experts(self) -> nn.Module:
@@ -247,10 +255,17 @@ def _probe_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
 
 
 def probe_input(module: nn.Module, hidden_size: int, flat: bool = False) -> torch.Tensor:
-    """Seeded random hidden states [2, 4, H] (or [8, H] when ``flat``) in the layer's dtype and device."""
+    """Seeded random hidden states [2, 4, H] (or [8, H] when ``flat``) in the layer's dtype and device; of
+    the recorded hidden states' shape, dtype and device for a module probed with recorded inputs
+    (:func:`recorded_inputs`)."""
     dtype, device = _probe_dtype_device(module)
     gen = torch.Generator().manual_seed(PROBE_SEED)
     shape = (PROBE_BATCH * PROBE_SEQ, hidden_size) if flat else (PROBE_BATCH, PROBE_SEQ, hidden_size)
+    if (call := recorded_call(module)) is not None:
+        # Probed with the arguments it got in a forward of the model: fresh hidden states of the
+        # recorded shape (the other arguments, position embeddings or token ids, are sized by it).
+        hidden = call.hidden_states
+        shape, dtype, device = hidden.shape, hidden.dtype, hidden.device
     return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
 
 
@@ -280,6 +295,207 @@ def run_probe(module: nn.Module, x: torch.Tensor, *, training: bool | None = Non
         finally:
             for m, mode in modes:
                 m.training = mode
+
+
+# --- Probes with recorded inputs ---------------------------------------------------------------------
+# A block whose forward needs more than hidden states (an HF decoder layer holding the MoE itself needs
+# position embeddings and masks; hash routing needs the token ids) is probed with the arguments it got in
+# one forward of the whole model: its forward, while detection and the rewrite's verification run, is
+# ``_ProbeForward``, which puts a probe's hidden states in place of the recorded ones.
+
+ExampleInputs = tuple | dict   # positional or keyword arguments of model(...), as torch.export takes them
+SYNTHESIZED_BATCH, SYNTHESIZED_SEQ = 2, 8
+_PASS_INPUTS = ("pass example_inputs to optimize() / explain() (a tuple of positional arguments or a dict of "
+                "keyword arguments for model(...)) so that it is probed with the arguments it gets in a forward "
+                "of the model")
+_NOT_CALLED = "it is not called in a forward of the model on the example inputs, so it cannot be probed"
+
+
+@dataclass(frozen=True, eq=False)
+class RecordedCall:
+    """The arguments one module got in a forward of the whole model. ``hidden`` says where its hidden
+    states are (the first floating tensor: a position in ``args`` or a key of ``kwargs``); a probe puts
+    its own there and passes the rest as recorded. Shared, never copied, by a deep copy of the module."""
+
+    args: tuple
+    kwargs: dict
+    hidden: int | str
+
+    @staticmethod
+    def of(args: tuple, kwargs: dict) -> RecordedCall | None:
+        """The call, or None when no argument is a floating tensor (nothing to put a probe in)."""
+        floating = lambda v: isinstance(v, torch.Tensor) and v.is_floating_point()  # noqa: E731
+        hidden = next((i for i, a in enumerate(args) if floating(a)), None)
+        if hidden is None:
+            keys = [k for k, v in kwargs.items() if floating(v)]
+            hidden = "hidden_states" if "hidden_states" in keys else keys[0] if keys else None
+        return None if hidden is None else RecordedCall(tuple(args), dict(kwargs), hidden)
+
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        return self.args[self.hidden] if isinstance(self.hidden, int) else self.kwargs[self.hidden]
+
+    def bind(self, x: torch.Tensor) -> tuple[tuple, dict]:
+        """(args, kwargs) of the recorded call with ``x`` in place of the recorded hidden states."""
+        if isinstance(self.hidden, int):
+            return self.args[:self.hidden] + (x,) + self.args[self.hidden + 1:], dict(self.kwargs)
+        return self.args, {**self.kwargs, self.hidden: x}
+
+    def __deepcopy__(self, memo: dict) -> RecordedCall:
+        return self
+
+
+class _ProbeForward:
+    """``module.forward`` while it is probed with recorded inputs: a call on hidden states alone (a probe)
+    runs the class's forward (rewritten or not) with the recorded arguments around them; any other call
+    passes through. A deep copy of the module (a rewrite's trial) gets one bound to the copy."""
+
+    def __init__(self, module: nn.Module, call: RecordedCall) -> None:
+        self.module, self.call = module, call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            args, kwargs = self.call.bind(args[0])
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _ProbeForward:
+        return _ProbeForward(copy.deepcopy(self.module, memo), self.call)
+
+
+def recorded_call(module: nn.Module) -> RecordedCall | None:
+    """The recorded call ``module`` is probed with now (inside :func:`recorded_inputs`), else None."""
+    forward = module.__dict__.get("forward")
+    return forward.call if isinstance(forward, _ProbeForward) else None
+
+
+@contextlib.contextmanager
+def recorded_inputs(calls: dict[nn.Module, RecordedCall]) -> Iterator[None]:
+    """While it runs, each module of ``calls`` called on hidden states alone (every probe of detection and
+    of the rewrite's verification) runs with the other arguments of its recorded call. Re-entrant: a
+    module already probed so keeps its recording."""
+    installed = [m for m, call in calls.items() if call is not None and recorded_call(m) is None]
+    for m in installed:
+        m.__dict__["forward"] = _ProbeForward(m, calls[m])
+    try:
+        yield
+    finally:
+        for m in installed:
+            if isinstance(m.__dict__.get("forward"), _ProbeForward):
+                del m.__dict__["forward"]
+
+
+def probing_as_recorded(infos: list[MoELayerInfo]) -> contextlib.AbstractContextManager:
+    """:func:`recorded_inputs` for the layers found with a recorded call (``info.probe_call``)."""
+    return recorded_inputs({info.module: info.probe_call for info in infos if info.probe_call is not None})
+
+
+def probe_arguments(module: nn.Module, x: torch.Tensor) -> list[Any]:
+    """The positional inputs of ``module``'s FX graph for a probe ``x``: ``[x]``, or with a recorded call
+    the values of every parameter of its forward in order (recorded, else defaults), ``x`` in place of
+    the hidden states."""
+    call = recorded_call(module)
+    if call is None:
+        return [x]
+    args, kwargs = call.bind(x)
+    signature = inspect.signature(type(module).forward)
+    bound = signature.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    values: list[Any] = []
+    for p in list(signature.parameters.values())[1:]:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            values.extend(bound.arguments.get(p.name, ()))
+        elif p.kind is not inspect.Parameter.VAR_KEYWORD:
+            values.append(bound.arguments[p.name])
+    return values
+
+
+def _is_hf_pretrained(model: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
+
+
+def synthesized_inputs(model: nn.Module) -> dict | None:
+    """Keyword arguments for one forward of an HF ``PreTrainedModel``: seeded token ids
+    ``[SYNTHESIZED_BATCH, SYNTHESIZED_SEQ]`` drawn from its text config's vocabulary (the same on every
+    rank), as ``input_ids`` (``decoder_input_ids`` for a decoder that takes only those; an encoder-decoder
+    gets both), with ``use_cache=False``. None for any other model, or one without a vocabulary."""
+    if not _is_hf_pretrained(model):
+        return None
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    params = inspect.signature(model.forward).parameters
+    name = next((n for n in ("input_ids", "decoder_input_ids") if n in params), None)
+    if not isinstance(vocab, int) or vocab < 1 or name is None:
+        return None
+    gen = torch.Generator().manual_seed(PROBE_SEED)
+    ids = torch.randint(0, vocab, (SYNTHESIZED_BATCH, SYNTHESIZED_SEQ), generator=gen)
+    ids = ids.to(_probe_dtype_device(model)[1])
+    kwargs = {name: ids}
+    if name == "input_ids" and "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
+        kwargs["decoder_input_ids"] = ids
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+class _AllRecorded(Exception):
+    """Stops the recording forward once every module asked for has been called."""
+
+
+def record_inputs(model: nn.Module, modules: list[nn.Module], example_inputs: ExampleInputs | None = None
+                  ) -> tuple[dict[nn.Module, RecordedCall], str | None]:
+    """The (args, kwargs) each of ``modules`` gets in one forward of ``model``, and why some are missing.
+
+    The forward runs on ``example_inputs`` (a tuple of positional arguments or a dict of keyword
+    arguments), else on :func:`synthesized_inputs`, with forward pre-hooks on ``modules``, under
+    ``torch.no_grad``, seeded, in the model's current mode, leaving no state behind
+    (:func:`preserved_state`); it stops once every module has been called. Returns ``({}, reason)`` when
+    there are no inputs or the forward fails before it reaches them."""
+    given = example_inputs is not None
+    inputs = example_inputs if given else synthesized_inputs(model)
+    if inputs is None:
+        return {}, _PASS_INPUTS
+    if isinstance(inputs, dict):
+        args, kwargs = (), dict(inputs)
+    elif isinstance(inputs, (tuple, list)):
+        args, kwargs = tuple(inputs), {}
+    else:
+        args, kwargs = (inputs,), {}
+    what = "example_inputs" if given else f"synthesized token ids [{SYNTHESIZED_BATCH}, {SYNTHESIZED_SEQ}]"
+    advice = "" if given else f"; {_PASS_INPUTS}"
+    calls: dict[nn.Module, RecordedCall] = {}
+    wanted = {id(m) for m in modules}
+    seen: set[int] = set()
+
+    def hook(m: nn.Module, a: tuple, k: dict) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        if (call := RecordedCall.of(a, k)) is not None:
+            calls[m] = call
+        if seen >= wanted:
+            raise _AllRecorded
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    failure = None
+    try:
+        with preserved_state(model), torch.no_grad():
+            torch.manual_seed(PROBE_SEED)
+            model(*args, **kwargs)
+    except _AllRecorded:
+        pass
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        failure = f"a forward of the model on {what} fails before it is called ({error}){advice}"
+    finally:
+        for h in handles:
+            h.remove()
+    if failure is None and len(calls) < len(modules):
+        failure = f"{_NOT_CALLED} ({what}){advice}"
+    logger.debug("recorded the inputs of %d of %d modules in a forward of %s", len(calls), len(modules),
+                 type(model).__name__)
+    return calls, failure
 
 
 # --- Step 2: tracing ---------------------------------------------------------------------------------
@@ -383,7 +599,7 @@ def record_meta(traced: TracedBlock, module: nn.Module, x: torch.Tensor) -> None
     rec = _MetaRecorder(traced.gm)
     with preserved_state(module), torch.no_grad():
         torch.manual_seed(PROBE_SEED)
-        rec.run(*((module,) if traced.owner_input else ()), x.clone())
+        rec.run(*((module,) if traced.owner_input else ()), *probe_arguments(module, x.clone()))
     traced.meta = rec.meta
 
 
@@ -923,6 +1139,10 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
     if info.rewrite not in ("none", "inline-loop") or info.top_k >= info.num_experts:
         return False
     # A loop of the block's own (inline, or through a helper over a container without a forward).
+    if recorded_call(module) is not None:
+        raise ValueError("its forward needs the arguments recorded in a forward of the model and loops over its "
+                         "experts itself, so no one-token probe can tell whether it skips experts without tokens; "
+                         f"call its experts once as {attr}(x, ids, weights)")
     calls = [0] * info.num_experts
     hooks = [m.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
              for i, m in enumerate(expert_modules(experts))]
@@ -1149,6 +1369,11 @@ class _Reject(Exception):
 class _CallReject(_Reject):
     """A rejection by behaviour that read the experts call and says best what stops it (over what the
     routing analysis, which did not understand the call, says)."""
+
+
+class _ProbeFailed(_Reject):
+    """The block's forward does not run on probe hidden states alone: it needs the other arguments it
+    gets in the model (position embeddings, masks, token ids), which :func:`find_moe_layers` records."""
 
 
 def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
@@ -1768,7 +1993,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
     if reject is not None:
         raise reject
     if probe_errors and not probe_ran:
-        raise _Reject(f"the forward fails on probe hidden states ({'; '.join(probe_errors)}); detection runs a "
+        raise _ProbeFailed(f"the forward fails on probe hidden states ({'; '.join(probe_errors)}); detection runs a "
                       "block on hidden states alone: keep the MoE in a module called as moe(hidden_states), "
                       "with any other input (token ids for hash routing, masks) optional")
     return None
@@ -1837,7 +2062,7 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
             errors.append(f"{list(x.shape)}: {type(exc).__name__}: {exc}".splitlines()[0][:200])
             x = None
     if x is None:
-        raise _Reject(f"the forward fails on probe hidden states ({'; '.join(errors)}); detection runs a "
+        raise _ProbeFailed(f"the forward fails on probe hidden states ({'; '.join(errors)}); detection runs a "
                       "block on hidden states alone: keep the MoE in a module called as moe(hidden_states)")
 
     if traced is not None:
@@ -2106,18 +2331,60 @@ def check_layer(info: MoELayerInfo) -> None:
         raise ValueError(f"MoE layer {info.name!r}: top_k={info.top_k} exceeds its {info.num_experts} experts")
 
 
-def find_moe_layers(model: nn.Module) -> tuple[list[MoELayerInfo], list[tuple[str, str]]]:
-    """Return (MoE layers found, [(name, reason)] for MoE-like modules that were rejected)."""
+def find_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = None
+                    ) -> tuple[list[MoELayerInfo], list[tuple[str, str]]]:
+    """Return (MoE layers found, [(name, reason)] for MoE-like modules that were rejected).
+
+    A candidate whose forward does not run on probe hidden states alone (it needs position embeddings,
+    masks or token ids) is probed again with the arguments it gets in one forward of the whole model on
+    ``example_inputs`` (see :func:`record_inputs`; synthesized token ids for an HF ``PreTrainedModel``
+    when not given); a layer found so keeps its recording in ``probe_call``. No such forward runs when
+    every candidate probes on hidden states alone."""
+    found, rejected = _find_in(model)
+    needy = [name for name, why in rejected if isinstance(why, _ProbeFailed)]
+    rejected = [(name, str(why)) for name, why in rejected]
+    if not needy:
+        return found, rejected
+    modules = dict(model.named_modules())
+    targets = {name: modules["" if name == "<root>" else name] for name in needy}
+    calls, failure = record_inputs(model, list(targets.values()), example_inputs)
+    recorded = {name: calls[m] for name, m in targets.items() if m in calls}
+    with recorded_inputs({targets[name]: call for name, call in recorded.items()}):
+        again, again_rejected = _find_in(model, names=set(recorded), outside=found)   # sets probe_call
+    again_why = {name: str(why) for name, why in again_rejected}
+    first_why = dict(rejected)
+    reasons = {}
+    for name in needy:
+        if name in again_why:
+            reasons[name] = f"{again_why[name]} (probed with the arguments recorded in a forward of the model)"
+        elif name not in recorded:
+            reasons[name] = f"{first_why[name]}; {failure or _NOT_CALLED}"
+    found_names = {info.name for info in again}
+    rejected = [(name, reasons.get(name, why)) for name, why in rejected if name not in found_names]
+    order = {name or "<root>": i for i, name in enumerate(modules)}
+    found = sorted(found + again, key=lambda info: order.get(info.name, 0))
+    return found, _outside_found_experts(found, rejected)
+
+
+def _find_in(model: nn.Module, names: set[str] | None = None, outside: list[MoELayerInfo] = ()
+             ) -> tuple[list[MoELayerInfo], list[tuple[str, _Reject | str]]]:
+    """:func:`find_moe_layers` on the probes as they run now (the modules ``names`` only, when given;
+    none inside the experts of the layers ``outside``); a rejection is its exception when it is one."""
     found: list[MoELayerInfo] = []
-    rejected: list[tuple[str, str]] = []
+    rejected: list[tuple[str, _Reject | str]] = []
     for name, module in model.named_modules():
         name = name or "<root>"
+        if names is not None and name not in names:
+            continue
+        if any(name == f"{f.name}.{f.experts_attr}" or name.startswith(f"{f.name}.{f.experts_attr}.")
+               for f in outside):
+            continue
         if any(name == f"{f.name}.{f.experts_attr}" or name.startswith(f"{f.name}.{f.experts_attr}.") for f in found):
             continue     # the experts of a layer found: sharded with it, not a candidate of their own
         try:
             info = _inspect(name, module)
         except _Reject as why:
-            rejected.append((name, str(why)))
+            rejected.append((name, why))
             logger.debug("rejected %s: %s", name, why)
             continue
         except Exception as exc:  # detection must never break on a model it does not understand
@@ -2130,6 +2397,7 @@ def find_moe_layers(model: nn.Module) -> tuple[list[MoELayerInfo], list[tuple[st
                 rejected.append((name, "could not tell whether it runs experts without tokens: "
                                        f"{type(exc).__name__}: {exc}".splitlines()[0]))
                 continue
+            info.probe_call = recorded_call(module)
             found.append(info)
             logger.debug("MoE layer %s: %s", name, info.describe())
     return found, _outside_found_experts(found, rejected)
@@ -2148,9 +2416,9 @@ SEARCHED = ("modules with a child holding E experts (an nn.ModuleList of identic
             "selection and a weighted combine")
 
 
-def explain_moe_layers(model: nn.Module) -> str:
+def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = None) -> str:
     """A readable report of the MoE layers found and of the MoE-like modules rejected, with reasons."""
-    infos, rejected = find_moe_layers(model)
+    infos, rejected = find_moe_layers(model, example_inputs)
     lines = [f"{len(infos)} MoE layer(s) found"]
     for info in infos:
         lines.append(f"  {info.name}:")
@@ -2161,6 +2429,8 @@ def explain_moe_layers(model: nn.Module) -> str:
         lines.append(f"    shared experts: {', '.join(info.shared_expert_names) or 'none'}")
         for aux in info.aux_losses:
             lines.append(f"    auxiliary:      {aux}")
+        if info.probe_call is not None:
+            lines.append("    probed with:    the arguments it gets in a forward of the model (recorded)")
         lines.append(f"    experts call:   " + {"none": "experts(x, ids, weights)",
                                                 "per-slot": "experts(x, ids) -> [T, K, H] (rewritten by optimize)",
                                                 "sorted-rows": "experts(rows sorted by expert, counts) (rewritten "

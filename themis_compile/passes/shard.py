@@ -73,6 +73,7 @@ from themis_compile.passes.detect import (
     combine_node,
     effective_users,
     find_moe_layers,
+    probing_as_recorded,
     is_inplace,
     is_topk,
     probe_input,
@@ -754,7 +755,7 @@ def _probe_for(info: MoELayerInfo) -> torch.Tensor:
     return probe_input(info.module, info.hidden_size, flat=info.probe_flat)
 
 
-def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerInfo]:
+def prepare_moe_layers(model: nn.Module, strict: bool = False, *, example_inputs=None) -> list[MoELayerInfo]:
     """Detect the MoE layers of ``model``, rewrite those that loop over their experts inline, verify each
     rewrite on a probe, and return the layers ready for sharding (``getattr(info.module,
     info.experts_attr)`` is what the runtime replaces).
@@ -762,8 +763,14 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
     No MoE layer found: warn naming what was searched and what was rejected and return ``[]`` (the model
     is unchanged), or raise ``ValueError`` when ``strict``. A rewrite that does not reproduce the
     original on the probe raises ``ValueError`` naming the layer; no layer of the model is changed then.
+    A layer found with recorded inputs (``example_inputs``, see ``find_moe_layers``) is verified with them.
     """
-    infos, rejected = find_moe_layers(model)
+    infos, rejected = find_moe_layers(model, example_inputs)
+    with probing_as_recorded(infos):
+        return _prepare_found(infos, rejected, strict)
+
+
+def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], strict: bool) -> list[MoELayerInfo]:
     if not infos:
         msg = f"themis_compile found no MoE layer (searched for {SEARCHED})"
         if rejected:
