@@ -726,6 +726,44 @@ static void add_expert_load(const topo_t *tp, int64_t e, const uint8_t *row_D, c
 
 typedef enum { PLAN_FULL, PLAN_ROWS, PLAN_LOAD } plan_kind;
 
+/* The OR of every count T[e, d] = tokens_ED[e * se + d * sd] (negative iff a count is) and, with sum_E,
+ * every expert's total, walking the buffer in its memory order: the counts arrive transposed from the
+ * gather of per-device counts, and a walk expert by expert would stride across the whole buffer.
+ * Integer sums: exact in any order. */
+static int64_t scan_tokens(const int64_t *tokens_ED, Py_ssize_t se, Py_ssize_t sd, Py_ssize_t E, Py_ssize_t D,
+                           int64_t *sum_E)
+{
+    int64_t bits = 0;
+    const Py_ssize_t ase = se < 0 ? -se : se, asd = sd < 0 ? -sd : sd;
+    if (ase >= asd) {                                  /* rows (experts) outer */
+        for (Py_ssize_t e = 0; e < E; e++) {
+            const int64_t *tok_e = tokens_ED + e * se;
+            int64_t sum = 0, or_e = 0;
+            for (Py_ssize_t d = 0; d < D; d++) {
+                const int64_t v = tok_e[d * sd];
+                or_e |= v;
+                sum += v;
+            }
+            bits |= or_e;
+            if (sum_E != NULL) sum_E[e] = sum;
+        }
+    } else {                                           /* devices outer: the transposed layout */
+        if (sum_E != NULL) memset(sum_E, 0, (size_t)E * sizeof(int64_t));
+        for (Py_ssize_t d = 0; d < D; d++) {
+            const int64_t *tok_d = tokens_ED + d * sd;
+            if (sum_E != NULL)
+                for (Py_ssize_t e = 0; e < E; e++) {
+                    const int64_t v = tok_d[e * se];
+                    bits |= v;
+                    sum_E[e] += v;
+                }
+            else
+                for (Py_ssize_t e = 0; e < E; e++) bits |= tok_d[e * se];
+        }
+    }
+    return bits;
+}
+
 /* The three Alg. 3 entry points share this loop. PLAN_FULL: out = R [E, D, D]; PLAN_ROWS: out =
  * R[:, sources, :] as [E, S, D] (both written entirely: every expert's slab is zeroed just before its
  * entries, while it is in cache); PLAN_LOAD: out = [D] tokens each device computes (zeroed here). */
@@ -735,29 +773,28 @@ static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens
 {
     const Py_ssize_t D = (Py_ssize_t)tp->D, N = (Py_ssize_t)tp->N;
     long rc = 0;
-    int64_t *mem = (int64_t *)malloc(((size_t)D * 2 + (size_t)N * 2 + 1) * sizeof(int64_t));
+    int64_t *mem = (int64_t *)malloc(((size_t)D * 2 + (size_t)N * 2 + 1 + (size_t)E) * sizeof(int64_t));
     if (mem == NULL) return -1;
     holders_t h = {mem, mem + D, mem + D + N};
     int64_t *diff = mem + D + 2 * N;   /* D + 1 words */
+    int64_t *sum_E = diff + D + 1;     /* E words: every expert's tokens (PLAN_LOAD) */
+    /* Negative counts are rejected before any output (the caller then raises numpy's precise error). */
+    if (scan_tokens(tokens_ED, se, sd, E, D, kind == PLAN_LOAD ? sum_E : NULL) < 0) {
+        free(mem);
+        return 1;
+    }
     if (kind == PLAN_LOAD) memset(out, 0, (size_t)D * sizeof(int64_t));
     for (Py_ssize_t e = 0; e < E && rc == 0; e++) {
         const uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
         const int64_t *tok_e = tokens_ED + e * se;      /* T[e, d] = tok_e[d * sd] */
         const Py_ssize_t copies = find_holders(tp, row_D, &h);
-        int64_t bits = 0;   /* OR of the row: negative iff a count is negative, zero iff all are zero */
-        if (sd == 1)
-            for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d];
-        else
-            for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d * sd];
-        if (bits < 0) {
-            rc = 1;
-            break;
-        }
         if (kind == PLAN_FULL)
             memset(out + (size_t)e * (size_t)D * (size_t)D, 0, (size_t)D * (size_t)D * sizeof(int64_t));
         else if (kind == PLAN_ROWS)
             memset(out + (size_t)e * (size_t)S * (size_t)D, 0, (size_t)S * (size_t)D * sizeof(int64_t));
-        if (copies == 0) {
+        if (copies == 0) {                            /* tokens for an expert nobody holds? */
+            int64_t bits = 0;
+            for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d * sd];
             if (bits) rc = 2;
             continue;
         }
@@ -779,6 +816,8 @@ static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens
                 else
                     split_row(tp, e, d, tok_e[d * sd], row_D, &h, copies, R_SD + (size_t)i * D);
             }
+        } else if (copies == 1) {                     /* every token goes to the one holder */
+            out[h.holders[0]] += sum_E[e];
         } else {
             add_expert_load(tp, e, row_D, tok_e, sd, &h, copies, out, diff);
         }

@@ -50,7 +50,7 @@ import math
 import numpy as np
 
 from themis_compile.planner.backend import compiled_core
-from themis_compile.planner.cost import PlanCost, column_sums_are_sequential, fluid_device_load, straggler_time
+from themis_compile.planner.cost import PlanCost, fluid_device_load, straggler_time
 from themis_compile.planner.dispatch import dispatch_device_load
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
@@ -129,12 +129,11 @@ def _shard_device_load(owners_E: np.ndarray, load_E: np.ndarray, topology: Topol
     """[D] `cost.fluid_device_load` of the shard placement ``owners_E``, bit for bit, in O(E).
 
     With one holder on node n the model's per-holder factor is ``k_n / 1 + (D - k_n) / 1`` = D exactly
-    (small integers); where the model's column sums add experts in ascending order
-    (`cost.column_sums_are_sequential`), a weighted bincount adds the same terms in the same order.
-    Elsewhere (one node: a matrix product; very large E·D: pairwise sums) the model itself is called.
+    (small integers), and the model adds every device's terms in ascending expert order, as a weighted
+    bincount does. On one node (the model is a matrix product there) the model itself is called.
     """
     D = topology.num_devices
-    if topology.num_nodes == 1 or not column_sums_are_sequential(owners_E.size, topology):
+    if topology.num_nodes == 1:
         return fluid_device_load(Placement.from_owners(owners_E, D), load_E, topology)
     return np.bincount(owners_E, weights=(load_E / D) * float(D), minlength=D)
 
@@ -345,20 +344,10 @@ def _materialize_compiled(core, shard: Placement, load_E: np.ndarray, overlap_de
     return Placement.adopt(mask_ED, copies_E)
 
 
-_BINCOUNT_IS_THE_MODEL: dict[tuple[int, bytes], bool] = {}    # per (E, topology layout); small
-
-
 def _bincount_is_the_model(num_experts: int, topology: Topology) -> bool:
-    """Whether `_shard_device_load` takes its bincount branch (which the compiled core reproduces).
-    Cached by the topology's layout bytes, whose hash Python keeps (hashing a Topology costs more)."""
-    key = (num_experts, topology.core_layout)
-    answer = _BINCOUNT_IS_THE_MODEL.get(key)
-    if answer is None:
-        answer = topology.num_nodes > 1 and column_sums_are_sequential(num_experts, topology)
-        if len(_BINCOUNT_IS_THE_MODEL) > 256:
-            _BINCOUNT_IS_THE_MODEL.clear()
-        _BINCOUNT_IS_THE_MODEL[key] = answer
-    return answer
+    """Whether `_shard_device_load` takes its bincount branch (which the compiled core reproduces): on
+    several nodes, at any number of experts."""
+    return topology.num_nodes > 1
 
 
 def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarray,
