@@ -12,6 +12,13 @@ returns it; ``load_average`` records how busy the machine was (timings on a shar
 rows R[:, rank, :] of Alg. 3, as the runtime runs them): ``target_met`` judges it against the target;
 ``alg1_plus_alg3`` builds the full dense [E, D, D] plan (the simulator's view) and is reported beside it.
 
+``--devices 256,1024`` times the per-layer path on a rank past the paper's scale instead: DeepSeek-V3-like
+(E = 4 experts per device, top-8, 8 devices per node), with the overlap degree t and the materialization
+budget m the simulator derives for DeepSeek-V3 on Cluster A at that size (`sim.setup.build_setup`), and
+once more with a binding budget (m = `BINDING_BUDGET` < t: Alg. 1's LPT branch). Reported per size: the
+median / p95 of Alg. 1, of the rank's own row of Alg. 3 and of both (``per_layer_on_a_rank``), against
+`DEVICES_TARGET_US`. The full [E, D, D] plan is not built there (34 GB at 1,024 devices).
+
 ``backend`` names the planner core that ran (``"c"``: the compiled core, ``"numpy"``: its numpy
 reference; see `planner/backend.py`). ``--backend both`` times the two plan by plan, interleaved,
 and adds ``numpy_setups`` and the per-metric median ratios ``numpy_over_c`` (ratios are what stay
@@ -131,6 +138,69 @@ def bench_alg2(num_layers: int, num_experts: int, overlap_degree: int, topology:
             "median_ms": round(float(np.median(times_ms)), 3), "max_ms": round(float(np.max(times_ms)), 3)}
 
 
+# --devices: the per-layer target on a rank at 1,024 devices, and the budget of the LPT-branch variant.
+DEVICES_TARGET_US = 100.0
+BINDING_BUDGET = 4
+
+
+def bench_devices(num_devices: int, plans: int, seed: int, devices_per_node: int = 8) -> list[dict]:
+    """Alg. 1 and a rank's own row of Alg. 3 (`dispatch_rows`) at ``num_devices`` devices for a
+    DeepSeek-V3-like layer (module docstring): one result with the simulator's (t, m), one with m =
+    `BINDING_BUDGET`."""
+    from themis_compile.cost_model.cluster import get_cluster
+    from themis_compile.models.presets import preset
+    from themis_compile.sim.setup import build_setup
+
+    if num_devices % devices_per_node:
+        raise ValueError(f"--devices {num_devices} is not a multiple of {devices_per_node} devices per node")
+    nodes = num_devices // devices_per_node
+    cluster = get_cluster("A", nodes)
+    model = preset("deepseek-v3", devices=num_devices, cluster="A")
+    sim = build_setup(model, cluster)
+    topology = Topology.uniform(nodes, devices_per_node)
+    E, D = model.num_experts, topology.num_devices
+    shard = homogeneous_sharding(1, E, D)[0]
+    rng = np.random.default_rng(seed)
+    popularity_E = rng.dirichlet(np.full(E, 0.3))
+    traces = []
+    for _ in range(min(plans, 8)):                      # inputs prepared outside the timed region
+        popularity_E = popularity_E * np.exp(rng.normal(0.0, 0.05, E))
+        popularity_E /= popularity_E.sum()
+        tokens_ED = skewed_tokens(rng, popularity_E, D, model.seq_len * model.top_k)
+        traces.append((tokens_ED.sum(axis=1).astype(np.float64), tokens_ED))
+    out = []
+    for label, t, m in (("simulator", sim.overlap_degree, sim.materialization_budget),
+                        ("binding_budget", sim.overlap_degree, min(BINDING_BUDGET, sim.overlap_degree))):
+        samples: dict[str, list[float]] = {"alg1": [], "alg3_own_row": [], "per_layer_on_a_rank": []}
+        sparse_materialization(shard, traces[0][0], t, m, topology)        # warm caches
+        for i in range(plans):
+            load_E, tokens_ED = traces[i % len(traces)]
+            t0 = time.perf_counter()
+            placement = sparse_materialization(shard, load_E, t, m, topology)
+            t1 = time.perf_counter()
+            dispatch_rows(placement, tokens_ED, topology, i % D)
+            t2 = time.perf_counter()
+            samples["alg1"].append((t1 - t0) * 1e6)
+            samples["alg3_own_row"].append((t2 - t1) * 1e6)
+            samples["per_layer_on_a_rank"].append((t2 - t0) * 1e6)
+        per_layer = _percentiles(samples["per_layer_on_a_rank"])
+        out.append({"devices": D, "nodes": nodes, "num_experts": E, "top_k": model.top_k, "budget": label,
+                    "overlap_degree": t, "materialization_budget": m, "plans": plans,
+                    **{name: _percentiles(v) for name, v in samples.items()},
+                    "target_met": per_layer["median_us"] <= DEVICES_TARGET_US})
+    return out
+
+
+def _parse_devices(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--devices takes comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--devices takes positive device counts, got {text!r}")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m themis_compile.bench planner", description=__doc__)
     parser.add_argument("--plans", type=int, default=2000, help="plans per setup (>= 1000 for the report)")
@@ -140,8 +210,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a few plans only (smoke test)")
     parser.add_argument("--backend", choices=("auto", "c", "numpy", "both"), default="auto",
                         help="planner core: the loaded one (auto), the compiled core, numpy, or both interleaved")
+    parser.add_argument("--devices", type=_parse_devices, default=None,
+                        help="comma-separated device counts (e.g. 256,1024): the per-layer path on a rank at "
+                             "those sizes, DeepSeek-V3-like (see the module docstring)")
     args = parser.parse_args(argv)
     plans = 20 if args.quick else args.plans
+    if args.devices is not None:
+        plans = min(plans, 200) if args.plans == parser.get_default("plans") else plans
+        result = {
+            "benchmark": "planner_devices", "backend": backend.planner_backend(),
+            "target": {"per_layer_on_a_rank_median_us": DEVICES_TARGET_US, "at_devices": 1024},
+            "sizes": [r for D in args.devices for r in bench_devices(D, plans, args.seed, args.devices_per_node)],
+            "quick": bool(args.quick), "python": platform.python_version(), "numpy": np.__version__,
+            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        }
+        print(json.dumps(result, indent=2))
+        return result
     topology = Topology.uniform(args.nodes, args.devices_per_node)
     loaded = backend.compiled_core()
     if args.backend in ("c", "both") and loaded is None:
