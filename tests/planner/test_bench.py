@@ -15,3 +15,29 @@ def test_planner_bench_quick(capsys):
     assert result["alg2"]["num_layers"] == 24
     assert set(result["target_met"]) == {"qwen1.5-moe", "deepseek-v3"}
     assert all(set(v) == {"per_layer_on_a_rank", "full_plan"} for v in result["target_met"].values())
+
+
+def test_planner_bench_devices(capsys):
+    """``--devices``: the per-layer path on a rank at given sizes, DeepSeek-V3-like (E = 4 per device),
+    with the simulator's (t, m) and with a binding budget."""
+    result = planner.main(["--devices", "16,32", "--plans", "3"])
+    assert '"benchmark": "planner_devices"' in capsys.readouterr().out
+    sizes = result["sizes"]
+    assert [(s["devices"], s["budget"]) for s in sizes] == [
+        (16, "simulator"), (16, "binding_budget"), (32, "simulator"), (32, "binding_budget")]
+    for s in sizes:
+        assert s["num_experts"] == 4 * s["devices"] and s["nodes"] == s["devices"] // 8
+        assert s["per_layer_on_a_rank"]["median_us"] >= s["alg1"]["min_us"] > 0
+        assert isinstance(s["target_met"], bool)
+    binding = [s for s in sizes if s["budget"] == "binding_budget"]
+    assert all(s["materialization_budget"] == min(planner.BINDING_BUDGET, s["overlap_degree"]) for s in binding)
+
+
+def test_planner_bench_devices_rejects_bad_sizes(capsys):
+    import pytest
+
+    for bad in ("", "12,x", "-8"):
+        with pytest.raises(SystemExit):
+            planner.main(["--devices", bad])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        planner.main(["--devices", "12", "--plans", "2"])
