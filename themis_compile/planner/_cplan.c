@@ -208,6 +208,12 @@ typedef struct {
     int64_t *holders, *cand, *seq;      /* [D] */
     int64_t *holders_N, *cnt_N, *taken_N, *heap_N; /* [N] */
     int64_t *extra;                     /* [extra] words for the caller */
+    /* Mask-free mode (place_replicas with mask_ED == NULL, from a shard): row is a zeroed [D] scratch
+     * row standing in for the current expert's, and the placed replicas are appended to pick_X as
+     * e * D + d (npicks of them). */
+    uint8_t *row;
+    int64_t *pick_X;
+    Py_ssize_t npicks;
 } scratch_t;
 
 static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t N, Py_ssize_t extra)
@@ -228,6 +234,9 @@ static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t 
     s->taken_N = s->cnt_N + N;
     s->heap_N = s->taken_N + N;
     s->extra = s->heap_N + N;
+    s->row = NULL;
+    s->pick_X = NULL;
+    s->npicks = 0;
     return mem;
 }
 
@@ -295,7 +304,9 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
     for (Py_ssize_t i = 0; i < J; i++) {                                          /* l.8 */
         const int64_t e = experts_J[i], n = s->n_J[i], copies = s->copies_J[i];
         if (n == 0) continue;
-        uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
+        const int mask_free = mask_ED == NULL;   /* then owners_E is given: the owner is e's one holder */
+        uint8_t *row_D = mask_free ? s->row : mask_ED + (size_t)e * (size_t)D;
+        if (mask_free) row_D[owners_E[e]] = 1;
         /* Candidates: no copy of e and a free slot; per node in l.10's inner order (insertion sort). */
         Py_ssize_t num_cand = 0, num_holders = 0;
         for (Py_ssize_t nn = 0; nn < N; nn++) {
@@ -320,22 +331,18 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
             s->taken_N[nn] = 0;
             num_cand += c;
         }
+        if (mask_free) row_D[owners_E[e]] = 0;  /* the scratch row is read only above */
         if (num_cand == 0) continue;
         if (owners_E != NULL) s->holders[num_holders++] = owners_E[e];
         /* l.10: merge the nodes' streams by (holders_n + j) / k_n, then the candidate's load, then node. */
         const Py_ssize_t npick = n < num_cand ? (Py_ssize_t)n : num_cand;
-        /* Every node's stream has strictly increasing keys, so the npick smallest come off a heap of
-         * the nodes' next candidates: O(npick log N) instead of a scan of all N nodes per pick. */
+        /* Every node's stream has strictly increasing keys, so the picks come off a heap of the
+         * nodes' next candidates in l.10's order: O(log N) per pick instead of a scan of all N nodes.
+         * Picks are drawn as the LPT guard below reads them; it usually stops long before npick. */
         Py_ssize_t size = 0;
         for (Py_ssize_t nn = 0; nn < N; nn++)
             if (s->cnt_N[nn] > 0) s->heap_N[size++] = nn;
         for (Py_ssize_t i = size / 2; i-- > 0;) merge_sift_down(tp, s, dev_load_D, i, size);
-        for (Py_ssize_t p = 0; p < npick; p++) {
-            const int64_t bn = s->heap_N[0];
-            s->seq[p] = s->cand[off_N[bn] + s->taken_N[bn]];
-            if (++s->taken_N[bn] >= s->cnt_N[bn]) s->heap_N[0] = s->heap_N[--size];
-            if (size > 0) merge_sift_down(tp, s, dev_load_D, 0, size);
-        }
         /* LPT guard: place the first k <= npick, k minimizing the hottest device among e's holders. */
         const double load_e = load_E[e];
         double hottest = dev_load_D[s->holders[0]];
@@ -346,6 +353,10 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
         double best = hottest, run = -INFINITY;
         Py_ssize_t k = 0;
         for (Py_ssize_t j = 1; j <= npick; j++) {
+            const int64_t bn = s->heap_N[0];                 /* l.10: the next pick */
+            s->seq[j - 1] = s->cand[off_N[bn] + s->taken_N[bn]];
+            if (++s->taken_N[bn] >= s->cnt_N[bn]) s->heap_N[0] = s->heap_N[--size];
+            if (size > 0) merge_sift_down(tp, s, dev_load_D, 0, size);
             const double x = dev_load_D[s->seq[j - 1]];
             if (x > run) run = x;
             const double top = run > base ? run : base;
@@ -370,7 +381,10 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
         }
         for (Py_ssize_t j = 0; j < k; j++) {
             const int64_t d = s->seq[j], nd = node_D[d];
-            row_D[d] = 1;
+            if (mask_free)
+                s->pick_X[s->npicks++] = e * (int64_t)D + d;
+            else
+                row_D[d] = 1;
             slots_D[d] -= 1;
             if (!s->holders_N[nd]) uncovered -= k_N[nd];
             s->holders_N[nd]++;
@@ -1276,6 +1290,223 @@ done:
 }
 
 /* ------------------------------------------------------------------------------------ module */
+/* ---------------------------------------------------------------------------- sparse per-rank path */
+static int cmp_i64(const void *a, const void *b)
+{
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* materialize_pairs(topology, owners_E, load_E, t, m, pairs_X (w), copies_E (w)) -> X, or -1 for a load
+ * that is not finite and >= 0: Alg. 1 from the shard placement of owners_E without building a mask. The
+ * added replicas P' \ P are written as e * D + d, ascending (pairs_X must have room for
+ * min(t, E) * D of them); copies_E gets P''s holder counts. Same decisions as `materialize`. */
+static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bown, bload, bpairs, bcopies;
+    Py_ssize_t t, m;
+    topo_t tp;
+    scratch_t s;
+    void *mem = NULL;
+    uint8_t *row = NULL;
+    long long rc = -2;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnw*w*", &btopo, &bown, &bload, &t, &m, &bpairs, &bcopies)) return NULL;
+    if (parse_topo(&btopo, &tp) < 0) goto done;
+    const Py_ssize_t D = (Py_ssize_t)tp.D, N = (Py_ssize_t)tp.N, E = bload.len / (Py_ssize_t)sizeof(double);
+    if (t < 0 || m < 0) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: t and m must be >= 0");
+        goto done;
+    }
+    if (t > E) t = E;
+    if (m > t) m = t;
+    if (check_len(&bown, E, 8, "owners_E") < 0 || check_len(&bcopies, E, 8, "copies_E") < 0) goto done;
+    if (bpairs.len < (Py_ssize_t)sizeof(int64_t) * t * D) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: pairs_X is too small");
+        goto done;
+    }
+    const double *load_E = (const double *)bload.buf;
+    const int64_t *owners_E = (const int64_t *)bown.buf;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        if (!(load_E[e] >= 0 && load_E[e] < INFINITY)) {
+            rc = -1;
+            goto done;
+        }
+        if (owners_E[e] < 0 || owners_E[e] >= D) {
+            PyErr_SetString(PyExc_ValueError, "_cplan: an owner is out of range");
+            goto done;
+        }
+    }
+    int64_t *copies_E = (int64_t *)bcopies.buf, *pairs_X = (int64_t *)bpairs.buf;
+    for (Py_ssize_t e = 0; e < E; e++) copies_E[e] = 1;
+    mem = alloc_scratch(&s, t, D, N, t + 2 * D);
+    row = (uint8_t *)calloc((size_t)(D > 0 ? D : 1), 1);
+    if (mem == NULL || row == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *top_J = s.extra, *slots_D = top_J + t;
+    double *dev_load_D = (double *)(slots_D + D);
+    const Py_ssize_t J = top_experts(load_E, E, t, NULL, top_J);                    /* l.3 */
+    if (J < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t X = 0;
+    if (J > 0 && m > 0) {
+        if (t <= m) {                                                               /* l.4-5 */
+            qsort(top_J, (size_t)J, sizeof(int64_t), cmp_i64);
+            for (Py_ssize_t j = 0; j < J; j++) {
+                const int64_t e = top_J[j], owner = owners_E[e];
+                for (int64_t d = 0; d < D; d++)
+                    if (d != owner) pairs_X[X++] = e * (int64_t)D + d;
+                copies_E[e] = D;
+            }
+        } else {                                                                    /* l.7-11 */
+            for (Py_ssize_t d = 0; d < D; d++) slots_D[d] = m;
+            shard_device_load(owners_E, load_E, E, D, dev_load_D);
+            s.row = row;
+            s.pick_X = pairs_X;
+            place_replicas(&tp, NULL, load_E, top_J, J, slots_D, copies_E, dev_load_D, owners_E, &s);
+            X = s.npicks;
+            qsort(pairs_X, (size_t)X, sizeof(int64_t), cmp_i64);   /* at most D * m, usually few */
+        }
+    }
+    rc = X;
+done:
+    free(mem);
+    free(row);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bown);
+    PyBuffer_Release(&bload);
+    PyBuffer_Release(&bpairs);
+    PyBuffer_Release(&bcopies);
+    if (rc == -2) return NULL;
+    return PyLong_FromLongLong(rc);
+}
+
+/* own_row(topology, owners_E, pairs_X, tokens_E, rank, dest_Y (w), count_Y (w)) -> entries, or -1 for a
+ * negative count: the rank's row R[e, rank, :] of Alg. 3 for P' = owners ∪ pairs (pairs_X ascending
+ * e * D + d, none at an owner), as its entries with tokens: for expert e (ascending) the destinations
+ * (ascending) and counts, expert e's entries being [start_E[e], start_E[e + 1]) (start_E: the first E + 1
+ * words of dest_Y's companion start_E (w)). tokens_E[e] = T[e, rank], any stride. Same split as
+ * split_row. O(E + X + replicated experts' holders). */
+static PyObject *py_own_row(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bown, bpairs, btok = {0}, bstart, bdest, bcount;
+    PyObject *tok_obj;
+    long long rank;
+    topo_t tp;
+    int64_t *holders = NULL;
+    long long rc = -2;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*OLw*w*w*", &btopo, &bown, &bpairs, &tok_obj, &rank, &bstart, &bdest,
+                          &bcount))
+        return NULL;
+    if (parse_topo(&btopo, &tp) < 0) goto done;
+    if (PyObject_GetBuffer(tok_obj, &btok, PyBUF_STRIDES) < 0) goto done;
+    const Py_ssize_t D = (Py_ssize_t)tp.D, E = bown.len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t X = bpairs.len / (Py_ssize_t)sizeof(int64_t);
+    if (btok.ndim != 1 || btok.itemsize != 8 || btok.shape[0] != E || btok.strides[0] % 8) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: tokens_E must be a 1-D int64 buffer of E counts");
+        goto done;
+    }
+    if (rank < 0 || rank >= D) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: rank is out of range");
+        goto done;
+    }
+    if (check_len(&bstart, E + 1, 8, "start_E") < 0 || bdest.len < (Py_ssize_t)sizeof(int64_t) * (E + X) ||
+        bcount.len != bdest.len) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_cplan: dest_Y / count_Y too small");
+        goto done;
+    }
+    const int64_t *owners_E = (const int64_t *)bown.buf, *pairs_X = (const int64_t *)bpairs.buf;
+    const Py_ssize_t st = btok.strides[0] / 8;
+    const int64_t *tok = (const int64_t *)btok.buf;
+    int64_t *start_E = (int64_t *)bstart.buf, *dest_Y = (int64_t *)bdest.buf, *count_Y = (int64_t *)bcount.buf;
+    holders = (int64_t *)malloc((size_t)(D + 1) * sizeof(int64_t));
+    if (holders == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t my_node = tp.node_D[rank], lo = tp.off_N[my_node], hi = tp.off_N[my_node + 1];
+    Py_ssize_t x = 0, y = 0;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        const int64_t tokens = tok[e * st], owner = owners_E[e];
+        if (tokens < 0 || owner < 0 || owner >= D) {
+            rc = -1;
+            goto done;
+        }
+        start_E[e] = y;
+        /* e's holders, ascending: its replicas (pairs of row e) with the owner merged in. */
+        Py_ssize_t c = 0;
+        int owner_in = 0;
+        const int64_t row0 = (int64_t)e * D;
+        while (x < X && pairs_X[x] < row0 + D) {
+            const int64_t d = pairs_X[x++] - row0;
+            if (d < 0 || d == owner || (c > 0 && d <= holders[c - 1])) {   /* unsorted, or at the owner */
+                rc = -1;
+                goto done;
+            }
+            if (!owner_in && owner < d) {
+                holders[c++] = owner;
+                owner_in = 1;
+            }
+            holders[c++] = d;
+        }
+        if (!owner_in) holders[c++] = owner;
+        if (tokens == 0) continue;
+        if (c == 1) {                                    /* every token goes to the one holder */
+            dest_Y[y] = owner;
+            count_Y[y++] = tokens;
+            continue;
+        }
+        /* l.4-5: a holder keeps its tokens; l.9-10: else the holders on its node; l.12: else all. */
+        Py_ssize_t first = 0, k = 0, held = 0;
+        for (Py_ssize_t h = 0; h < c; h++) {
+            if (holders[h] == rank) held = 1;
+            if (holders[h] >= lo && holders[h] < hi) {
+                if (k == 0) first = h;
+                k++;
+            }
+        }
+        if (held) {
+            dest_Y[y] = rank;
+            count_Y[y++] = tokens;
+            continue;
+        }
+        const int64_t *targets = k > 0 ? holders + first : holders;
+        if (k == 0) k = c;
+        const int64_t q = tokens / k, r = tokens % k, offset = ((int64_t)e + rank) % k;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t u = j - offset;
+            if (u < 0) u += k;
+            const int64_t n = q + (u < r);
+            if (n) {
+                dest_Y[y] = targets[j];
+                count_Y[y++] = n;
+            }
+        }
+    }
+    if (x != X) {                                        /* pairs beyond the last expert */
+        rc = -1;
+        goto done;
+    }
+    start_E[E] = y;
+    rc = y;
+done:
+    free(holders);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bown);
+    PyBuffer_Release(&bpairs);
+    if (btok.obj != NULL) PyBuffer_Release(&btok);
+    PyBuffer_Release(&bstart);
+    PyBuffer_Release(&bdest);
+    PyBuffer_Release(&bcount);
+    if (rc == -2) return NULL;
+    return PyLong_FromLongLong(rc);
+}
+
 static PyMethodDef cplan_methods[] = {
     {"materialize", py_materialize, METH_VARARGS, "Alg. 1 core (sparse_materialization after validation)."},
     {"place_replicas", py_place_replicas, METH_VARARGS, "Alg. 1 l.7-11 in place (_place_replicas)."},
@@ -1285,6 +1516,8 @@ static PyMethodDef cplan_methods[] = {
     {"dispatch", py_dispatch, METH_VARARGS, "Alg. 3: the full plan R[e, d, d2]."},
     {"dispatch_rows", py_dispatch_rows, METH_VARARGS, "Alg. 3: rows R[:, sources, :]."},
     {"dispatch_device_load", py_dispatch_device_load, METH_VARARGS, "Alg. 3: tokens per device."},
+    {"materialize_pairs", py_materialize_pairs, METH_VARARGS, "Alg. 1 from owners, P' \\ P as pairs."},
+    {"own_row", py_own_row, METH_VARARGS, "Alg. 3: one rank's row, sparse, from owners and pairs."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -57,7 +57,7 @@ from themis_compile.planner.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["sparse_materialization", "calibrate", "check_count", "check_loads"]
+__all__ = ["sparse_materialization", "materialize_pairs", "calibrate", "check_count", "check_loads"]
 
 
 # --------------------------------------------------------------------------------------- validation
@@ -465,3 +465,30 @@ def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
         return Placement.adopt(mask_ED, copies_E)
     return materialized if code == 0 else None
+
+
+# --------------------------------------------------------------------------------------- sparse form
+def materialize_pairs(shard: Placement, load_E: np.ndarray, overlap_degree: int, materialization_budget: int,
+                      topology: Topology) -> np.ndarray:
+    """Alg. 1 as the replicas it adds: ΔP = P' \\ P of `sparse_materialization` as flat ids ``e·D + d``,
+    ascending, int64 [X].
+
+    The same plan, bit for bit; with the compiled core it is built from the shard's owners without an
+    [E, D] mask (O(E + t·D): at 1,024 devices the mask alone is 4 MB), for callers that keep P' sparse
+    (`dispatch.own_row_entries`).
+    """
+    _check_shard(shard, topology)
+    E, D = shard.shape
+    core = compiled_core()
+    if core is not None:
+        load_C = np.ascontiguousarray(check_loads(load_E, E))
+        t = min(check_count("overlap_degree", overlap_degree), E)
+        m = min(check_count("materialization_budget", materialization_budget), t)
+        pairs_X = np.empty(max(t * D, 1), dtype=np.int64)
+        copies_E = np.empty(E, dtype=np.int64)
+        count = core.materialize_pairs(topology.core_layout, shard.owners(), load_C, t, m, pairs_X, copies_E)
+        if count < 0:
+            raise AssertionError("compiled Alg. 1 rejected loads that pass validation")
+        return pairs_X[:count].copy()
+    placed = sparse_materialization(shard, load_E, overlap_degree, materialization_budget, topology)
+    return np.flatnonzero(placed.mask & ~shard.mask).astype(np.int64, copy=False)

@@ -1,0 +1,68 @@
+"""The sparse per-rank path (`materialize_pairs`, `own_row_entries`): the same plan as the dense
+`sparse_materialization` + `dispatch_rows`, through the compiled core and through numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from themis_compile.planner import (
+    Placement, Topology, backend, dispatch_rows, materialize_pairs, own_row_entries, sparse_materialization,
+)
+
+TOPOLOGIES = [(1,), (3,), (2, 2), (5, 3, 8), (4, 4, 4), (8,) * 6, (1, 3, 2, 4) * 3]
+CORES = [None] + ([backend.compiled_core()] if backend.compiled_core() is not None else [])
+
+
+def _case(rng):
+    topo = Topology(TOPOLOGIES[rng.integers(len(TOPOLOGIES))])
+    D = topo.num_devices
+    E = int(rng.integers(1, 4 * D + 2))
+    shard = Placement.from_owners(rng.integers(0, D, E), D)
+    if rng.integers(3) == 0:
+        load_E = rng.integers(0, 4, E).astype(np.float64)            # exact ties
+    else:
+        load_E = rng.dirichlet(np.full(E, 0.3)) * 1e5
+    t = int(rng.integers(0, min(E, 24) + 1))
+    m = int(rng.integers(0, t + 2))
+    tokens_ED = rng.multinomial(int(rng.integers(0, 4000)), rng.dirichlet(np.full(E, 0.5)), size=D).T
+    return topo, shard, load_E, t, m, np.ascontiguousarray(tokens_ED.astype(np.int64))
+
+
+@pytest.mark.parametrize("core", CORES, ids=lambda c: "numpy" if c is None else "c")
+def test_sparse_path_equals_the_dense_plan(core):
+    rng = np.random.default_rng(53)
+    branches = set()
+    with backend.using(core):
+        for _ in range(120):
+            topo, shard, load_E, t, m, tokens_ED = _case(rng)
+            D = topo.num_devices
+            dense = sparse_materialization(shard, load_E, t, m, topo)
+            pairs_X = materialize_pairs(shard, load_E, t, m, topo)
+            assert np.array_equal(pairs_X, np.flatnonzero(dense.mask & ~shard.mask))
+            branches.add("everywhere" if pairs_X.size and min(t, m) >= t else "lpt" if pairs_X.size else "none")
+            for rank in {0, D - 1, int(rng.integers(D))}:
+                row_ED = dispatch_rows(dense, tokens_ED, topo, rank)
+                start_E, dest_Y, count_Y = own_row_entries(shard.owners(), pairs_X, tokens_ED[:, rank], topo, rank)
+                e_Y, d_Y = np.nonzero(row_ED)
+                assert np.array_equal(np.repeat(np.arange(shard.num_experts), np.diff(start_E)), e_Y)
+                assert np.array_equal(dest_Y, d_Y)
+                assert np.array_equal(count_Y, row_ED[e_Y, d_Y])
+    assert branches == {"everywhere", "lpt", "none"}
+
+
+def test_sparse_path_rejects_bad_input():
+    topo = Topology((2, 2))
+    shard = Placement.from_owners([0, 1, 2, 3], 4)
+    with pytest.raises(ValueError, match="negative"):
+        materialize_pairs(shard, np.array([1.0, -1.0, 0.0, 0.0]), 2, 1, topo)
+    for core in CORES:
+        with backend.using(core):
+            with pytest.raises(ValueError, match="rank"):
+                own_row_entries(shard.owners(), np.array([], dtype=np.int64), np.ones(4, dtype=np.int64), topo, 4)
+            with pytest.raises(ValueError, match="negative"):
+                own_row_entries(shard.owners(), np.array([], dtype=np.int64), -np.ones(4, dtype=np.int64), topo, 0)
+            with pytest.raises(ValueError, match="ascending"):     # a replica at the owner, then unsorted
+                own_row_entries(shard.owners(), np.array([0], dtype=np.int64), np.ones(4, dtype=np.int64), topo, 0)
+            with pytest.raises(ValueError, match="ascending"):
+                own_row_entries(shard.owners(), np.array([6, 5], dtype=np.int64), np.ones(4, dtype=np.int64), topo, 0)
