@@ -20,8 +20,9 @@ def test_planner_bench_quick(capsys):
 def test_planner_bench_devices(capsys):
     """``--devices``: the per-layer path on a rank at given sizes, DeepSeek-V3-like (E = 4 per device),
     with the simulator's (t, m) and with a binding budget."""
-    result = planner.main(["--devices", "16,32", "--plans", "3"])
+    result = planner.main(["--devices", "16,32", "--plans", "3", "--clock", "thread"])
     assert '"benchmark": "planner_devices"' in capsys.readouterr().out
+    assert result["clock"] == "thread"
     sizes = result["sizes"]
     assert [(s["devices"], s["budget"]) for s in sizes] == [
         (16, "simulator"), (16, "binding_budget"), (32, "simulator"), (32, "binding_budget")]

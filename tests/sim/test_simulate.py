@@ -193,3 +193,14 @@ def test_the_engine_never_branches_on_policy_names() -> None:
         assert charges.policy.name == name
     with pytest.raises(ValueError, match="unknown policy"):
         sim.charges_for("nope", setup)
+
+
+def test_paper_rows_compare_ranges_and_costs():
+    """A range matches inside it; a cost the paper reports (the planning time) also below it."""
+    from themis_compile.sim.paper import _rel
+
+    assert _rel((24.0, 51.0), 30.0) == 0.0
+    assert _rel((24.0, 51.0), 12.0) == pytest.approx(-0.5)
+    assert _rel((24.0, 51.0), 12.0, ceiling=True) == 0.0
+    assert _rel((24.0, 51.0), 61.2, ceiling=True) == pytest.approx(0.2)
+    assert _rel(2.0, 2.5) == pytest.approx(0.25)

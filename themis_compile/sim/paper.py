@@ -100,10 +100,13 @@ _EXPLAIN: dict[str, tuple[str, str]] = {
 }
 
 
-def _rel(paper: float | tuple[float, float], ours: float) -> float:
-    """Relative difference; for a range, the distance to its nearest end (0 inside)."""
+def _rel(paper: float | tuple[float, float], ours: float, ceiling: bool = False) -> float:
+    """Relative difference; for a range, the distance to its nearest end (0 inside). With ``ceiling``
+    (a cost the paper reports, such as its planning time) anything at or below the range is 0."""
     if isinstance(paper, tuple):
         lo, hi = paper
+        if ceiling:
+            lo = 0.0
         return 0.0 if lo <= ours <= hi else (ours - hi) / hi if ours > hi else (ours - lo) / lo
     return (ours - paper) / paper
 
@@ -132,8 +135,8 @@ def paper_report(iterations: int = 20, progress: bool = False, quick: bool = Fal
     rows: list[dict[str, Any]] = []
     pending: list[tuple[dict[str, Any], str]] = []
 
-    def row(metric: str, paper: float | tuple[float, float], ours: float, key: str) -> None:
-        diff = _rel(paper, float(ours))
+    def row(metric: str, paper: float | tuple[float, float], ours: float, key: str, ceiling: bool = False) -> None:
+        diff = _rel(paper, float(ours), ceiling)
         ref = paper if not isinstance(paper, tuple) else 0.5 * (paper[0] + paper[1])
         rows.append({"metric": metric, "paper": list(paper) if isinstance(paper, tuple) else paper,
                      "ours": round(float(ours), 3), "ours_over_paper": round(float(ours) / ref, 3),
@@ -177,7 +180,9 @@ def paper_report(iterations: int = 20, progress: bool = False, quick: bool = Fal
     row("memory: FlexMoE / Themis", 3.0, mem["flexmoe"] / mem["themis"], "flexmoe_memory")
     a2a = {n: r.breakdown_s["A2A"] for n, r in res.policies.items()}
     row("Fig. 11: A2A reduction, Themis vs EP", 13.0, a2a["ep"] / max(a2a["themis"], 1e-12), "a2a")
-    row("plan time per MoE layer, median (us)", _PLAN_US, float(np.median(plan_us)), "plan_time")
+    # A cost of this implementation on this machine, not a simulated figure: it matches when it is no
+    # slower than the paper's.
+    row("plan time per MoE layer, median (us)", _PLAN_US, float(np.median(plan_us)), "plan_time", ceiling=True)
     # The context the explanations cite.
     fig9_runs = [r for k, r in runs.items() if k.startswith("fig9/")]
     t_fig9 = sorted({r["setup"]["overlap_degree"] for r in fig9_runs})
