@@ -38,12 +38,18 @@ def test_sparse_path_equals_the_dense_plan(core):
             topo, shard, load_E, t, m, tokens_ED = _case(rng)
             D = topo.num_devices
             dense = sparse_materialization(shard, load_E, t, m, topo)
-            pairs_X = materialize_pairs(shard, load_E, t, m, topo)
-            assert np.array_equal(pairs_X, np.flatnonzero(dense.mask & ~shard.mask))
-            branches.add("everywhere" if pairs_X.size and min(t, m) >= t else "lpt" if pairs_X.size else "none")
+            full_J, pairs_X = materialize_pairs(shard, load_E, t, m, topo)
+            rebuilt = shard.mask.copy()
+            rebuilt.reshape(-1)[pairs_X] = True
+            rebuilt[full_J] = True
+            assert np.array_equal(rebuilt, dense.mask)
+            assert not np.isin(pairs_X // D, full_J).any() and (D > 1 or full_J.size == 0)
+            assert np.array_equal(full_J, np.flatnonzero((dense.copies() == D) & (dense.mask & ~shard.mask).any(axis=1)))
+            branches.add("everywhere" if full_J.size and m >= t else "lpt" if pairs_X.size else "none")
             for rank in {0, D - 1, int(rng.integers(D))}:
                 row_ED = dispatch_rows(dense, tokens_ED, topo, rank)
-                start_E, dest_Y, count_Y = own_row_entries(shard.owners(), pairs_X, tokens_ED[:, rank], topo, rank)
+                start_E, dest_Y, count_Y = own_row_entries(shard.owners(), full_J, pairs_X, tokens_ED[:, rank], topo,
+                                                           rank)
                 e_Y, d_Y = np.nonzero(row_ED)
                 assert np.array_equal(np.repeat(np.arange(shard.num_experts), np.diff(start_E)), e_Y)
                 assert np.array_equal(dest_Y, d_Y)
@@ -56,13 +62,17 @@ def test_sparse_path_rejects_bad_input():
     shard = Placement.from_owners([0, 1, 2, 3], 4)
     with pytest.raises(ValueError, match="negative"):
         materialize_pairs(shard, np.array([1.0, -1.0, 0.0, 0.0]), 2, 1, topo)
+    none = np.array([], dtype=np.int64)
+    ones = np.ones(4, dtype=np.int64)
     for core in CORES:
         with backend.using(core):
             with pytest.raises(ValueError, match="rank"):
-                own_row_entries(shard.owners(), np.array([], dtype=np.int64), np.ones(4, dtype=np.int64), topo, 4)
+                own_row_entries(shard.owners(), none, none, ones, topo, 4)
             with pytest.raises(ValueError, match="negative"):
-                own_row_entries(shard.owners(), np.array([], dtype=np.int64), -np.ones(4, dtype=np.int64), topo, 0)
-            with pytest.raises(ValueError, match="ascending"):     # a replica at the owner, then unsorted
-                own_row_entries(shard.owners(), np.array([0], dtype=np.int64), np.ones(4, dtype=np.int64), topo, 0)
-            with pytest.raises(ValueError, match="ascending"):
-                own_row_entries(shard.owners(), np.array([6, 5], dtype=np.int64), np.ones(4, dtype=np.int64), topo, 0)
+                own_row_entries(shard.owners(), none, none, -ones, topo, 0)
+            for full, pairs in [(none, [0]), (none, [6, 5]), ([1], [5]), ([2, 1], none), ([4], none)]:
+                # a replica at its owner, unsorted replicas, a replica in a full expert, unsorted or
+                # out-of-range full experts
+                with pytest.raises(ValueError, match="ascending"):
+                    own_row_entries(shard.owners(), np.array(full, dtype=np.int64), np.array(pairs, dtype=np.int64),
+                                    ones, topo, 0)

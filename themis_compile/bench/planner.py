@@ -18,8 +18,8 @@ budget m the simulator derives for DeepSeek-V3 on Cluster A at that size (`sim.s
 once more with a binding budget (m = `BINDING_BUDGET` < t: Alg. 1's LPT branch). Reported per size: the
 median / p95 of Alg. 1, of the rank's own row of Alg. 3 and of both (``per_layer_on_a_rank``: the dense
 [E, D] layout the runtime consumes), and the same through the sparse path (``*_sparse``: Alg. 1 as the
-replica pairs it adds, `materialize_pairs`, and the row as entries from the rank's own counts,
-`own_row_entries`), each against `DEVICES_TARGET_US`. The full [E, D, D] plan is not built there (34 GB at
+experts it replicates everywhere and the other replica pairs it adds, `materialize_pairs`, and the row
+as entries from the rank's own counts, `own_row_entries`), each against `DEVICES_TARGET_US`. The full [E, D, D] plan is not built there (34 GB at
 1,024 devices).
 
 ``backend`` names the planner core that ran (``"c"``: the compiled core, ``"numpy"``: its numpy
@@ -189,9 +189,9 @@ def bench_devices(num_devices: int, plans: int, seed: int, devices_per_node: int
             t1 = clock()
             dispatch_rows(placement, tokens_ED, topology, rank)
             t2 = clock()
-            replicas_X = materialize_pairs(shard, load_E, t, m, topology)
+            full_J, replicas_X = materialize_pairs(shard, load_E, t, m, topology)
             t3 = clock()
-            own_row_entries(owners_E, replicas_X, tokens_ED[:, rank], topology, rank)
+            own_row_entries(owners_E, full_J, replicas_X, tokens_ED[:, rank], topology, rank)
             t4 = clock()
             for name, a, b in zip(samples, (t0, t1, t0, t2, t3, t2), (t1, t2, t2, t3, t4, t4)):
                 samples[name].append((b - a) * 1e6)

@@ -1297,10 +1297,11 @@ static int cmp_i64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* materialize_pairs(topology, owners_E, load_E, t, m, pairs_X (w), copies_E (w)) -> X, or -1 for a load
- * that is not finite and >= 0: Alg. 1 from the shard placement of owners_E without building a mask. The
- * added replicas P' \ P are written as e * D + d, ascending (pairs_X must have room for
- * min(t, E) * D of them); copies_E gets P''s holder counts. Same decisions as `materialize`. */
+/* materialize_pairs(topology, owners_E, load_E, t, m, full_J (w), pairs_X (w), copies_E (w)) -> (F, X), or
+ * None for a load that is not finite and >= 0: Alg. 1 from the shard placement of owners_E without
+ * building a mask, P' as the F experts every device holds (full_J, ascending; none when D = 1) and the
+ * X other added replicas as e * D + d (pairs_X, ascending; room for D * min(m, t) of them when t > m);
+ * copies_E gets P''s holder counts. Same decisions as `materialize`. */
 static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
 {
     Py_buffer btopo, bown, bload, bpairs, bcopies;
@@ -1310,8 +1311,11 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
     void *mem = NULL;
     uint8_t *row = NULL;
     long long rc = -2;
+    Py_ssize_t F = 0, X = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*nnw*w*", &btopo, &bown, &bload, &t, &m, &bpairs, &bcopies)) return NULL;
+    Py_buffer bfull;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnw*w*w*", &btopo, &bown, &bload, &t, &m, &bfull, &bpairs, &bcopies))
+        return NULL;
     if (parse_topo(&btopo, &tp) < 0) goto done;
     const Py_ssize_t D = (Py_ssize_t)tp.D, N = (Py_ssize_t)tp.N, E = bload.len / (Py_ssize_t)sizeof(double);
     if (t < 0 || m < 0) {
@@ -1321,7 +1325,7 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
     if (t > E) t = E;
     if (m > t) m = t;
     if (check_len(&bown, E, 8, "owners_E") < 0 || check_len(&bcopies, E, 8, "copies_E") < 0) goto done;
-    if (bpairs.len < (Py_ssize_t)sizeof(int64_t) * t * D) {
+    if (bfull.len < (Py_ssize_t)sizeof(int64_t) * t || (t > m && bpairs.len < (Py_ssize_t)sizeof(int64_t) * m * D)) {
         PyErr_SetString(PyExc_ValueError, "_cplan: pairs_X is too small");
         goto done;
     }
@@ -1337,7 +1341,7 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    int64_t *copies_E = (int64_t *)bcopies.buf, *pairs_X = (int64_t *)bpairs.buf;
+    int64_t *copies_E = (int64_t *)bcopies.buf, *pairs_X = (int64_t *)bpairs.buf, *full_J = (int64_t *)bfull.buf;
     for (Py_ssize_t e = 0; e < E; e++) copies_E[e] = 1;
     mem = alloc_scratch(&s, t, D, N, t + 2 * D);
     row = (uint8_t *)calloc((size_t)(D > 0 ? D : 1), 1);
@@ -1352,15 +1356,12 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    Py_ssize_t X = 0;
-    if (J > 0 && m > 0) {
+    if (J > 0 && m > 0 && D > 1) {
         if (t <= m) {                                                               /* l.4-5 */
             qsort(top_J, (size_t)J, sizeof(int64_t), cmp_i64);
             for (Py_ssize_t j = 0; j < J; j++) {
-                const int64_t e = top_J[j], owner = owners_E[e];
-                for (int64_t d = 0; d < D; d++)
-                    if (d != owner) pairs_X[X++] = e * (int64_t)D + d;
-                copies_E[e] = D;
+                full_J[F++] = top_J[j];
+                copies_E[top_J[j]] = D;
             }
         } else {                                                                    /* l.7-11 */
             for (Py_ssize_t d = 0; d < D; d++) slots_D[d] = m;
@@ -1368,11 +1369,19 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
             s.row = row;
             s.pick_X = pairs_X;
             place_replicas(&tp, NULL, load_E, top_J, J, slots_D, copies_E, dev_load_D, owners_E, &s);
-            X = s.npicks;
-            qsort(pairs_X, (size_t)X, sizeof(int64_t), cmp_i64);   /* at most D * m, usually few */
+            qsort(pairs_X, (size_t)s.npicks, sizeof(int64_t), cmp_i64);   /* at most D * m, usually few */
+            /* Experts that reached every device are full; the others' pairs stay, in order. */
+            for (Py_ssize_t i = 0; i < s.npicks; i++) {
+                const int64_t e = pairs_X[i] / (int64_t)D;
+                if (copies_E[e] == D) {
+                    if (F == 0 || full_J[F - 1] != e) full_J[F++] = e;
+                } else {
+                    pairs_X[X++] = pairs_X[i];
+                }
+            }
         }
     }
-    rc = X;
+    rc = 0;
 done:
     free(mem);
     free(row);
@@ -1381,27 +1390,29 @@ done:
     PyBuffer_Release(&bload);
     PyBuffer_Release(&bpairs);
     PyBuffer_Release(&bcopies);
+    PyBuffer_Release(&bfull);
     if (rc == -2) return NULL;
-    return PyLong_FromLongLong(rc);
+    if (rc == -1) Py_RETURN_NONE;
+    return Py_BuildValue("(nn)", F, X);
 }
 
-/* own_row(topology, owners_E, pairs_X, tokens_E, rank, dest_Y (w), count_Y (w)) -> entries, or -1 for a
- * negative count: the rank's row R[e, rank, :] of Alg. 3 for P' = owners ∪ pairs (pairs_X ascending
- * e * D + d, none at an owner), as its entries with tokens: for expert e (ascending) the destinations
- * (ascending) and counts, expert e's entries being [start_E[e], start_E[e + 1]) (start_E: the first E + 1
- * words of dest_Y's companion start_E (w)). tokens_E[e] = T[e, rank], any stride. Same split as
- * split_row. O(E + X + replicated experts' holders). */
+/* own_row(topology, owners_E, full_J, pairs_X, tokens_E, rank, start_E (w), dest_Y (w), count_Y (w)) ->
+ * entries, or -1 for inputs it declines: the rank's row R[e, rank, :] of Alg. 3 for P' = owners ∪
+ * (full_J × D) ∪ pairs (full_J ascending; pairs_X ascending e * D + d, none at an owner or in a full
+ * expert), as its entries with tokens: expert e's destinations (ascending) and counts are
+ * [start_E[e], start_E[e + 1]) of dest_Y / count_Y. tokens_E[e] = T[e, rank], any stride. Same split
+ * as split_row. O(E + X + the partly replicated experts' holders). */
 static PyObject *py_own_row(PyObject *self, PyObject *args)
 {
-    Py_buffer btopo, bown, bpairs, btok = {0}, bstart, bdest, bcount;
+    Py_buffer btopo, bown, bfull, bpairs, btok = {0}, bstart, bdest, bcount;
     PyObject *tok_obj;
     long long rank;
     topo_t tp;
     int64_t *holders = NULL;
     long long rc = -2;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*OLw*w*w*", &btopo, &bown, &bpairs, &tok_obj, &rank, &bstart, &bdest,
-                          &bcount))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*OLw*w*w*", &btopo, &bown, &bfull, &bpairs, &tok_obj, &rank, &bstart,
+                          &bdest, &bcount))
         return NULL;
     if (parse_topo(&btopo, &tp) < 0) goto done;
     if (PyObject_GetBuffer(tok_obj, &btok, PyBUF_STRIDES) < 0) goto done;
@@ -1421,6 +1432,9 @@ static PyObject *py_own_row(PyObject *self, PyObject *args)
         goto done;
     }
     const int64_t *owners_E = (const int64_t *)bown.buf, *pairs_X = (const int64_t *)bpairs.buf;
+    const int64_t *full_J = (const int64_t *)bfull.buf;
+    const Py_ssize_t F = bfull.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t f = 0;
     const Py_ssize_t st = btok.strides[0] / 8;
     const int64_t *tok = (const int64_t *)btok.buf;
     int64_t *start_E = (int64_t *)bstart.buf, *dest_Y = (int64_t *)bdest.buf, *count_Y = (int64_t *)bcount.buf;
@@ -1432,12 +1446,46 @@ static PyObject *py_own_row(PyObject *self, PyObject *args)
     const int64_t my_node = tp.node_D[rank], lo = tp.off_N[my_node], hi = tp.off_N[my_node + 1];
     Py_ssize_t x = 0, y = 0;
     for (Py_ssize_t e = 0; e < E; e++) {
+        /* Up to the next expert with replicas, every expert has one holder, its owner: a tight loop.
+         * (dest_Y / count_Y are written before y advances; a zero count is overwritten next.) */
+        Py_ssize_t stop = f < F && full_J[f] < E ? (Py_ssize_t)full_J[f] : E;
+        if (x < X && pairs_X[x] >= 0 && pairs_X[x] / D < stop) stop = (Py_ssize_t)(pairs_X[x] / D);
+        int64_t bad = 0;
+        for (; e < stop; e++) {
+            const int64_t tokens = tok[e * st], owner = owners_E[e];
+            bad |= tokens | owner | (D - 1 - owner);
+            start_E[e] = y;
+            dest_Y[y] = owner;
+            count_Y[y] = tokens;
+            y += tokens != 0;
+        }
+        if (bad < 0) {                                   /* a negative count, or an owner out of range */
+            rc = -1;
+            goto done;
+        }
+        if (e >= E) break;
         const int64_t tokens = tok[e * st], owner = owners_E[e];
         if (tokens < 0 || owner < 0 || owner >= D) {
             rc = -1;
             goto done;
         }
         start_E[e] = y;
+        if (f < F && full_J[f] == e) {                   /* on every device: the rank keeps its tokens */
+            f++;
+            if (x < X && pairs_X[x] < (int64_t)(e + 1) * D) {
+                rc = -1;
+                goto done;
+            }
+            if (tokens) {
+                dest_Y[y] = rank;
+                count_Y[y++] = tokens;
+            }
+            continue;
+        }
+        if (f < F && full_J[f] < e) {                    /* unsorted or out of range */
+            rc = -1;
+            goto done;
+        }
         /* e's holders, ascending: its replicas (pairs of row e) with the owner merged in. */
         Py_ssize_t c = 0;
         int owner_in = 0;
@@ -1488,7 +1536,7 @@ static PyObject *py_own_row(PyObject *self, PyObject *args)
             }
         }
     }
-    if (x != X) {                                        /* pairs beyond the last expert */
+    if (x != X || f != F) {                              /* pairs or full experts beyond the last expert */
         rc = -1;
         goto done;
     }
@@ -1498,6 +1546,7 @@ done:
     free(holders);
     PyBuffer_Release(&btopo);
     PyBuffer_Release(&bown);
+    PyBuffer_Release(&bfull);
     PyBuffer_Release(&bpairs);
     if (btok.obj != NULL) PyBuffer_Release(&btok);
     PyBuffer_Release(&bstart);

@@ -295,14 +295,15 @@ def even_dispatch(placement: Placement, tokens_ED: np.ndarray) -> np.ndarray:
     return topology_aware_dispatch(placement, tokens_ED, Topology.single_node(placement.num_devices))
 
 
-def own_row_entries(owners_E: np.ndarray, replicas_X: np.ndarray, tokens_E: np.ndarray, topology: Topology,
-                    rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One rank's row R[:, rank, :] of Alg. 3 for P' = the shard of ``owners_E`` plus ``replicas_X``
-    (flat ids ``e·D + d``, ascending: `materialize.materialize_pairs`), in sparse form.
+def own_row_entries(owners_E: np.ndarray, full_J: np.ndarray, replicas_X: np.ndarray, tokens_E: np.ndarray,
+                    topology: Topology, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One rank's row R[:, rank, :] of Alg. 3 for P' = the shard of ``owners_E`` ∪ (``full_J`` × D) ∪
+    ``replicas_X`` (`materialize.materialize_pairs`' sparse form), as entries.
 
     Args:
         owners_E: [E] int64, the shard owners.
-        replicas_X: [X] int64, the added replicas ΔP.
+        full_J: [F] int64, ascending: experts every device holds.
+        replicas_X: [X] int64, ascending flat ids ``e·D + d``: the other added replicas.
         tokens_E: [E] int64, the rank's own gate counts T[:, rank] (its row depends on nothing else).
         topology: D devices.
         rank: the source device.
@@ -313,6 +314,7 @@ def own_row_entries(owners_E: np.ndarray, replicas_X: np.ndarray, tokens_E: np.n
         for bit. With the compiled core: O(E + X), no [E, D] array.
     """
     owners_E = np.ascontiguousarray(owners_E, dtype=np.int64)
+    full_J = np.ascontiguousarray(full_J, dtype=np.int64)
     replicas_X = np.ascontiguousarray(replicas_X, dtype=np.int64)
     E, D = owners_E.size, topology.num_devices
     if type(rank) is not int or not 0 <= rank < D:
@@ -323,18 +325,23 @@ def own_row_entries(owners_E: np.ndarray, replicas_X: np.ndarray, tokens_E: np.n
         start_E = np.empty(E + 1, dtype=np.int64)
         dest_Y = np.empty(E + replicas_X.size, dtype=np.int64)
         count_Y = np.empty(E + replicas_X.size, dtype=np.int64)
-        n = core.own_row(topology.core_layout, owners_E, replicas_X, tokens_E, rank, start_E, dest_Y, count_Y)
+        n = core.own_row(topology.core_layout, owners_E, full_J, replicas_X, tokens_E, rank, start_E, dest_Y,
+                         count_Y)
         if n >= 0:
-            return start_E, dest_Y[:n].copy(), count_Y[:n].copy()
+            return start_E, dest_Y[:n], count_Y[:n]
     # numpy (and the precise errors): the dense row of P' for a token matrix holding only the rank's column.
     if owners_E.size and (owners_E.min() < 0 or owners_E.max() >= D):
         raise ValueError(f"owners must lie in [0, {D})")
+    if full_J.size and (full_J.min() < 0 or full_J.max() >= E or (np.diff(full_J) <= 0).any()):
+        raise ValueError("full experts must be ascending expert ids in range")
     mask_ED = Placement.from_owners(owners_E, D).mask.copy()
     flat = mask_ED.reshape(-1)
     if replicas_X.size and (replicas_X.min() < 0 or replicas_X.max() >= E * D or (np.diff(replicas_X) <= 0).any()
-                            or flat[replicas_X].any()):
-        raise ValueError("replicas must be ascending flat ids e·D + d in range, none at an expert's owner")
+                            or flat[replicas_X].any() or np.isin(replicas_X // D, full_J).any()):
+        raise ValueError("replicas must be ascending flat ids e·D + d in range, none at an expert's owner "
+                         "or in a full expert")
     flat[replicas_X] = True
+    mask_ED[full_J] = True
     tokens_ED = np.zeros((E, D), dtype=np.int64)
     tokens_ED[:, rank] = tokens_E
     row_ED = dispatch_rows(Placement.adopt(mask_ED), tokens_ED, topology, rank)

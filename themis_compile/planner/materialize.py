@@ -469,13 +469,14 @@ def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_
 
 # --------------------------------------------------------------------------------------- sparse form
 def materialize_pairs(shard: Placement, load_E: np.ndarray, overlap_degree: int, materialization_budget: int,
-                      topology: Topology) -> np.ndarray:
-    """Alg. 1 as the replicas it adds: ΔP = P' \\ P of `sparse_materialization` as flat ids ``e·D + d``,
-    ascending, int64 [X].
+                      topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """Alg. 1 in sparse form: P' of `sparse_materialization` as ``(full_J, replicas_X)``, int64, both
+    ascending: the experts every device holds in P' (none on one device), and the other added replicas
+    ΔP as flat ids ``e·D + d``. P' = shard ∪ (full_J × D) ∪ replicas_X, bit for bit.
 
-    The same plan, bit for bit; with the compiled core it is built from the shard's owners without an
-    [E, D] mask (O(E + t·D): at 1,024 devices the mask alone is 4 MB), for callers that keep P' sparse
-    (`dispatch.own_row_entries`).
+    With the compiled core it is built from the shard's owners without an [E, D] mask (O(E + t·D) and
+    O(E) in the "top-t everywhere" branch; at 1,024 devices the mask alone is 4 MB), for callers that
+    keep P' sparse (`dispatch.own_row_entries`).
     """
     _check_shard(shard, topology)
     E, D = shard.shape
@@ -484,11 +485,16 @@ def materialize_pairs(shard: Placement, load_E: np.ndarray, overlap_degree: int,
         load_C = np.ascontiguousarray(check_loads(load_E, E))
         t = min(check_count("overlap_degree", overlap_degree), E)
         m = min(check_count("materialization_budget", materialization_budget), t)
-        pairs_X = np.empty(max(t * D, 1), dtype=np.int64)
+        full_J = np.empty(max(t, 1), dtype=np.int64)
+        pairs_X = np.empty(max(m * D, 1) if t > m else 1, dtype=np.int64)
         copies_E = np.empty(E, dtype=np.int64)
-        count = core.materialize_pairs(topology.core_layout, shard.owners(), load_C, t, m, pairs_X, copies_E)
-        if count < 0:
+        counts = core.materialize_pairs(topology.core_layout, shard.owners(), load_C, t, m, full_J, pairs_X,
+                                        copies_E)
+        if counts is None:
             raise AssertionError("compiled Alg. 1 rejected loads that pass validation")
-        return pairs_X[:count].copy()
+        return full_J[:counts[0]], pairs_X[:counts[1]]
     placed = sparse_materialization(shard, load_E, overlap_degree, materialization_budget, topology)
-    return np.flatnonzero(placed.mask & ~shard.mask).astype(np.int64, copy=False)
+    added_ED = placed.mask & ~shard.mask
+    full_E = (placed.copies() == D) & added_ED.any(axis=1)
+    added_ED[full_E] = False
+    return np.flatnonzero(full_E).astype(np.int64, copy=False), np.flatnonzero(added_ED).astype(np.int64, copy=False)
