@@ -204,3 +204,13 @@ def test_paper_rows_compare_ranges_and_costs():
     assert _rel((24.0, 51.0), 12.0, ceiling=True) == 0.0
     assert _rel((24.0, 51.0), 61.2, ceiling=True) == pytest.approx(0.2)
     assert _rel(2.0, 2.5) == pytest.approx(0.25)
+
+
+def test_planner_bench_devices_uses_the_simulators_budgets():
+    """`bench planner --devices` times DeepSeek-V3 with the t and m this simulator derives (Cluster A)."""
+    from themis_compile.bench import planner
+
+    cfg = sim.resolve_model_config("deepseek-v3", devices=32, cluster="A")
+    setup = sim.build_setup(cfg, get_cluster("A"))
+    t, m = setup.overlap_degree, setup.materialization_budget
+    assert planner.simulator_budgets(32) == [("simulator", t, m), ("binding_budget", t, min(planner.BINDING_BUDGET, t))]
