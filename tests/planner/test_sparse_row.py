@@ -44,7 +44,8 @@ def test_sparse_path_equals_the_dense_plan(core):
             rebuilt[full_J] = True
             assert np.array_equal(rebuilt, dense.mask)
             assert not np.isin(pairs_X // D, full_J).any() and (D > 1 or full_J.size == 0)
-            assert np.array_equal(full_J, np.flatnonzero((dense.copies() == D) & (dense.mask & ~shard.mask).any(axis=1)))
+            replicated_E = (dense.mask & ~shard.mask).any(axis=1)
+            assert np.array_equal(full_J, np.flatnonzero((dense.copies() == D) & replicated_E))
             branches.add("everywhere" if full_J.size and m >= t else "lpt" if pairs_X.size else "none")
             for rank in {0, D - 1, int(rng.integers(D))}:
                 row_ED = dispatch_rows(dense, tokens_ED, topo, rank)

@@ -19,8 +19,9 @@ once more with a binding budget (m = `BINDING_BUDGET` < t: Alg. 1's LPT branch).
 median / p95 of Alg. 1, of the rank's own row of Alg. 3 and of both (``per_layer_on_a_rank``: the dense
 [E, D] layout the runtime consumes), and the same through the sparse path (``*_sparse``: Alg. 1 as the
 experts it replicates everywhere and the other replica pairs it adds, `materialize_pairs`, and the row
-as entries from the rank's own counts, `own_row_entries`), each against `DEVICES_TARGET_US`. The full [E, D, D] plan is not built there (34 GB at
-1,024 devices).
+as entries from the rank's own counts, `own_row_entries`), each against `DEVICES_TARGET_US`. The full
+[E, D, D] plan is not built there (34 GB at 1,024 devices). ``--budget T,M`` (repeatable) times other
+budgets instead; ``--clock thread`` times the thread's CPU time (a shared machine).
 
 ``backend`` names the planner core that ran (``"c"``: the compiled core, ``"numpy"``: its numpy
 reference; see `planner/backend.py`). ``--backend both`` times the two plan by plan, interleaved,
