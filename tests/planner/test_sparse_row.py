@@ -77,3 +77,23 @@ def test_sparse_path_rejects_bad_input():
                 with pytest.raises(ValueError, match="ascending"):
                     own_row_entries(shard.owners(), np.array(full, dtype=np.int64), np.array(pairs, dtype=np.int64),
                                     ones, topo, 0)
+
+
+def test_sparse_path_at_scale():
+    """256 devices, E = 1,024, top-t everywhere and the LPT branch: the sparse plan is the dense one."""
+    topo = Topology.uniform(32, 8)
+    D, E = topo.num_devices, 1024
+    rng = np.random.default_rng(59)
+    shard = Placement.contiguous(E, D)
+    tokens_ED = np.ascontiguousarray(rng.multinomial(4096 * 8, rng.dirichlet(np.full(E, 0.3)), size=D).T)
+    load_E = tokens_ED.sum(axis=1).astype(np.float64)
+    for t, m in [(23, 213), (23, 4)]:
+        dense = sparse_materialization(shard, load_E, t, m, topo)
+        full_J, pairs_X = materialize_pairs(shard, load_E, t, m, topo)
+        assert (full_J.size, pairs_X.size > 0) == ((23, False) if m >= t else (0, True))
+        for rank in (0, 77, D - 1):
+            row_ED = dispatch_rows(dense, tokens_ED, topo, rank)
+            start_E, dest_Y, count_Y = own_row_entries(shard.owners(), full_J, pairs_X, tokens_ED[:, rank], topo, rank)
+            e_Y, d_Y = np.nonzero(row_ED)
+            assert np.array_equal(np.repeat(np.arange(E), np.diff(start_E)), e_Y)
+            assert np.array_equal(dest_Y, d_Y) and np.array_equal(count_Y, row_ED[e_Y, d_Y])
