@@ -399,8 +399,8 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
     }
 }
 
-/* _shard_device_load's bincount: fluid_device_load of a shard placement where its column sums add
- * experts in ascending order (one holder: the per-holder factor is D exactly). */
+/* _shard_device_load's bincount: fluid_device_load of a shard placement on several nodes, experts in
+ * ascending order (one holder: the per-holder factor is D exactly). */
 static void shard_device_load(const int64_t *owners_E, const double *load_E, Py_ssize_t E, Py_ssize_t D,
                               double *out_D)
 {
@@ -425,8 +425,8 @@ static Py_ssize_t row_holders(const uint8_t *row_D, Py_ssize_t D, int64_t *holde
     return c;
 }
 
-/* cost.fluid_device_load of any placement, where it sums over (expert, holder) pairs in ascending
- * expert order (several nodes, `column_sums_are_sequential`): a holder d of e on node n adds
+/* cost.fluid_device_load of any placement on several nodes, a sum over (expert, holder) pairs in
+ * ascending expert order: a holder d of e on node n adds
  * load_e / D · (k_n / h_en + U_e / c_e), U_e = devices on nodes without e (a sum of small integers,
  * exact in any order), in the order of numpy's weighted bincount. With one holder the factor is
  * k_n / 1 + (D - k_n) / 1 = D exactly, as in shard_device_load. copies_E and owners_E (both NULL, or
