@@ -17,7 +17,8 @@ from themis_compile.sim.engine import DEFAULT_POLICIES, SimResult, simulate
 from themis_compile.sim.setup import build_setup, resolve_model_config
 from themis_compile.sim.traces import PAPER_SHARE_STD, RoutingTrace, model_cv, synthetic_trace
 
-__all__ = ["TOLERANCE", "run_config", "paper_report", "format_paper_report"]
+__all__ = ["TOLERANCE", "MAX_PLAN_BYTES", "run_config", "paper_report", "format_paper_report", "weak_scaling",
+           "format_weak_scaling"]
 
 TOLERANCE = 0.2
 # The paper's median planning time per MoE layer, 24-51 µs across its configurations (§5.3).
@@ -197,6 +198,57 @@ def paper_report(iterations: int = 20, progress: bool = False, quick: bool = Fal
     for entry, text in pending:
         entry["explanation"] = text.format(**ctx)
     return {"rows": rows, "runs": runs, "fig9": fig9}
+
+
+# The engine charges dense [E, D, D] int64 dispatch plans, one alive at a time: this caps how far the
+# simulated weak scaling goes (E = 4·D for DeepSeek-V3: 537 MB at 256 devices, 34 GB at 1,024).
+MAX_PLAN_BYTES = 2e9
+
+
+def weak_scaling(devices: list[int] | tuple[int, ...], *, iterations: int = 12, model: str = "deepseek-v3",
+                 policies: tuple[str, ...] = ("ep", "fastermoe", "themis"), progress: bool = False
+                 ) -> list[dict[str, Any]]:
+    """Fig. 13b's weak scaling past the paper's scale: ``model`` (the paper's DeepSeek-V3, E = 4 experts
+    per device) on Cluster A nodes of 8 devices, with the inputs of `simulate --paper`, at each device
+    count. One row per size: Themis's throughput over EP's and over FasterMoE's, t, m and the mean
+    iteration times.
+
+    Raises ValueError for a size that is not whole nodes, or whose dense dispatch plan exceeds
+    `MAX_PLAN_BYTES` (`python -m themis_compile.bench planner --devices` times the planner there).
+    """
+    rows = []
+    for D in devices:
+        D = int(D)
+        if D < 8 or D % 8:
+            raise ValueError(f"weak scaling runs whole nodes of 8 devices; got {D} devices")
+        cfg = resolve_model_config(model, devices=D, cluster="A")
+        plan_bytes = 8.0 * cfg.num_experts * D * D
+        if plan_bytes > MAX_PLAN_BYTES:
+            raise ValueError(
+                f"{D} devices: the simulator's dense dispatch plan [E={cfg.num_experts}, D, D] would take "
+                f"{plan_bytes / 1e9:.1f} GB (limit {MAX_PLAN_BYTES / 1e9:.0f} GB); time the planner at this "
+                f"size with `python -m themis_compile.bench planner --devices {D}`")
+        res = run_config(model, get_cluster("A", D // 8), policies=policies, iterations=iterations,
+                         progress=progress)
+        speed = res.speedup_over("ep")
+        row = {"devices": D, "num_experts": cfg.num_experts, "overlap_degree": res.setup.overlap_degree,
+               "materialization_budget": res.setup.materialization_budget, "iterations": iterations,
+               "mean_iteration_s": {n: r.mean_iteration_s for n, r in res.policies.items()},
+               "themis_vs_ep": speed["themis"], "wall_s": res.wall_s}
+        if "fastermoe" in speed:
+            row["themis_vs_fastermoe"] = speed["themis"] / speed["fastermoe"]
+        rows.append(row)
+    return rows
+
+
+def format_weak_scaling(rows: list[dict[str, Any]]) -> str:
+    lines = ["Weak scaling (Fig. 13b's setup: DeepSeek-V3, Cluster A, 4 experts per device)", "",
+             f"{'devices':>8}{'experts':>9}{'t':>5}{'m':>6}{'Themis/EP':>11}{'Themis/FasterMoE':>18}"]
+    for r in rows:
+        vs_fm = r.get("themis_vs_fastermoe")
+        lines.append(f"{r['devices']:>8}{r['num_experts']:>9}{r['overlap_degree']:>5}{r['materialization_budget']:>6}"
+                     f"{r['themis_vs_ep']:>11.2f}{'-' if vs_fm is None else f'{vs_fm:.2f}':>18}")
+    return "\n".join(lines)
 
 
 def format_paper_report(report: dict[str, Any]) -> str:
