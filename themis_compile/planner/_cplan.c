@@ -1576,7 +1576,7 @@ static struct PyModuleDef cplan_module = {
 };
 
 /* Bumped whenever an entry point's arguments change: the Python side ignores a stale build. */
-#define CPLAN_ABI 2
+#define CPLAN_ABI 3
 
 PyMODINIT_FUNC PyInit__cplan(void)
 {
