@@ -26,7 +26,7 @@ from themis_compile.planner import (
     PlanCost, Placement, Topology, backend, calibrate, dispatch, materialize, sparse_materialization,
     topology_aware_dispatch,
 )
-from themis_compile.planner.cost import column_sums_are_sequential, fluid_device_load
+from themis_compile.planner.cost import fluid_device_load
 from themis_compile.planner.dispatch import dispatch_device_load, dispatch_rows
 
 TOPOLOGIES = [(1,), (3,), (2, 2), (3, 2), (2, 2, 2), (4, 1), (1, 3), (5, 3, 8), (4, 4, 4), (8, 8, 8, 8)]
@@ -176,8 +176,8 @@ def test_hypothesis_compiled_matches_numpy(core, dpn, E, t, m, loads, seed):
 
 
 def test_benchmark_scale_and_the_sequential_sum_branches(core):
-    """4 nodes x 8 devices at the benchmark's sizes, and a shape where the model's column sums are not
-    sequential (the core then starts from the numpy model's loads)."""
+    """4 nodes x 8 devices at the benchmark's sizes, and a large E·D (5,000 experts), where a dense
+    column sum would have switched to pairwise summation: the model adds experts in order at any size."""
     rng = np.random.default_rng(11)
     topo = Topology.uniform(4, 8)
     for E, t, m in [(64, 8, 2), (128, 16, 4), (128, 16, 1), (128, 40, 3)]:
@@ -186,7 +186,6 @@ def test_benchmark_scale_and_the_sequential_sum_branches(core):
             load_E = rng.multinomial(4096 * 8, rng.dirichlet(np.full(E, 0.3))).astype(np.float64)
             compare_case(core, topo, shard, load_E, t, m, rng)
     big = Topology((4, 4))
-    assert not column_sums_are_sequential(5000, big)
     shard = Placement.from_owners(rng.integers(0, 8, 5000), 8)
     load_E = rng.dirichlet(np.full(5000, 0.3)) * 1e6
     fast, ref = run_both(core, sparse_materialization, shard, load_E, 12, 3, big)
@@ -221,10 +220,56 @@ def test_modeled_loads_of_replicated_masks_are_the_cost_model_bit_for_bit(core):
         E = int(rng.integers(1, 60))
         mask_ED = Placement.from_owners(rng.integers(0, D, E), D).mask | (rng.random((E, D)) < rng.random())
         load_E = make_loads(rng, E, int(rng.integers(5)))
-        assert column_sums_are_sequential(E, topo)
         out_D = np.full(D, np.nan)
         core.fluid_device_load(topo.core_layout, mask_ED, load_E, out_D)
         assert np.array_equal(out_D, fluid_device_load(Placement(mask_ED), load_E, topo))
+
+
+def test_many_node_merge_matches_numpy(core):
+    """l.10's node merge (a heap in the core) on many nodes, uniform and not, with the exact ties of
+    small integer loads: the same picks as numpy's lexsort, slot for slot."""
+    rng = np.random.default_rng(37)
+    replicated = 0
+    for dpn in [(2,) * 16, (1, 3, 2, 4) * 4, (8,) * 12, (3, 1) * 9]:
+        topo = Topology(dpn)
+        D = topo.num_devices
+        for _ in range(6):
+            E = int(rng.integers(D, 4 * D))
+            shard = Placement.from_owners(rng.integers(0, D, E), D)
+            if rng.integers(2):
+                load_E = rng.integers(0, 5, E).astype(np.float64)
+            else:
+                load_E = rng.dirichlet(np.full(E, 0.3)) * 1e6
+            t = int(rng.integers(2, 24))
+            m = int(rng.integers(1, t))
+            fast, ref = run_both(core, sparse_materialization, shard, load_E, t, m, topo)
+            assert_same(fast, ref)
+            replicated += int((ref.copies() > 1).sum() > 1)
+    assert replicated >= 20         # the LPT branch ran, with several replicated experts, in most cases
+
+
+def test_modeled_loads_add_experts_in_order_at_any_size(core):
+    """`fluid_device_load` on several nodes is the per-device sum of its terms in ascending expert order,
+    also where a dense column sum would be pairwise (large E·D); the core computes the same floats."""
+    rng = np.random.default_rng(31)
+    topo = Topology((8, 8, 8, 8))
+    E, D = 6000, topo.num_devices
+    mask_ED = Placement.from_owners(rng.integers(0, D, E), D).mask | (rng.random((E, D)) < 0.01)
+    load_E = rng.dirichlet(np.full(E, 0.3)) * 1e7
+    k_N = topo.devices_per_node_f
+    expected_D = np.zeros(D)
+    for e in range(E):                      # the model's formula, one expert after another
+        holders_D = np.flatnonzero(mask_ED[e])
+        h_N = np.bincount(topo.node_ids[holders_D], minlength=topo.num_nodes)
+        uncovered = float(k_N[h_N == 0].sum())
+        for d in holders_D.tolist():
+            n = topo.node_ids[d]
+            expected_D[d] += (load_E[e] / D) * (k_N[n] / h_N[n] + uncovered / holders_D.size)
+    model_D = fluid_device_load(Placement(mask_ED), load_E, topo)
+    assert np.array_equal(model_D, expected_D)
+    out_D = np.full(D, np.nan)
+    core.fluid_device_load(topo.core_layout, mask_ED, load_E, out_D)
+    assert np.array_equal(out_D, model_D)
 
 
 def test_place_replicas_from_a_replicated_mask(core):
@@ -408,7 +453,6 @@ def test_compiled_calibration_where_the_core_takes_the_models_loads(core):
         adopted += ref is not placed
     assert adopted > 0
     big = Topology((4, 4))
-    assert not column_sums_are_sequential(5000, big)
     shard = Placement.from_owners(rng.integers(0, 8, 5000), 8)
     tokens_ED = rng.multinomial(200000, rng.dirichlet(np.full(5000, 0.3)), size=8).T.astype(np.int64)
     placed = sparse_materialization(shard, rng.dirichlet(np.full(5000, 0.3)) * 1e6, 12, 3, big)

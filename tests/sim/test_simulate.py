@@ -193,3 +193,44 @@ def test_the_engine_never_branches_on_policy_names() -> None:
         assert charges.policy.name == name
     with pytest.raises(ValueError, match="unknown policy"):
         sim.charges_for("nope", setup)
+
+
+def test_paper_rows_compare_ranges_and_costs():
+    """A range matches inside it; a cost the paper reports (the planning time) also below it."""
+    from themis_compile.sim.paper import _rel
+
+    assert _rel((24.0, 51.0), 30.0) == 0.0
+    assert _rel((24.0, 51.0), 12.0) == pytest.approx(-0.5)
+    assert _rel((24.0, 51.0), 12.0, ceiling=True) == 0.0
+    assert _rel((24.0, 51.0), 61.2, ceiling=True) == pytest.approx(0.2)
+    assert _rel(2.0, 2.5) == pytest.approx(0.25)
+
+
+def test_planner_bench_devices_uses_the_simulators_budgets():
+    """`bench planner --devices` times DeepSeek-V3 with the t and m this simulator derives (Cluster A)."""
+    from themis_compile.bench import planner
+
+    cfg = sim.resolve_model_config("deepseek-v3", devices=32, cluster="A")
+    setup = sim.build_setup(cfg, get_cluster("A"))
+    t, m = setup.overlap_degree, setup.materialization_budget
+    assert planner.simulator_budgets(32) == [("simulator", t, m), ("binding_budget", t, min(planner.BINDING_BUDGET, t))]
+
+
+def test_weak_scaling_past_the_papers_scale(capsys):
+    """`simulate --weak-scaling`: DeepSeek-V3 at whole nodes of Cluster A, Themis vs EP and FasterMoE;
+    sizes whose dense plans do not fit are refused with the planner benchmark to use instead."""
+    from themis_compile.sim.paper import weak_scaling
+
+    rows = weak_scaling([16, 32], iterations=3)
+    assert [(r["devices"], r["num_experts"]) for r in rows] == [(16, 64), (32, 128)]
+    for r in rows:
+        assert r["themis_vs_ep"] > 1.0 and r["themis_vs_fastermoe"] > 0
+        assert set(r["mean_iteration_s"]) == {"ep", "fastermoe", "themis"}
+    with pytest.raises(ValueError, match="bench planner --devices 1024"):
+        weak_scaling([1024])
+    with pytest.raises(ValueError, match="whole nodes"):
+        weak_scaling([12])
+    cli.main(["--weak-scaling", "16", "--iterations", "2", "--json", "--no-progress"])
+    assert json.loads(capsys.readouterr().out)[0]["devices"] == 16
+    with pytest.raises(SystemExit, match="GB"):
+        cli.main(["--weak-scaling", "1024", "--no-progress"])

@@ -32,9 +32,10 @@ from themis_compile.planner.dispatch import (
     dispatch_device_load,
     dispatch_rows,
     even_dispatch,
+    own_row_entries,
     topology_aware_dispatch,
 )
-from themis_compile.planner.materialize import calibrate, sparse_materialization
+from themis_compile.planner.materialize import calibrate, materialize_pairs, sparse_materialization
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.predictor import LoadPredictor
 from themis_compile.planner.sharding import heterogeneous_sharding, homogeneous_sharding, slots_per_device
@@ -44,6 +45,7 @@ __all__ = [
     "BYTE_CATEGORIES", "POLICY_NAMES", "EPLBPolicy", "EPPolicy", "FasterMoEPolicy", "FlexMoEPolicy",
     "LoadPredictor", "PlanCost", "Placement", "Policy", "PolicyStep", "SmartMoEPolicy", "ThemisPolicy",
     "Topology", "UniformPolicy", "calibrate", "device_compute_load", "dispatch_device_load", "dispatch_rows", "even_dispatch", "fluid_device_load",
-    "heterogeneous_sharding", "homogeneous_sharding", "make_policy", "slots_per_device",
+    "heterogeneous_sharding", "homogeneous_sharding", "make_policy", "materialize_pairs", "own_row_entries",
+    "slots_per_device",
     "sparse_materialization", "straggler_time", "topology_aware_dispatch",
 ]

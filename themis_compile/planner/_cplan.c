@@ -206,13 +206,19 @@ typedef struct {
     int64_t *copies_J, *room_J, *n_J;   /* [J] */
     double *load_J, *head_J;            /* [J] */
     int64_t *holders, *cand, *seq;      /* [D] */
-    int64_t *holders_N, *cnt_N, *taken_N; /* [N] */
+    int64_t *holders_N, *cnt_N, *taken_N, *heap_N; /* [N] */
     int64_t *extra;                     /* [extra] words for the caller */
+    /* Mask-free mode (place_replicas with mask_ED == NULL, from a shard): row is a zeroed [D] scratch
+     * row standing in for the current expert's, and the placed replicas are appended to pick_X as
+     * e * D + d (npicks of them). */
+    uint8_t *row;
+    int64_t *pick_X;
+    Py_ssize_t npicks;
 } scratch_t;
 
 static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t N, Py_ssize_t extra)
 {
-    size_t words = 5 * (size_t)J + 3 * (size_t)D + 3 * (size_t)N + (size_t)extra + 1;
+    size_t words = 5 * (size_t)J + 3 * (size_t)D + 4 * (size_t)N + (size_t)extra + 1;
     int64_t *mem = (int64_t *)malloc(words * sizeof(int64_t));
     if (mem == NULL) return NULL;
     s->copies_J = mem;
@@ -226,8 +232,51 @@ static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t 
     s->holders_N = s->seq + D;
     s->cnt_N = s->holders_N + N;
     s->taken_N = s->cnt_N + N;
-    s->extra = s->taken_N + N;
+    s->heap_N = s->taken_N + N;
+    s->extra = s->heap_N + N;
+    s->row = NULL;
+    s->pick_X = NULL;
+    s->npicks = 0;
     return mem;
+}
+
+/* l.10's merge order of two nodes' next candidates: (holders_n + j) / k_n ascending (the integer
+ * holders_n + j on a uniform topology), then the candidate's modeled load, then the node id. A total
+ * order, so the heap below pops exactly what a scan of all nodes for the smallest key would. */
+static inline int merge_before(const topo_t *tp, const scratch_t *s, const double *dev_load_D, int64_t a,
+                               int64_t b)
+{
+    const int64_t ja = s->taken_N[a], jb = s->taken_N[b];
+    if (tp->uniform) {
+        const int64_t la = s->holders_N[a] + ja, lb = s->holders_N[b] + jb;
+        if (la != lb) return la < lb;
+    } else {
+        const double la = (double)(s->holders_N[a] + ja) / (double)tp->k_N[a];
+        const double lb = (double)(s->holders_N[b] + jb) / (double)tp->k_N[b];
+        if (la < lb) return 1;
+        if (lb < la) return 0;
+    }
+    const double da = dev_load_D[s->cand[tp->off_N[a] + ja]], db = dev_load_D[s->cand[tp->off_N[b] + jb]];
+    if (flt_lt(da, db)) return 1;
+    if (flt_lt(db, da)) return 0;
+    return a < b;
+}
+
+/* Restore the heap order of heap_N[0..size) below position i. */
+static void merge_sift_down(const topo_t *tp, const scratch_t *s, const double *dev_load_D, Py_ssize_t i,
+                            Py_ssize_t size)
+{
+    int64_t *heap = s->heap_N;
+    const int64_t node = heap[i];
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= size) break;
+        if (c + 1 < size && merge_before(tp, s, dev_load_D, heap[c + 1], heap[c])) c++;
+        if (!merge_before(tp, s, dev_load_D, heap[c], node)) break;
+        heap[i] = heap[c];
+        i = c;
+    }
+    heap[i] = node;
 }
 
 /* Alg. 1 l.7-11 (_place_replicas), in place on mask_ED, slots_D, copies_E and dev_load_D (the modeled
@@ -255,7 +304,9 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
     for (Py_ssize_t i = 0; i < J; i++) {                                          /* l.8 */
         const int64_t e = experts_J[i], n = s->n_J[i], copies = s->copies_J[i];
         if (n == 0) continue;
-        uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
+        const int mask_free = mask_ED == NULL;   /* then owners_E is given: the owner is e's one holder */
+        uint8_t *row_D = mask_free ? s->row : mask_ED + (size_t)e * (size_t)D;
+        if (mask_free) row_D[owners_E[e]] = 1;
         /* Candidates: no copy of e and a free slot; per node in l.10's inner order (insertion sort). */
         Py_ssize_t num_cand = 0, num_holders = 0;
         for (Py_ssize_t nn = 0; nn < N; nn++) {
@@ -280,36 +331,18 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
             s->taken_N[nn] = 0;
             num_cand += c;
         }
+        if (mask_free) row_D[owners_E[e]] = 0;  /* the scratch row is read only above */
         if (num_cand == 0) continue;
         if (owners_E != NULL) s->holders[num_holders++] = owners_E[e];
         /* l.10: merge the nodes' streams by (holders_n + j) / k_n, then the candidate's load, then node. */
         const Py_ssize_t npick = n < num_cand ? (Py_ssize_t)n : num_cand;
-        for (Py_ssize_t p = 0; p < npick; p++) {
-            Py_ssize_t bn = -1;
-            int64_t best_level_i = 0;
-            double best_level_f = 0.0, best_load = 0.0;
-            for (Py_ssize_t nn = 0; nn < N; nn++) {
-                const int64_t j = s->taken_N[nn];
-                if (j >= s->cnt_N[nn]) continue;
-                const double ld = dev_load_D[s->cand[off_N[nn] + j]];
-                int better;
-                if (tp->uniform) {
-                    const int64_t level = s->holders_N[nn] + j;
-                    better = bn < 0 || level < best_level_i || (level == best_level_i && flt_lt(ld, best_load));
-                    if (better) best_level_i = level;
-                } else {
-                    const double level = (double)(s->holders_N[nn] + j) / (double)k_N[nn];
-                    better = bn < 0 || level < best_level_f || (level == best_level_f && flt_lt(ld, best_load));
-                    if (better) best_level_f = level;
-                }
-                if (better) {
-                    bn = nn;
-                    best_load = ld;
-                }
-            }
-            s->seq[p] = s->cand[off_N[bn] + s->taken_N[bn]];
-            s->taken_N[bn]++;
-        }
+        /* Every node's stream has strictly increasing keys, so the picks come off a heap of the
+         * nodes' next candidates in l.10's order: O(log N) per pick instead of a scan of all N nodes.
+         * Picks are drawn as the LPT guard below reads them; it usually stops long before npick. */
+        Py_ssize_t size = 0;
+        for (Py_ssize_t nn = 0; nn < N; nn++)
+            if (s->cnt_N[nn] > 0) s->heap_N[size++] = nn;
+        for (Py_ssize_t i = size / 2; i-- > 0;) merge_sift_down(tp, s, dev_load_D, i, size);
         /* LPT guard: place the first k <= npick, k minimizing the hottest device among e's holders. */
         const double load_e = load_E[e];
         double hottest = dev_load_D[s->holders[0]];
@@ -320,6 +353,10 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
         double best = hottest, run = -INFINITY;
         Py_ssize_t k = 0;
         for (Py_ssize_t j = 1; j <= npick; j++) {
+            const int64_t bn = s->heap_N[0];                 /* l.10: the next pick */
+            s->seq[j - 1] = s->cand[off_N[bn] + s->taken_N[bn]];
+            if (++s->taken_N[bn] >= s->cnt_N[bn]) s->heap_N[0] = s->heap_N[--size];
+            if (size > 0) merge_sift_down(tp, s, dev_load_D, 0, size);
             const double x = dev_load_D[s->seq[j - 1]];
             if (x > run) run = x;
             const double top = run > base ? run : base;
@@ -344,7 +381,10 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
         }
         for (Py_ssize_t j = 0; j < k; j++) {
             const int64_t d = s->seq[j], nd = node_D[d];
-            row_D[d] = 1;
+            if (mask_free)
+                s->pick_X[s->npicks++] = e * (int64_t)D + d;
+            else
+                row_D[d] = 1;
             slots_D[d] -= 1;
             if (!s->holders_N[nd]) uncovered -= k_N[nd];
             s->holders_N[nd]++;
@@ -359,8 +399,8 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
     }
 }
 
-/* _shard_device_load's bincount: fluid_device_load of a shard placement where its column sums add
- * experts in ascending order (one holder: the per-holder factor is D exactly). */
+/* _shard_device_load's bincount: fluid_device_load of a shard placement on several nodes, experts in
+ * ascending order (one holder: the per-holder factor is D exactly). */
 static void shard_device_load(const int64_t *owners_E, const double *load_E, Py_ssize_t E, Py_ssize_t D,
                               double *out_D)
 {
@@ -385,8 +425,8 @@ static Py_ssize_t row_holders(const uint8_t *row_D, Py_ssize_t D, int64_t *holde
     return c;
 }
 
-/* cost.fluid_device_load of any placement, where it sums over (expert, holder) pairs in ascending
- * expert order (several nodes, `column_sums_are_sequential`): a holder d of e on node n adds
+/* cost.fluid_device_load of any placement on several nodes, a sum over (expert, holder) pairs in
+ * ascending expert order: a holder d of e on node n adds
  * load_e / D · (k_n / h_en + U_e / c_e), U_e = devices on nodes without e (a sum of small integers,
  * exact in any order), in the order of numpy's weighted bincount. With one holder the factor is
  * k_n / 1 + (D - k_n) / 1 = D exactly, as in shard_device_load. copies_E and owners_E (both NULL, or
@@ -726,6 +766,44 @@ static void add_expert_load(const topo_t *tp, int64_t e, const uint8_t *row_D, c
 
 typedef enum { PLAN_FULL, PLAN_ROWS, PLAN_LOAD } plan_kind;
 
+/* The OR of every count T[e, d] = tokens_ED[e * se + d * sd] (negative iff a count is) and, with sum_E,
+ * every expert's total, walking the buffer in its memory order: the counts arrive transposed from the
+ * gather of per-device counts, and a walk expert by expert would stride across the whole buffer.
+ * Integer sums: exact in any order. */
+static int64_t scan_tokens(const int64_t *tokens_ED, Py_ssize_t se, Py_ssize_t sd, Py_ssize_t E, Py_ssize_t D,
+                           int64_t *sum_E)
+{
+    int64_t bits = 0;
+    const Py_ssize_t ase = se < 0 ? -se : se, asd = sd < 0 ? -sd : sd;
+    if (ase >= asd) {                                  /* rows (experts) outer */
+        for (Py_ssize_t e = 0; e < E; e++) {
+            const int64_t *tok_e = tokens_ED + e * se;
+            int64_t sum = 0, or_e = 0;
+            for (Py_ssize_t d = 0; d < D; d++) {
+                const int64_t v = tok_e[d * sd];
+                or_e |= v;
+                sum += v;
+            }
+            bits |= or_e;
+            if (sum_E != NULL) sum_E[e] = sum;
+        }
+    } else {                                           /* devices outer: the transposed layout */
+        if (sum_E != NULL) memset(sum_E, 0, (size_t)E * sizeof(int64_t));
+        for (Py_ssize_t d = 0; d < D; d++) {
+            const int64_t *tok_d = tokens_ED + d * sd;
+            if (sum_E != NULL)
+                for (Py_ssize_t e = 0; e < E; e++) {
+                    const int64_t v = tok_d[e * se];
+                    bits |= v;
+                    sum_E[e] += v;
+                }
+            else
+                for (Py_ssize_t e = 0; e < E; e++) bits |= tok_d[e * se];
+        }
+    }
+    return bits;
+}
+
 /* The three Alg. 3 entry points share this loop. PLAN_FULL: out = R [E, D, D]; PLAN_ROWS: out =
  * R[:, sources, :] as [E, S, D] (both written entirely: every expert's slab is zeroed just before its
  * entries, while it is in cache); PLAN_LOAD: out = [D] tokens each device computes (zeroed here). */
@@ -735,29 +813,28 @@ static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens
 {
     const Py_ssize_t D = (Py_ssize_t)tp->D, N = (Py_ssize_t)tp->N;
     long rc = 0;
-    int64_t *mem = (int64_t *)malloc(((size_t)D * 2 + (size_t)N * 2 + 1) * sizeof(int64_t));
+    int64_t *mem = (int64_t *)malloc(((size_t)D * 2 + (size_t)N * 2 + 1 + (size_t)E) * sizeof(int64_t));
     if (mem == NULL) return -1;
     holders_t h = {mem, mem + D, mem + D + N};
     int64_t *diff = mem + D + 2 * N;   /* D + 1 words */
+    int64_t *sum_E = diff + D + 1;     /* E words: every expert's tokens (PLAN_LOAD) */
+    /* Negative counts are rejected before any output (the caller then raises numpy's precise error). */
+    if (scan_tokens(tokens_ED, se, sd, E, D, kind == PLAN_LOAD ? sum_E : NULL) < 0) {
+        free(mem);
+        return 1;
+    }
     if (kind == PLAN_LOAD) memset(out, 0, (size_t)D * sizeof(int64_t));
     for (Py_ssize_t e = 0; e < E && rc == 0; e++) {
         const uint8_t *row_D = mask_ED + (size_t)e * (size_t)D;
         const int64_t *tok_e = tokens_ED + e * se;      /* T[e, d] = tok_e[d * sd] */
         const Py_ssize_t copies = find_holders(tp, row_D, &h);
-        int64_t bits = 0;   /* OR of the row: negative iff a count is negative, zero iff all are zero */
-        if (sd == 1)
-            for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d];
-        else
-            for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d * sd];
-        if (bits < 0) {
-            rc = 1;
-            break;
-        }
         if (kind == PLAN_FULL)
             memset(out + (size_t)e * (size_t)D * (size_t)D, 0, (size_t)D * (size_t)D * sizeof(int64_t));
         else if (kind == PLAN_ROWS)
             memset(out + (size_t)e * (size_t)S * (size_t)D, 0, (size_t)S * (size_t)D * sizeof(int64_t));
-        if (copies == 0) {
+        if (copies == 0) {                            /* tokens for an expert nobody holds? */
+            int64_t bits = 0;
+            for (Py_ssize_t d = 0; d < D; d++) bits |= tok_e[d * sd];
             if (bits) rc = 2;
             continue;
         }
@@ -779,6 +856,8 @@ static long plan(const topo_t *tp, const uint8_t *mask_ED, const int64_t *tokens
                 else
                     split_row(tp, e, d, tok_e[d * sd], row_D, &h, copies, R_SD + (size_t)i * D);
             }
+        } else if (copies == 1) {                     /* every token goes to the one holder */
+            out[h.holders[0]] += sum_E[e];
         } else {
             add_expert_load(tp, e, row_D, tok_e, sd, &h, copies, out, diff);
         }
@@ -1211,6 +1290,272 @@ done:
 }
 
 /* ------------------------------------------------------------------------------------ module */
+/* ---------------------------------------------------------------------------- sparse per-rank path */
+static int cmp_i64(const void *a, const void *b)
+{
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* materialize_pairs(topology, owners_E, load_E, t, m, full_J (w), pairs_X (w), copies_E (w)) -> (F, X), or
+ * None for a load that is not finite and >= 0: Alg. 1 from the shard placement of owners_E without
+ * building a mask, P' as the F experts every device holds (full_J, ascending; none when D = 1) and the
+ * X other added replicas as e * D + d (pairs_X, ascending; room for D * min(m, t) of them when t > m);
+ * copies_E gets P''s holder counts. Same decisions as `materialize`. */
+static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bown, bload, bpairs, bcopies;
+    Py_ssize_t t, m;
+    topo_t tp;
+    scratch_t s;
+    void *mem = NULL;
+    uint8_t *row = NULL;
+    long long rc = -2;
+    Py_ssize_t F = 0, X = 0;
+    (void)self;
+    Py_buffer bfull;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnw*w*w*", &btopo, &bown, &bload, &t, &m, &bfull, &bpairs, &bcopies))
+        return NULL;
+    if (parse_topo(&btopo, &tp) < 0) goto done;
+    const Py_ssize_t D = (Py_ssize_t)tp.D, N = (Py_ssize_t)tp.N, E = bload.len / (Py_ssize_t)sizeof(double);
+    if (t < 0 || m < 0) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: t and m must be >= 0");
+        goto done;
+    }
+    if (t > E) t = E;
+    if (m > t) m = t;
+    if (check_len(&bown, E, 8, "owners_E") < 0 || check_len(&bcopies, E, 8, "copies_E") < 0) goto done;
+    if (bfull.len < (Py_ssize_t)sizeof(int64_t) * t || (t > m && bpairs.len < (Py_ssize_t)sizeof(int64_t) * m * D)) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: pairs_X is too small");
+        goto done;
+    }
+    const double *load_E = (const double *)bload.buf;
+    const int64_t *owners_E = (const int64_t *)bown.buf;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        if (!(load_E[e] >= 0 && load_E[e] < INFINITY)) {
+            rc = -1;
+            goto done;
+        }
+        if (owners_E[e] < 0 || owners_E[e] >= D) {
+            PyErr_SetString(PyExc_ValueError, "_cplan: an owner is out of range");
+            goto done;
+        }
+    }
+    int64_t *copies_E = (int64_t *)bcopies.buf, *pairs_X = (int64_t *)bpairs.buf, *full_J = (int64_t *)bfull.buf;
+    for (Py_ssize_t e = 0; e < E; e++) copies_E[e] = 1;
+    mem = alloc_scratch(&s, t, D, N, t + 2 * D);
+    row = (uint8_t *)calloc((size_t)(D > 0 ? D : 1), 1);
+    if (mem == NULL || row == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *top_J = s.extra, *slots_D = top_J + t;
+    double *dev_load_D = (double *)(slots_D + D);
+    const Py_ssize_t J = top_experts(load_E, E, t, NULL, top_J);                    /* l.3 */
+    if (J < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (J > 0 && m > 0 && D > 1) {
+        if (t <= m) {                                                               /* l.4-5 */
+            qsort(top_J, (size_t)J, sizeof(int64_t), cmp_i64);
+            for (Py_ssize_t j = 0; j < J; j++) {
+                full_J[F++] = top_J[j];
+                copies_E[top_J[j]] = D;
+            }
+        } else {                                                                    /* l.7-11 */
+            for (Py_ssize_t d = 0; d < D; d++) slots_D[d] = m;
+            shard_device_load(owners_E, load_E, E, D, dev_load_D);
+            s.row = row;
+            s.pick_X = pairs_X;
+            place_replicas(&tp, NULL, load_E, top_J, J, slots_D, copies_E, dev_load_D, owners_E, &s);
+            qsort(pairs_X, (size_t)s.npicks, sizeof(int64_t), cmp_i64);   /* at most D * m, usually few */
+            /* Experts that reached every device are full; the others' pairs stay, in order. */
+            for (Py_ssize_t i = 0; i < s.npicks; i++) {
+                const int64_t e = pairs_X[i] / (int64_t)D;
+                if (copies_E[e] == D) {
+                    if (F == 0 || full_J[F - 1] != e) full_J[F++] = e;
+                } else {
+                    pairs_X[X++] = pairs_X[i];
+                }
+            }
+        }
+    }
+    rc = 0;
+done:
+    free(mem);
+    free(row);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bown);
+    PyBuffer_Release(&bload);
+    PyBuffer_Release(&bpairs);
+    PyBuffer_Release(&bcopies);
+    PyBuffer_Release(&bfull);
+    if (rc == -2) return NULL;
+    if (rc == -1) Py_RETURN_NONE;
+    return Py_BuildValue("(nn)", F, X);
+}
+
+/* own_row(topology, owners_E, full_J, pairs_X, tokens_E, rank, start_E (w), dest_Y (w), count_Y (w)) ->
+ * entries, or -1 for inputs it declines: the rank's row R[e, rank, :] of Alg. 3 for P' = owners ∪
+ * (full_J × D) ∪ pairs (full_J ascending; pairs_X ascending e * D + d, none at an owner or in a full
+ * expert), as its entries with tokens: expert e's destinations (ascending) and counts are
+ * [start_E[e], start_E[e + 1]) of dest_Y / count_Y. tokens_E[e] = T[e, rank], any stride. Same split
+ * as split_row. O(E + X + the partly replicated experts' holders). */
+static PyObject *py_own_row(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bown, bfull, bpairs, btok = {0}, bstart, bdest, bcount;
+    PyObject *tok_obj;
+    long long rank;
+    topo_t tp;
+    int64_t *holders = NULL;
+    long long rc = -2;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*OLw*w*w*", &btopo, &bown, &bfull, &bpairs, &tok_obj, &rank, &bstart,
+                          &bdest, &bcount))
+        return NULL;
+    if (parse_topo(&btopo, &tp) < 0) goto done;
+    if (PyObject_GetBuffer(tok_obj, &btok, PyBUF_STRIDES) < 0) goto done;
+    const Py_ssize_t D = (Py_ssize_t)tp.D, E = bown.len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t X = bpairs.len / (Py_ssize_t)sizeof(int64_t);
+    if (btok.ndim != 1 || btok.itemsize != 8 || btok.shape[0] != E || btok.strides[0] % 8) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: tokens_E must be a 1-D int64 buffer of E counts");
+        goto done;
+    }
+    if (rank < 0 || rank >= D) {
+        PyErr_SetString(PyExc_ValueError, "_cplan: rank is out of range");
+        goto done;
+    }
+    if (check_len(&bstart, E + 1, 8, "start_E") < 0 || bdest.len < (Py_ssize_t)sizeof(int64_t) * (E + X) ||
+        bcount.len != bdest.len) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "_cplan: dest_Y / count_Y too small");
+        goto done;
+    }
+    const int64_t *owners_E = (const int64_t *)bown.buf, *pairs_X = (const int64_t *)bpairs.buf;
+    const int64_t *full_J = (const int64_t *)bfull.buf;
+    const Py_ssize_t F = bfull.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t f = 0;
+    const Py_ssize_t st = btok.strides[0] / 8;
+    const int64_t *tok = (const int64_t *)btok.buf;
+    int64_t *start_E = (int64_t *)bstart.buf, *dest_Y = (int64_t *)bdest.buf, *count_Y = (int64_t *)bcount.buf;
+    holders = (int64_t *)malloc((size_t)(D + 1) * sizeof(int64_t));
+    if (holders == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t my_node = tp.node_D[rank], lo = tp.off_N[my_node], hi = tp.off_N[my_node + 1];
+    Py_ssize_t x = 0, y = 0;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        /* Up to the next expert with replicas, every expert has one holder, its owner: a tight loop.
+         * (dest_Y / count_Y are written before y advances; a zero count is overwritten next.) */
+        Py_ssize_t stop = f < F && full_J[f] < E ? (Py_ssize_t)full_J[f] : E;
+        if (x < X && pairs_X[x] >= 0 && pairs_X[x] / D < stop) stop = (Py_ssize_t)(pairs_X[x] / D);
+        int64_t bad = 0;
+        for (; e < stop; e++) {
+            const int64_t tokens = tok[e * st], owner = owners_E[e];
+            bad |= tokens | owner | (D - 1 - owner);
+            start_E[e] = y;
+            dest_Y[y] = owner;
+            count_Y[y] = tokens;
+            y += tokens != 0;
+        }
+        if (bad < 0) {                                   /* a negative count, or an owner out of range */
+            rc = -1;
+            goto done;
+        }
+        if (e >= E) break;
+        const int64_t tokens = tok[e * st], owner = owners_E[e];
+        if (tokens < 0 || owner < 0 || owner >= D) {
+            rc = -1;
+            goto done;
+        }
+        start_E[e] = y;
+        if (f < F && full_J[f] == e) {                   /* on every device: the rank keeps its tokens */
+            f++;
+            if (x < X && pairs_X[x] < (int64_t)(e + 1) * D) {
+                rc = -1;
+                goto done;
+            }
+            if (tokens) {
+                dest_Y[y] = rank;
+                count_Y[y++] = tokens;
+            }
+            continue;
+        }
+        if (f < F && full_J[f] < e) {                    /* unsorted or out of range */
+            rc = -1;
+            goto done;
+        }
+        /* e's holders, ascending: its replicas (pairs of row e) with the owner merged in. */
+        Py_ssize_t c = 0;
+        int owner_in = 0;
+        const int64_t row0 = (int64_t)e * D;
+        while (x < X && pairs_X[x] < row0 + D) {
+            const int64_t d = pairs_X[x++] - row0;
+            if (d < 0 || d == owner || (c > 0 && d <= holders[c - 1])) {   /* unsorted, or at the owner */
+                rc = -1;
+                goto done;
+            }
+            if (!owner_in && owner < d) {
+                holders[c++] = owner;
+                owner_in = 1;
+            }
+            holders[c++] = d;
+        }
+        if (!owner_in) holders[c++] = owner;
+        if (tokens == 0) continue;
+        if (c == 1) {                                    /* every token goes to the one holder */
+            dest_Y[y] = owner;
+            count_Y[y++] = tokens;
+            continue;
+        }
+        /* l.4-5: a holder keeps its tokens; l.9-10: else the holders on its node; l.12: else all. */
+        Py_ssize_t first = 0, k = 0, held = 0;
+        for (Py_ssize_t h = 0; h < c; h++) {
+            if (holders[h] == rank) held = 1;
+            if (holders[h] >= lo && holders[h] < hi) {
+                if (k == 0) first = h;
+                k++;
+            }
+        }
+        if (held) {
+            dest_Y[y] = rank;
+            count_Y[y++] = tokens;
+            continue;
+        }
+        const int64_t *targets = k > 0 ? holders + first : holders;
+        if (k == 0) k = c;
+        const int64_t q = tokens / k, r = tokens % k, offset = ((int64_t)e + rank) % k;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t u = j - offset;
+            if (u < 0) u += k;
+            const int64_t n = q + (u < r);
+            if (n) {
+                dest_Y[y] = targets[j];
+                count_Y[y++] = n;
+            }
+        }
+    }
+    if (x != X || f != F) {                              /* pairs or full experts beyond the last expert */
+        rc = -1;
+        goto done;
+    }
+    start_E[E] = y;
+    rc = y;
+done:
+    free(holders);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bown);
+    PyBuffer_Release(&bfull);
+    PyBuffer_Release(&bpairs);
+    if (btok.obj != NULL) PyBuffer_Release(&btok);
+    PyBuffer_Release(&bstart);
+    PyBuffer_Release(&bdest);
+    PyBuffer_Release(&bcount);
+    if (rc == -2) return NULL;
+    return PyLong_FromLongLong(rc);
+}
+
 static PyMethodDef cplan_methods[] = {
     {"materialize", py_materialize, METH_VARARGS, "Alg. 1 core (sparse_materialization after validation)."},
     {"place_replicas", py_place_replicas, METH_VARARGS, "Alg. 1 l.7-11 in place (_place_replicas)."},
@@ -1220,6 +1565,8 @@ static PyMethodDef cplan_methods[] = {
     {"dispatch", py_dispatch, METH_VARARGS, "Alg. 3: the full plan R[e, d, d2]."},
     {"dispatch_rows", py_dispatch_rows, METH_VARARGS, "Alg. 3: rows R[:, sources, :]."},
     {"dispatch_device_load", py_dispatch_device_load, METH_VARARGS, "Alg. 3: tokens per device."},
+    {"materialize_pairs", py_materialize_pairs, METH_VARARGS, "Alg. 1 from owners, P' \\ P as pairs."},
+    {"own_row", py_own_row, METH_VARARGS, "Alg. 3: one rank's row, sparse, from owners and pairs."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1229,7 +1576,7 @@ static struct PyModuleDef cplan_module = {
 };
 
 /* Bumped whenever an entry point's arguments change: the Python side ignores a stale build. */
-#define CPLAN_ABI 2
+#define CPLAN_ABI 3
 
 PyMODINIT_FUNC PyInit__cplan(void)
 {

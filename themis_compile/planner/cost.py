@@ -16,7 +16,6 @@ Legend: E experts, D devices (d = source, d2 = destination), N nodes.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -47,32 +46,6 @@ def device_compute_load(R_EDD: np.ndarray) -> np.ndarray:
     return R_EDD.sum(axis=0, dtype=np.int64).sum(axis=0, dtype=np.int64)
 
 
-def _fluid_terms_ED(load_E: np.ndarray, mask_ED: np.ndarray, safe_E: np.ndarray,
-                    topology: Topology) -> np.ndarray:
-    """[E, D] modeled tokens of expert e at device d (zero off its holders); see `fluid_device_load`."""
-    D = mask_ED.shape[1]
-    k_N = topology.devices_per_node_f
-    holders_EN = np.add.reduceat(mask_ED.astype(np.int64), topology.node_offsets[:-1], axis=1)
-    uncovered_E = ((holders_EN == 0) * k_N).sum(axis=1)
-    node_term_EN = np.divide(k_N, holders_EN, out=np.zeros(holders_EN.shape), where=holders_EN > 0)
-    per_holder_ED = node_term_EN[:, topology.node_ids] + (uncovered_E / safe_E)[:, None]
-    return (load_E / D)[:, None] * per_holder_ED * mask_ED
-
-
-@functools.lru_cache(maxsize=256)
-def column_sums_are_sequential(num_experts: int, topology: Topology) -> bool:
-    """Whether `fluid_device_load`'s column sums over its [E, D] terms add experts one after another.
-
-    numpy lays the terms out from the shapes alone: C order for all but large E·D, where its column sums
-    add experts in ascending order (exactly what a weighted bincount over (expert, holder) pairs does);
-    in F order they are pairwise sums. Probed once per (E, topology) on dummy inputs.
-    """
-    E, D = int(num_experts), topology.num_devices
-    terms_ED = _fluid_terms_ED(np.zeros(E), np.zeros((E, D), dtype=np.bool_), np.ones(E, dtype=np.int64),
-                               topology)
-    return D > 1 and bool(terms_ED.flags.c_contiguous)
-
-
 def fluid_device_load(placement: Placement, load_E: np.ndarray, topology: Topology | None = None) -> np.ndarray:
     """[D] float64: modeled tokens each device computes when only per-expert loads are known.
 
@@ -82,6 +55,11 @@ def fluid_device_load(placement: Placement, load_E: np.ndarray, topology: Topolo
     ``load_E[e] / D · (k_n / h_en + U_e / c_e)`` with k_n devices on n, h_en holders of e on n, c_e all
     holders and U_e the devices on nodes without e. Without a topology (or on one node) this is the
     plain even split ``load_E[e] / c_e``.
+
+    On several nodes every device's terms are added in ascending expert order (a weighted bincount over
+    the (expert, holder) pairs), at any size: the compiled planner core adds them in the same order, so
+    both compute the same floats (numpy's column sums over a dense [E, D] array would switch to pairwise
+    summation at large E·D, and cost O(E·D) where the pairs are O(E + replicas)).
     """
     load_E = np.asarray(load_E, dtype=np.float64)
     E, D = placement.shape
@@ -95,10 +73,7 @@ def fluid_device_load(placement: Placement, load_E: np.ndarray, topology: Topolo
     if topology is None or topology.num_nodes == 1:
         return (load_E / safe_E) @ mask_ED
     topology.validate(D)
-    if not column_sums_are_sequential(E, topology):
-        return _fluid_terms_ED(load_E, mask_ED, safe_E, topology).sum(axis=0)
-    # The same terms for the (expert, holder) pairs only, pairs in ascending expert order: the weighted
-    # bincount adds every device's terms in the order of the column sum (zero terms change nothing).
+    # The terms of the (expert, holder) pairs, pairs in ascending expert order.
     N = topology.num_nodes
     k_N = topology.devices_per_node_f
     e_P, d_P = np.nonzero(mask_ED)

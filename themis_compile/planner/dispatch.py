@@ -51,6 +51,7 @@ from themis_compile.planner.topology import Topology
 logger = logging.getLogger(__name__)
 
 __all__ = ["topology_aware_dispatch", "dispatch_rows", "dispatch_device_load", "even_dispatch", "check_tokens",
+           "own_row_entries",
            "planner_backend"]
 
 
@@ -292,3 +293,59 @@ def even_dispatch(placement: Placement, tokens_ED: np.ndarray) -> np.ndarray:
     """Topology-unaware dispatch used by baselines: a source holding e keeps its tokens, every other
     source splits evenly over all holders of e (same remainder rule as Alg. 3)."""
     return topology_aware_dispatch(placement, tokens_ED, Topology.single_node(placement.num_devices))
+
+
+def own_row_entries(owners_E: np.ndarray, full_J: np.ndarray, replicas_X: np.ndarray, tokens_E: np.ndarray,
+                    topology: Topology, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One rank's row R[:, rank, :] of Alg. 3 for P' = the shard of ``owners_E`` ∪ (``full_J`` × D) ∪
+    ``replicas_X`` (`materialize.materialize_pairs`' sparse form), as entries.
+
+    Args:
+        owners_E: [E] int64, the shard owners.
+        full_J: [F] int64, ascending: experts every device holds.
+        replicas_X: [X] int64, ascending flat ids ``e·D + d``: the other added replicas.
+        tokens_E: [E] int64, the rank's own gate counts T[:, rank] (its row depends on nothing else).
+        topology: D devices.
+        rank: the source device.
+
+    Returns:
+        ``(start_E, dest_Y, count_Y)``: expert e's tokens go to ``dest_Y[start_E[e]:start_E[e + 1]]``
+        (ascending) in the counts ``count_Y`` (> 0) — the nonzero entries of `dispatch_rows`' row, bit
+        for bit. With the compiled core: O(E + X), no [E, D] array.
+    """
+    owners_E = np.ascontiguousarray(owners_E, dtype=np.int64)
+    full_J = np.ascontiguousarray(full_J, dtype=np.int64)
+    replicas_X = np.ascontiguousarray(replicas_X, dtype=np.int64)
+    E, D = owners_E.size, topology.num_devices
+    if type(rank) is not int or not 0 <= rank < D:
+        raise ValueError(f"rank must be a device id in [0, {D}), got {rank!r}")
+    tokens_E = check_tokens(np.asarray(tokens_E).reshape(E, 1), E, 1)[:, 0]
+    core = compiled_core()
+    if core is not None:
+        start_E = np.empty(E + 1, dtype=np.int64)
+        dest_Y = np.empty(E + replicas_X.size, dtype=np.int64)
+        count_Y = np.empty(E + replicas_X.size, dtype=np.int64)
+        n = core.own_row(topology.core_layout, owners_E, full_J, replicas_X, tokens_E, rank, start_E, dest_Y,
+                         count_Y)
+        if n >= 0:
+            return start_E, dest_Y[:n], count_Y[:n]
+    # numpy (and the precise errors): the dense row of P' for a token matrix holding only the rank's column.
+    if owners_E.size and (owners_E.min() < 0 or owners_E.max() >= D):
+        raise ValueError(f"owners must lie in [0, {D})")
+    if full_J.size and (full_J.min() < 0 or full_J.max() >= E or (np.diff(full_J) <= 0).any()):
+        raise ValueError("full experts must be ascending expert ids in range")
+    mask_ED = Placement.from_owners(owners_E, D).mask.copy()
+    flat = mask_ED.reshape(-1)
+    if replicas_X.size and (replicas_X.min() < 0 or replicas_X.max() >= E * D or (np.diff(replicas_X) <= 0).any()
+                            or flat[replicas_X].any() or np.isin(replicas_X // D, full_J).any()):
+        raise ValueError("replicas must be ascending flat ids e·D + d in range, none at an expert's owner "
+                         "or in a full expert")
+    flat[replicas_X] = True
+    mask_ED[full_J] = True
+    tokens_ED = np.zeros((E, D), dtype=np.int64)
+    tokens_ED[:, rank] = tokens_E
+    row_ED = dispatch_rows(Placement.adopt(mask_ED), tokens_ED, topology, rank)
+    e_Y, dest_Y = np.nonzero(row_ED)
+    start_E = np.zeros(E + 1, dtype=np.int64)
+    np.cumsum(np.bincount(e_Y, minlength=E), out=start_E[1:])
+    return start_E, dest_Y.astype(np.int64), row_ED[e_Y, dest_Y]

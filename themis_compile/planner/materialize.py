@@ -50,14 +50,14 @@ import math
 import numpy as np
 
 from themis_compile.planner.backend import compiled_core
-from themis_compile.planner.cost import PlanCost, column_sums_are_sequential, fluid_device_load, straggler_time
+from themis_compile.planner.cost import PlanCost, fluid_device_load, straggler_time
 from themis_compile.planner.dispatch import dispatch_device_load
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["sparse_materialization", "calibrate", "check_count", "check_loads"]
+__all__ = ["sparse_materialization", "materialize_pairs", "calibrate", "check_count", "check_loads"]
 
 
 # --------------------------------------------------------------------------------------- validation
@@ -129,12 +129,11 @@ def _shard_device_load(owners_E: np.ndarray, load_E: np.ndarray, topology: Topol
     """[D] `cost.fluid_device_load` of the shard placement ``owners_E``, bit for bit, in O(E).
 
     With one holder on node n the model's per-holder factor is ``k_n / 1 + (D - k_n) / 1`` = D exactly
-    (small integers); where the model's column sums add experts in ascending order
-    (`cost.column_sums_are_sequential`), a weighted bincount adds the same terms in the same order.
-    Elsewhere (one node: a matrix product; very large E·D: pairwise sums) the model itself is called.
+    (small integers), and the model adds every device's terms in ascending expert order, as a weighted
+    bincount does. On one node (the model is a matrix product there) the model itself is called.
     """
     D = topology.num_devices
-    if topology.num_nodes == 1 or not column_sums_are_sequential(owners_E.size, topology):
+    if topology.num_nodes == 1:
         return fluid_device_load(Placement.from_owners(owners_E, D), load_E, topology)
     return np.bincount(owners_E, weights=(load_E / D) * float(D), minlength=D)
 
@@ -345,20 +344,10 @@ def _materialize_compiled(core, shard: Placement, load_E: np.ndarray, overlap_de
     return Placement.adopt(mask_ED, copies_E)
 
 
-_BINCOUNT_IS_THE_MODEL: dict[tuple[int, bytes], bool] = {}    # per (E, topology layout); small
-
-
 def _bincount_is_the_model(num_experts: int, topology: Topology) -> bool:
-    """Whether `_shard_device_load` takes its bincount branch (which the compiled core reproduces).
-    Cached by the topology's layout bytes, whose hash Python keeps (hashing a Topology costs more)."""
-    key = (num_experts, topology.core_layout)
-    answer = _BINCOUNT_IS_THE_MODEL.get(key)
-    if answer is None:
-        answer = topology.num_nodes > 1 and column_sums_are_sequential(num_experts, topology)
-        if len(_BINCOUNT_IS_THE_MODEL) > 256:
-            _BINCOUNT_IS_THE_MODEL.clear()
-        _BINCOUNT_IS_THE_MODEL[key] = answer
-    return answer
+    """Whether `_shard_device_load` takes its bincount branch (which the compiled core reproduces): on
+    several nodes, at any number of experts."""
+    return topology.num_nodes > 1
 
 
 def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarray,
@@ -476,3 +465,36 @@ def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
         return Placement.adopt(mask_ED, copies_E)
     return materialized if code == 0 else None
+
+
+# --------------------------------------------------------------------------------------- sparse form
+def materialize_pairs(shard: Placement, load_E: np.ndarray, overlap_degree: int, materialization_budget: int,
+                      topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """Alg. 1 in sparse form: P' of `sparse_materialization` as ``(full_J, replicas_X)``, int64, both
+    ascending: the experts every device holds in P' (none on one device), and the other added replicas
+    ΔP as flat ids ``e·D + d``. P' = shard ∪ (full_J × D) ∪ replicas_X, bit for bit.
+
+    With the compiled core it is built from the shard's owners without an [E, D] mask (O(E + t·D) and
+    O(E) in the "top-t everywhere" branch; at 1,024 devices the mask alone is 4 MB), for callers that
+    keep P' sparse (`dispatch.own_row_entries`).
+    """
+    _check_shard(shard, topology)
+    E, D = shard.shape
+    core = compiled_core()
+    if core is not None:
+        load_C = np.ascontiguousarray(check_loads(load_E, E))
+        t = min(check_count("overlap_degree", overlap_degree), E)
+        m = min(check_count("materialization_budget", materialization_budget), t)
+        full_J = np.empty(max(t, 1), dtype=np.int64)
+        pairs_X = np.empty(max(m * D, 1) if t > m else 1, dtype=np.int64)
+        copies_E = np.empty(E, dtype=np.int64)
+        counts = core.materialize_pairs(topology.core_layout, shard.owners(), load_C, t, m, full_J, pairs_X,
+                                        copies_E)
+        if counts is None:
+            raise AssertionError("compiled Alg. 1 rejected loads that pass validation")
+        return full_J[:counts[0]], pairs_X[:counts[1]]
+    placed = sparse_materialization(shard, load_E, overlap_degree, materialization_budget, topology)
+    added_ED = placed.mask & ~shard.mask
+    full_E = (placed.copies() == D) & added_ED.any(axis=1)
+    added_ED[full_E] = False
+    return np.flatnonzero(full_E).astype(np.int64, copy=False), np.flatnonzero(added_ED).astype(np.int64, copy=False)

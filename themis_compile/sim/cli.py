@@ -9,7 +9,7 @@ from typing import Any
 
 from themis_compile.cost_model.cluster import get_cluster
 from themis_compile.sim.engine import DEFAULT_POLICIES, simulate
-from themis_compile.sim.paper import format_paper_report, paper_report
+from themis_compile.sim.paper import format_paper_report, format_weak_scaling, paper_report, weak_scaling
 from themis_compile.sim.report import chrome_trace, format_tables, write_plots
 from themis_compile.sim.setup import build_setup, read_profile, resolve_model_config
 from themis_compile.sim.traces import model_cv, read_jsonl, synthetic_trace
@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--paper", action="store_true", help="the reproduction report against the paper's figures")
     p.add_argument("--quick", action="store_true", help="with --paper: two models only")
+    p.add_argument("--weak-scaling", default=None, metavar="D,D,...",
+                   help="Fig. 13b past the paper's scale: DeepSeek-V3 on Cluster A at these device counts "
+                        "(e.g. 16,64,256; default 12 iterations)")
     return p
 
 
@@ -59,6 +62,14 @@ def main(argv: list[str] | None = None) -> None:
     """``themis-compile simulate ...`` (see ``--help``)."""
     args = _parser().parse_args(argv)
     progress = not args.no_progress
+    if args.weak_scaling is not None:
+        try:
+            sizes = [int(x) for x in args.weak_scaling.split(",") if x.strip()]
+            rows = weak_scaling(sizes, iterations=args.iterations or 12, progress=progress)
+        except ValueError as exc:
+            raise SystemExit(f"themis-compile simulate: --weak-scaling: {exc}") from exc
+        print(json.dumps(rows, indent=2) if args.json else format_weak_scaling(rows))
+        return
     if args.paper:
         report = paper_report(iterations=args.iterations or 20, progress=progress, quick=args.quick)
         if args.json:
