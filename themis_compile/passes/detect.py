@@ -626,7 +626,8 @@ class RuntimeReference(nn.Module):
         for e in range(self.bank.num_experts):
             token_N, k_N = torch.where(ids_TK == e)
             if token_N.numel():
-                y_NH = self.bank.run(self.bank.chunk(self.experts, e), x_TH[token_N])
+                y_NH = self.bank.run(self.bank.chunk(self.experts, e), x_TH[token_N],
+                                     self.bank.shared_tensors(self.experts))
                 out_TH = out_TH.index_add(0, token_N, y_NH.double() * weights_TK[token_N, k_N, None].double())
         return out_TH.to(x_TH.dtype)
 
