@@ -147,25 +147,16 @@ class _Namespace:
     pass
 
 
-def _hold_shared(module: nn.Module, experts: nn.Module, names: Sequence[str], layer: str = "") -> None:
-    """Register on ``module`` the parameters of ``experts`` that every expert uses (``ExpertBank.shared_names``)
-    under their own names: the same parameter objects (a direct parameter, or the submodule holding them,
-    e.g. a shared norm), so that they stay ordinary dense parameters of the model (the dense wrapper
-    reduces them, the optimizer steps them) and their state-dict keys are unchanged."""
+def _hold_shared(module: nn.Module, experts: nn.Module, names: Sequence[str]) -> None:
+    """Register on ``module`` the parameters of ``experts`` that every expert uses (``ExpertBank.shared_names``,
+    direct parameters or whole submodules: the bank checked) under their own names: the same parameter
+    objects (a shared norm's module itself), so that they stay ordinary dense parameters of the model (the
+    dense wrapper reduces them, the optimizer steps them) and their state-dict keys are unchanged."""
     for top in dict.fromkeys(n.split(".", 1)[0] for n in names):
-        if top.isdigit():
-            raise ValueError(f"MoE layer {layer!r}: a shared expert parameter named {top!r} would clash with an "
-                             "expert's id")
         if top in experts._parameters:
             module.register_parameter(top, experts._parameters[top])
-            continue
-        sub = experts._modules[top]
-        stacked = [f"{top}.{n}" for n, _ in sub.named_parameters() if f"{top}.{n}" not in names]
-        if stacked:
-            raise ValueError(f"MoE layer {layer!r}: submodule {top!r} of the experts holds stacked parameters "
-                             f"({', '.join(stacked)}) next to parameters every expert uses; FSSDP cuts whole "
-                             "stacked tensors and keeps whole submodules dense")
-        module.add_module(top, sub)
+        else:
+            module.add_module(top, experts._modules[top])
 
 
 class StackedWeight:
@@ -280,7 +271,7 @@ class ShardedExperts(nn.Module):
         self.shard_placement = shard
         for e in shard.experts_on(rank):
             self.add_expert(int(e), bank.shard_of(experts, int(e)))
-        _hold_shared(self, experts, bank.shared_names, layer)
+        _hold_shared(self, experts, bank.shared_names)
         self.register_buffer("owner_E", torch.tensor(shard.owners().tolist(), dtype=torch.int64), persistent=False)
         self.grad_scale = 1.0 / world_size if world_size > 1 and scale_grads else 1.0
         if bank.form == "stacked":

@@ -120,6 +120,13 @@ class ExpertBank:
             if self._template is not None and isinstance(getattr(self._template, "num_experts", None), int):
                 # The copy runs one expert at a time (E = 1 slices): code sized by num_experts must agree.
                 self._template.num_experts = 1
+            for top in dict.fromkeys(n.split(".", 1)[0] for n in self.shared_names):
+                mixed = [f"{top}.{n}" for n, _ in getattr(experts, top).named_parameters()
+                         if f"{top}.{n}" not in self.shared_names] if top not in experts._parameters else []
+                if mixed or top.isdigit():
+                    raise ValueError(f"MoE layer {layer!r}: submodule {top!r} of the experts holds stacked "
+                                     f"parameters ({', '.join(mixed) or top}) next to parameters every expert "
+                                     "uses; shared parameters must be direct parameters or whole submodules")
             params = [(n, p) for n, p in experts.named_parameters() if n not in self.shared_names]
             self.names = tuple(n for n, _ in params)
             self.num_experts = params[0][1].shape[0]
