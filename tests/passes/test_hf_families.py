@@ -32,8 +32,7 @@ NOT_SHARDED = {
     "jetmoe": ("are called as input_linear(Tensor[16, 32], list)",     # ParallelExperts: half an expert each
                "the forward fails on probe hidden states"),             # attention experts (MoA)
     "llama4": "are called as experts(Tensor[32, 32])",                # every expert on every row
-    "longcat_flash": "cannot be cut into equal per-expert chunks",    # zero experts stacked with real ones
-    "muse_spark": "cannot be cut into equal per-expert chunks",       # a norm shared by all experts
+    "longcat_flash": "disagree on the number of experts",            # zero experts stacked with real ones
     "deepseek_v4": "the forward fails on probe hidden states",      # layer 0 only: hash routing by input_ids
     "doge": None,               # product-key experts held as embeddings: no experts child
     "vitpose_backbone": None,   # experts per dataset index in an image backbone: no text model
@@ -94,12 +93,13 @@ def test_explain_lists_the_moe_layers_or_says_why_not(family):
 
 
 def test_explain_lists_or_rejects_families_of_each_kind():
-    """The quick run: a family found by its routing code, one found by behaviour, an encoder-decoder
-    with its reason, one whose experts are called otherwise with its reason."""
-    for family in ("qwen3_moe", "phimoe", "deepseek_v3"):
+    """The quick run: a family found by its routing code, one found by behaviour, one whose experts hold a
+    norm every expert uses, one whose stacked weights hold zero experts too and one whose experts are called
+    otherwise, the last two with their reasons."""
+    for family in ("qwen3_moe", "phimoe", "deepseek_v3", "muse_spark"):
         expected, found, report = _detect(family)
         assert expected and set(expected) <= set(found), report
-    for family in ("muse_spark", "llama4"):
+    for family in ("longcat_flash", "llama4"):
         expected, found, report = _detect(family)
         assert expected and not set(expected) & set(found) and NOT_SHARDED[family] in report, report
 

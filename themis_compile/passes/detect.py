@@ -659,7 +659,8 @@ def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tenso
             bank = ExpertBank(experts)
         except ValueError as exc:
             return (f"its experts cannot be cut into equal per-expert chunks ({str(exc).split(': ', 1)[-1]}); "
-                    "hold them as a ModuleList of identical modules or as parameters all stacked [E, ...]")
+                    "hold them as a ModuleList of identical modules or as parameters stacked [E, ...] (but for "
+                    "parameters every expert uses)")
         E = bank.num_experts
         if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= E):
             return (f"it routes tokens to ids outside [0, {E}) (ids {int(ids_TK.min())}..{int(ids_TK.max())}: "

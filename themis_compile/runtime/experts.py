@@ -135,10 +135,20 @@ class ExpertBank:
             self.spec = [(tuple(p.shape[1:]), p.dtype) for _, p in params]
             self.form = "stacked"
         else:
+            shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in experts.named_parameters())
+            if len({p.shape[0] for p in experts.parameters() if p.dim() >= 3}) > 1:
+                # LongCat-Flash: gate_up_proj [E + Z, ...] (Z zero / identity experts) but down_proj [E, ...].
+                raise ValueError(
+                    f"MoE layer {layer!r}: the stacked weights of {type(experts).__name__} disagree on the number "
+                    f"of experts ({shapes}): rows that some stacked weights hold and others do not (zero / "
+                    "identity experts stacked after the real ones) belong to no expert's chunk, yet are one "
+                    "tensor (one gradient, one optimizer state, one state-dict key) with the real experts' rows; "
+                    "stack only the E real experts and run the zero experts outside the experts module (the "
+                    "block adding weight * x for the ids >= E)")
             raise ValueError(
                 f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList / "
-                "nn.ModuleDict of expert modules nor a module whose parameters are all stacked [E, ...] "
-                f"(its parameters: {', '.join(f'{n} {list(p.shape)}' for n, p in experts.named_parameters())})")
+                "nn.ModuleDict of expert modules nor a module whose parameters are stacked [E, ...] (but for "
+                f"some every expert uses, not of 3 or more dimensions) (its parameters: {shapes})")
 
     @property
     def chunk_bytes(self) -> int:
