@@ -279,6 +279,9 @@ def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:
         if hasattr(experts, "owned_experts"):
             owned = experts.owned_experts()
             text += f"; this rank owns {len(owned)}: {owned}"
+        shared = getattr(getattr(experts, "bank", None), "shared_names", ())
+        if shared:
+            text += f"; used by every expert, data-parallel like the dense parameters: {', '.join(shared)}"
         lines.append(text)
         if verbose and info is not None:
             lines.append(f"    {info.describe()}")

@@ -216,6 +216,8 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == keys
     with torch.no_grad():
         torch.testing.assert_close(model.loss(tokens), before)
+    assert "used by every expert, data-parallel like the dense parameters: layer_scale, post_norm.weight" in \
+        themis_compile.explain(model)
 
 
 # ---------------------------------------------------------------------------------- 2 ranks
