@@ -218,6 +218,13 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
         torch.testing.assert_close(model.loss(tokens), before)
     assert "used by every expert, data-parallel like the dense parameters: layer_scale, post_norm.weight" in \
         themis_compile.explain(model)
+    # A rank that holds no expert of the layer (EP with fewer experts than ranks) still gives the shared
+    # parameters a (zero) gradient, so that every rank reduces the same dense gradients.
+    rows_0H = torch.zeros(0, H, requires_grad=True)
+    experts.run_experts({}, rows_0H, [0] * E).sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in experts.shared_parameters())
+    assert rows_0H.grad.shape == (0, H)
+    assert all(p.grad is None for p in experts.expert_parameters())
 
 
 # ---------------------------------------------------------------------------------- 2 ranks
