@@ -8,7 +8,8 @@ gradient is then the sum over the rows each rank computed, whichever rank's toke
 dense wrapper's average over ranks makes it the one-process gradient of the global-batch loss.
 
 Held here, on a block written the way such code is written (not shaped after the detector):
-- detection finds it, the bank cuts only the stacked weights, the probe proves the runtime's computation;
+- detection finds it (by the attribute naming the experts, or by structure and routing code whatever the
+  attribute is called), the bank cuts only the stacked weights, the probe proves the runtime's computation;
 - on 2 gloo ranks, in one process group: under ``themis``, ``themis-rm`` and ``ep``, with FSDP2 and with
   DDP, 10 AdamW steps equal one process on the whole global batch (loss per step within 1e-5 relative,
   dense parameters including the shared ones and every expert allclose), the shared parameters' first
@@ -225,6 +226,28 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
     assert all(p.grad is not None and not p.grad.any() for p in experts.shared_parameters())
     assert rows_0H.grad.shape == (0, H)
     assert all(p.grad is None for p in experts.expert_parameters())
+
+
+def test_found_by_structure_whatever_the_attribute_name():
+    from themis_compile.passes.detect import find_moe_layers
+
+    class FfnMoE(NormedMoE):
+        """The same block with its experts under a name that does not say so: found from the router's
+        top-k and the stacked weights beside the shared ones, not from the attribute name."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ffn = self._modules.pop("experts")
+
+        def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+            x = x_BSH.reshape(-1, H)
+            weights, ids = self.router(x).softmax(dim=-1).topk(K, dim=-1)
+            return self.ffn(x, ids, weights / weights.sum(dim=-1, keepdim=True)).view_as(x_BSH)
+
+    torch.manual_seed(0)
+    infos, rejected = find_moe_layers(nn.Sequential(FfnMoE()))
+    assert [(i.name, i.experts_attr, i.experts_form, i.num_experts) for i in infos] == [("0", "ffn", "stacked", E)]
+    assert not rejected
 
 
 # ---------------------------------------------------------------------------------- 2 ranks

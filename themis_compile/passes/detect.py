@@ -74,7 +74,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from themis_compile.passes.replay import inline_expert_weights_reason, replay_mismatch, restored_attributes
-from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine
+from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine, stacked_layout
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +177,16 @@ def _experts_children(module: nn.Module) -> list[_ExpertsChild]:
             continue
         if isinstance(child, nn.ModuleList) and len(child) >= 2 and all(_is_mlp_like(c) for c in child):
             found.append(_ExpertsChild(attr, child, len(child), "modulelist"))
-        elif (E := _stacked_width(child)) is not None:
+        elif (E := _stacked_width(child) or _stacked_width_with_shared(child)) is not None:
             found.append(_ExpertsChild(attr, child, E, "stacked"))
     return found
+
+
+def _stacked_width_with_shared(m: nn.Module) -> int | None:
+    """E when ``m`` holds stacked ``[E, ...]`` weights next to parameters every expert uses (a norm applied
+    to each expert's output, MuseSpark's ``post_expert_norm``): ``runtime.experts.stacked_layout``."""
+    layout = stacked_layout(m)
+    return layout[0] if layout is not None and layout[1] else None
 
 
 def _expert_signature(m: nn.Module) -> tuple:
