@@ -287,7 +287,7 @@ class ShardedExperts(nn.Module):
         self.shard_placement = shard
         self.owner_E.copy_(torch.tensor(shard.owners().tolist(), dtype=torch.int64))
 
-    # ------------------------------------------------------------------ owned experts (the only children)
+    # ------------------------------------------------------------------ owned experts (the digit-named children)
     def owned_experts(self) -> list[int]:
         """Global ids of the experts this rank holds, ascending."""
         return sorted(int(name) for name in self._modules if name.isdigit())
