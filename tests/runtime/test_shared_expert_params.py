@@ -13,13 +13,15 @@ Held here, on a block written the way such code is written (not shaped after the
 - on 2 gloo ranks, in one process group: under ``themis``, ``themis-rm`` and ``ep``, with FSDP2 and with
   DDP, 10 AdamW steps equal one process on the whole global batch (loss per step within 1e-5 relative,
   dense parameters including the shared ones and every expert allclose), the shared parameters' first
-  gradient equal to the one-process gradient, with replicas made (|dP| > 0) under a skewed router;
+  gradient equal to the one-process gradient, with replicas made (|dP| > 0) under a skewed router, and
+  with activation checkpointing (the experts recomputed inside the backward);
   re-sharding moves experts and changes nothing; a checkpoint keeps the unmodified keys, resumes under
   another policy and dense wrapper, and loads into the unmodified model.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -29,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.utils.checkpoint import checkpoint
 
 import themis_compile
 from tests.passes import zoo_models as zoo
@@ -251,14 +254,21 @@ def test_found_by_structure_whatever_the_attribute_name():
 
 
 # ---------------------------------------------------------------------------------- 2 ranks
-# (policy, dense wrapper, re-shard every n steps or 0)
-CASES = [("themis", "fsdp2", 0), ("themis", "ddp", 0), ("ep", "fsdp2", 0), ("ep", "ddp", 0),
-         ("themis-rm", "fsdp2", 0), ("themis", "fsdp2", 3)]
+# (policy, dense wrapper, re-shard every n steps or 0, activation checkpointing of every layer)
+CASES = [("themis", "fsdp2", 0, False), ("themis", "ddp", 0, False), ("ep", "fsdp2", 0, False),
+         ("ep", "ddp", 0, False), ("themis-rm", "fsdp2", 0, False), ("themis", "fsdp2", 3, False),
+         ("themis-rm", "fsdp2", 0, True)]
 
 
-def _optimized(policy: str, dense: str, reshard: int) -> NormedLM:
+def _optimized(policy: str, dense: str, reshard: int, checkpointed: bool = False) -> NormedLM:
     config = themis_compile.ThemisConfig(policy=policy, dense_parallel=dense, reshard_interval=reshard, **CONFIG)
-    return themis_compile.optimize(_model(), config, strict=True)
+    model = themis_compile.optimize(_model(), config, strict=True)
+    if checkpointed:
+        # Recomputed inside the backward: the experts read the shared parameters again there (FSDP2 keeps
+        # the root's unsharded parameters until its post-backward reduce-scatter).
+        for layer in model.layers:
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    return model
 
 
 def _train(rank: int, world_size: int, model, opt, start: int, stop: int, save=None) -> tuple[list[float], dict]:
@@ -281,8 +291,8 @@ def _train(rank: int, world_size: int, model, opt, start: int, stop: int, save=N
     return losses, grads0
 
 
-def _case(rank: int, world_size: int, policy: str, dense: str, reshard: int):
-    model = _optimized(policy, dense, reshard)
+def _case(rank: int, world_size: int, policy: str, dense: str, reshard: int, checkpointed: bool):
+    model = _optimized(policy, dense, reshard, checkpointed)
     runtime = themis_compile.api.runtime_of(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads0 = _train(rank, world_size, model, opt, 0, STEPS)
@@ -349,7 +359,7 @@ def test_two_ranks_train_like_one_process(two_ranks, case):
     for rank, (_, g0, _) in enumerate(per_rank):
         for name, g in grads0.items():
             torch.testing.assert_close(g0[name], g, rtol=1e-5, atol=1e-7, msg=f"rank {rank}: gradient of {name}")
-    policy, _, reshard = case
+    policy, _, reshard, _ = case
     if policy != "ep":
         assert any(d > 0 for d in per_rank[0][0][3]), f"{case}: the skewed router never made a replica"
     if reshard:
