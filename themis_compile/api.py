@@ -262,9 +262,18 @@ def explain(model: nn.Module, verbose: bool = False) -> str:
         return explain_moe_layers(model)
     infos, rejected = find_moe_layers(model)
     lines = [f"{len(infos)} MoE layer(s) found"]
-    lines += [f"  {info.name}: {info.describe()}" for info in infos]
+    lines += [f"  {info.name}: {info.describe()}{_shared_note(info)}" for info in infos]
     lines += [f"  rejected {name}: {why}" for name, why in rejected]
     return "\n".join(lines)
+
+
+def _shared_note(info: MoELayerInfo) -> str:
+    """What explain adds for a layer whose stacked experts hold parameters every expert uses."""
+    try:
+        shared = ExpertBank(getattr(info.module, info.experts_attr), layer=info.name).shared_names
+    except ValueError:
+        return ""
+    return f"; used by every expert, data-parallel like the dense parameters: {', '.join(shared)}" if shared else ""
 
 
 def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:

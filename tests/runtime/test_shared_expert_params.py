@@ -207,6 +207,8 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
     infos, rejected = find_moe_layers(model)
     assert [i.name for i in infos] == ["layers.0.moe", "layers.1.moe"] and not rejected, rejected
     assert all(i.experts_form == "stacked" and i.num_experts == E for i in infos)
+    assert themis_compile.explain(model).count(
+        "used by every expert, data-parallel like the dense parameters: layer_scale, post_norm.weight") == 2
     keys = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tokens = _batches()[0]
     with torch.no_grad():
