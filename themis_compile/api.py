@@ -273,7 +273,7 @@ def _shared_note(info: MoELayerInfo) -> str:
         shared = ExpertBank(getattr(info.module, info.experts_attr), layer=info.name).shared_names
     except ValueError:
         return ""
-    return f"; used by every expert, data-parallel like the dense parameters: {', '.join(shared)}" if shared else ""
+    return f"; parameters every expert uses (dense, data-parallel): {', '.join(shared)}" if shared else ""
 
 
 def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:
@@ -290,7 +290,7 @@ def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:
             text += f"; this rank owns {len(owned)}: {owned}"
         shared = getattr(getattr(experts, "bank", None), "shared_names", ())
         if shared:
-            text += f"; used by every expert, data-parallel like the dense parameters: {', '.join(shared)}"
+            text += f"; parameters every expert uses (dense, data-parallel): {', '.join(shared)}"
         lines.append(text)
         if verbose and info is not None:
             lines.append(f"    {info.describe()}")

@@ -208,7 +208,7 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
     assert [i.name for i in infos] == ["layers.0.moe", "layers.1.moe"] and not rejected, rejected
     assert all(i.experts_form == "stacked" and i.num_experts == E for i in infos)
     assert themis_compile.explain(model).count(
-        "used by every expert, data-parallel like the dense parameters: layer_scale, post_norm.weight") == 2
+        "parameters every expert uses (dense, data-parallel): layer_scale, post_norm.weight") == 2
     keys = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tokens = _batches()[0]
     with torch.no_grad():
@@ -222,7 +222,7 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == keys
     with torch.no_grad():
         torch.testing.assert_close(model.loss(tokens), before)
-    assert "used by every expert, data-parallel like the dense parameters: layer_scale, post_norm.weight" in \
+    assert "parameters every expert uses (dense, data-parallel): layer_scale, post_norm.weight" in \
         themis_compile.explain(model)
     # A rank that holds no expert of the layer (EP with fewer experts than ranks) still gives the shared
     # parameters a (zero) gradient, so that every rank reduces the same dense gradients.
