@@ -122,7 +122,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     if fssdp and config.reshard_interval:
         # After the dense wrapper: FSDP2 replaces dense parameters with new (DTensor) parameter objects,
         # which are the ones the user's optimizer will hold.
-        sharded_ids = {id(p) for m in sharded for p in m.parameters()}
+        sharded_ids = {id(p) for m in sharded for p in m.expert_parameters()}
         dense = [p for p in model.parameters() if id(p) not in sharded_ids]
         runtime.reshard_scheduler = ReshardScheduler(runtime, config.reshard_interval, dense)
     register(model, runtime)
@@ -185,7 +185,8 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
             raise ValueError("dense_parallel='fsdp2' needs the default group's ranks in order")
         device = collective_device(group).type
         mesh = init_device_mesh(device, (len(ranks),))
-        expert_params = {p for m in sharded for p in m.parameters()}
+        # The owned experts only: parameters every expert of a layer uses (a shared norm) are dense.
+        expert_params = {p for m in sharded for p in m.expert_parameters()}
         if conditional and not _fsdp2_reduces_unused_params():
             names = ", ".join(name for name, _ in conditional)
             raise ValueError(f"dense_parallel='fsdp2' cannot make the unsharded MoE-like modules {names} data-parallel "
@@ -198,7 +199,9 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
         return
     from torch.distributed._composable.replicate import replicate
 
-    replicate(model, ignored_modules=sharded, process_group=group, find_unused_parameters=bool(conditional))
+    # The owned experts' modules, not the sharded layers: a layer's shared parameters are DDP's.
+    owned = [m.expert(e) for m in sharded for e in m.owned_experts()]
+    replicate(model, ignored_modules=owned, process_group=group, find_unused_parameters=bool(conditional))
 
 
 def _fsdp2_reduces_unused_params() -> bool:
@@ -273,9 +276,18 @@ def explain(model: nn.Module, verbose: bool = False, *, example_inputs: tuple | 
         return explain_moe_layers(model, example_inputs)
     infos, rejected = find_moe_layers(model, example_inputs)
     lines = [f"{len(infos)} MoE layer(s) found"]
-    lines += [f"  {info.name}: {info.describe()}" for info in infos]
+    lines += [f"  {info.name}: {info.describe()}{_shared_note(info)}" for info in infos]
     lines += [f"  rejected {name}: {why}" for name, why in rejected]
     return "\n".join(lines)
+
+
+def _shared_note(info: MoELayerInfo) -> str:
+    """What explain adds for a layer whose stacked experts hold parameters every expert uses."""
+    try:
+        shared = ExpertBank(getattr(info.module, info.experts_attr), layer=info.name).shared_names
+    except ValueError:
+        return ""
+    return f"; parameters every expert uses (dense, data-parallel): {', '.join(shared)}" if shared else ""
 
 
 def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:
@@ -290,6 +302,9 @@ def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:
         if hasattr(experts, "owned_experts"):
             owned = experts.owned_experts()
             text += f"; this rank owns {len(owned)}: {owned}"
+        shared = getattr(getattr(experts, "bank", None), "shared_names", ())
+        if shared:
+            text += f"; parameters every expert uses (dense, data-parallel): {', '.join(shared)}"
         lines.append(text)
         if verbose and info is not None:
             lines.append(f"    {info.describe()}")

@@ -75,6 +75,7 @@ _FAMILY = {
     "deepseek_v2": {"num_experts_per_tok": 2},
     "step3p7": {"sliding_window": 16},
     "switch_transformers": {"decoder_start_token_id": 0},
+    "muse_spark": {"moe_hidden_size": 32},    # the experts' own width (default 4096)
 }
 
 

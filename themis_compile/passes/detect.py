@@ -85,9 +85,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
-                                          replay_mismatch,
-                                          restored_attributes)
-from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine
+                                          replay_mismatch, restored_attributes)
+from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine, stacked_layout
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +195,16 @@ def _experts_children(module: nn.Module) -> list[_ExpertsChild]:
             continue
         if isinstance(child, nn.ModuleList) and len(child) >= 2 and all(_is_mlp_like(c) for c in child):
             found.append(_ExpertsChild(attr, child, len(child), "modulelist"))
-        elif (E := _stacked_width(child)) is not None:
+        elif (E := _stacked_width(child) or _stacked_width_with_shared(child)) is not None:
             found.append(_ExpertsChild(attr, child, E, "stacked"))
     return found
+
+
+def _stacked_width_with_shared(m: nn.Module) -> int | None:
+    """E when ``m`` holds stacked ``[E, ...]`` weights next to parameters every expert uses (a norm applied
+    to each expert's output, MuseSpark's ``post_expert_norm``): ``runtime.experts.stacked_layout``."""
+    layout = stacked_layout(m)
+    return layout[0] if layout is not None and layout[1] else None
 
 
 def _expert_signature(m: nn.Module) -> tuple:
@@ -1049,7 +1055,8 @@ class RuntimeReference(nn.Module):
         for e in range(self.bank.num_experts):
             token_N, k_N = torch.where(ids_TK == e)
             if token_N.numel():
-                y_NH = self.bank.run(self.bank.chunk(self.experts, e), x_TH[token_N])
+                y_NH = self.bank.run(self.bank.chunk(self.experts, e), x_TH[token_N],
+                                     self.bank.shared_tensors(self.experts))
                 out_TH = out_TH.index_add(0, token_N, y_NH.double() * weights_TK[token_N, k_N, None].double())
         return out_TH.to(x_TH.dtype)
 
@@ -1081,7 +1088,8 @@ def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tenso
             bank = ExpertBank(experts)
         except ValueError as exc:
             return (f"its experts cannot be cut into equal per-expert chunks ({str(exc).split(': ', 1)[-1]}); "
-                    "hold them as a ModuleList of identical modules or as parameters all stacked [E, ...]")
+                    "hold them as a ModuleList of identical modules or as parameters stacked [E, ...] (but for "
+                    "parameters every expert uses)")
         E = bank.num_experts
         if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= E):
             return (f"it routes tokens to ids outside [0, {E}) (ids {int(ids_TK.min())}..{int(ids_TK.max())}: "

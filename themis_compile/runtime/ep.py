@@ -147,6 +147,18 @@ class _Namespace:
     pass
 
 
+def _hold_shared(module: nn.Module, experts: nn.Module, names: Sequence[str]) -> None:
+    """Register on ``module`` the parameters of ``experts`` that every expert uses (``ExpertBank.shared_names``,
+    direct parameters or whole submodules: the bank checked) under their own names: the same parameter
+    objects (a shared norm's module itself), so that they stay ordinary dense parameters of the model (the
+    dense wrapper reduces them, the optimizer steps them) and their state-dict keys are unchanged."""
+    for top in dict.fromkeys(n.split(".", 1)[0] for n in names):
+        if top in experts._parameters:
+            module.register_parameter(top, experts._parameters[top])
+        else:
+            module.add_module(top, experts._modules[top])
+
+
 class StackedWeight:
     """Names one stacked ``[E, ...]`` weight of the unmodified experts module; the sharded experts hold
     its per-expert slices. ``experts.stacked_weight(name)`` gives the weight as this rank holds it."""
@@ -213,7 +225,10 @@ class ShardedExperts(nn.Module):
     Holds only the experts this rank owns, each as a child module named by its global expert id
     (``self.<e>``, as in the user's ``nn.ModuleList``), so that an optimizer built from
     ``model.parameters()`` sees exactly the owned experts, and their parameter names are the unmodified
-    model's (``...experts.4.w1.weight``). The owned experts are the only children.
+    model's (``...experts.4.w1.weight``). The owned experts are the only children with digit names; a
+    stacked experts module's parameters that every expert uses (``bank.shared_names``, a shared norm) are
+    held as they were, under their own names: dense parameters of the model (``shared_parameters``), data
+    parallel through the dense wrapper like any other, read live at every expert call.
 
     State dicts speak the unmodified model's keys and shapes (see ``docs/architecture.md``,
     Checkpointing): a rank's ``state_dict()`` holds its owned experts; for stacked ``[E, ...]`` weights
@@ -256,6 +271,7 @@ class ShardedExperts(nn.Module):
         self.shard_placement = shard
         for e in shard.experts_on(rank):
             self.add_expert(int(e), bank.shard_of(experts, int(e)))
+        _hold_shared(self, experts, bank.shared_names)
         self.register_buffer("owner_E", torch.tensor(shard.owners().tolist(), dtype=torch.int64), persistent=False)
         self.grad_scale = 1.0 / world_size if world_size > 1 and scale_grads else 1.0
         if bank.form == "stacked":
@@ -271,10 +287,10 @@ class ShardedExperts(nn.Module):
         self.shard_placement = shard
         self.owner_E.copy_(torch.tensor(shard.owners().tolist(), dtype=torch.int64))
 
-    # ------------------------------------------------------------------ owned experts (the only children)
+    # ------------------------------------------------------------------ owned experts (the digit-named children)
     def owned_experts(self) -> list[int]:
         """Global ids of the experts this rank holds, ascending."""
-        return sorted(int(name) for name in self._modules)
+        return sorted(int(name) for name in self._modules if name.isdigit())
 
     def expert(self, e: int) -> nn.Module:
         """The module holding owned expert ``e``'s parameters."""
@@ -289,6 +305,15 @@ class ShardedExperts(nn.Module):
     def remove_expert(self, e: int) -> nn.Module:
         """Stop holding expert ``e`` (it left for another owner); returns its module."""
         return self._modules.pop(str(e))
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The owned experts' parameters: what the sharded runtime reduces and the dense wrapper must leave
+        alone (``parameters()`` adds the shared ones)."""
+        return [p for c in self.local_chunks().values() for p in c]
+
+    def shared_parameters(self) -> list[nn.Parameter]:
+        """The parameters every expert of the layer uses (``bank.shared_names``): dense, data parallel."""
+        return list(self.bank.shared_tensors(self).values())
 
     def local_chunks(self) -> dict[int, list[torch.Tensor]]:
         """Owned experts' parameters, by global expert id (ascending)."""
@@ -330,6 +355,8 @@ class ShardedExperts(nn.Module):
         and their gradient stays missing, as in one process.
         """
         outputs = []
+        # Read now, not at construction: the dense wrapper may have swapped them (FSDP2's unsharded ones).
+        shared = self.bank.shared_tensors(self) if self.bank.shared_names else None
         for e, part in enumerate(torch.split(rows_NH, list(counts_E))):
             params = chunks.get(e)
             if params is None:
@@ -339,13 +366,19 @@ class ShardedExperts(nn.Module):
                 continue
             if skip_empty and not counts_E[e]:
                 continue
-            outputs.append(self.bank.run(params, part))
+            outputs.append(self.bank.run(params, part, shared))
         if not outputs:
             # No expert here (and so no rows): an empty result that stays in the autograd graph, so that
             # this rank joins the all-to-all of the backward pass like every other rank.
             if rows_NH.requires_grad:
-                return rows_NH * 0
-            return rows_NH.new_zeros(rows_NH.shape).requires_grad_(torch.is_grad_enabled())
+                out_NH = rows_NH * 0
+            else:
+                out_NH = rows_NH.new_zeros(rows_NH.shape).requires_grad_(torch.is_grad_enabled())
+            if shared and torch.is_grad_enabled():
+                # The shared parameters get a zero gradient here, as on a rank whose experts ran on empty
+                # rows: every rank then reduces the same set of dense gradients (DDP, FSDP2).
+                out_NH = out_NH + sum(p.sum() * 0 for p in shared.values() if p.requires_grad)
+            return out_NH
         return torch.cat(outputs, 0)
 
     def destinations(self, ids_TK: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,12 @@ Two layouts are understood:
   the user's own expert code computes every copy, owned or materialized.
 - a stacked module (torchtitan / gpt-fast style) with parameters ``[E, ...]`` and a static method
   ``expert_forward(params, x)`` naming how one expert computes; expert e's chunk is the slices ``w[e]``.
+  Called as ``experts(x_TH, ids_TK, weights_TK)`` instead (HF transformers >= 5), the module may also hold
+  parameters that every expert uses (MuseSpark's ``post_expert_norm``, one RMSNorm weight ``[H]``): they
+  are *shared*, not cut into chunks (:func:`stacked_layout`). They stay ordinary dense parameters of the
+  model, data parallel with the rest, and every copy of every expert runs with the live shared tensors
+  (``ExpertBank.run(params, x, shared)``), so their gradient sums over every row any rank computed and the
+  dense wrapper reduces it like any dense parameter's.
 
 Shape suffixes: N rows, H d_model, E experts.
 """
@@ -15,7 +21,7 @@ Shape suffixes: N rows, H d_model, E experts.
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -49,11 +55,36 @@ def _is_stacked(experts: nn.Module) -> bool:
     return bool(params) and all(p.dim() >= 2 for p in params) and len({p.shape[0] for p in params}) == 1
 
 
+def stacked_layout(experts: nn.Module) -> tuple[int, tuple[str, ...], tuple[str, ...]] | None:
+    """(E, stacked names, shared names) of a stacked experts module whose parameters are ``[E, ...]``
+    except some that every expert uses, or None.
+
+    Contract: E is the common leading dimension of the parameters of 3 or more dimensions (at least one,
+    E >= 2); a parameter is stacked when it has 2 or more dimensions and leading dimension E, shared
+    otherwise (a norm weight ``[H]``, a projection ``[H, F]`` with H != E). A shared parameter whose
+    leading dimension happens to be E is taken for a stacked one: the probe that verifies the layer
+    (``combine_mismatch``) then fails and the layer is rejected, never trained differently. A module
+    that is not stacked-with-shared (a ModuleList, no 3-D parameter, 3-D parameters of several E) gives
+    None.
+    """
+    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    params = list(experts.named_parameters())
+    widths = {p.shape[0] for _, p in params if p.dim() >= 3}
+    if len(widths) != 1 or (E := widths.pop()) < 2:
+        return None
+    stacked = tuple(n for n, p in params if p.dim() >= 2 and p.shape[0] == E)
+    shared = tuple(n for n, p in params if not (p.dim() >= 2 and p.shape[0] == E))
+    return E, stacked, shared
+
+
 class ExpertBank:
     """Describes the experts of one layer: chunk layout (names, shapes, dtypes) and how one expert runs."""
 
     def __init__(self, experts: nn.Module, *, layer: str = "") -> None:
         self.layer = layer
+        # Parameters of the experts module that every expert uses (stacked form only): not in any chunk.
+        self.shared_names: tuple[str, ...] = ()
         modules = expert_modules(experts)
         if modules is not None:
             if len(modules) == 0:
@@ -74,16 +105,29 @@ class ExpertBank:
             self.num_experts = len(modules)
             self.spec = spec0
             self.form = "modulelist"
-        elif isinstance(experts, nn.Module) and _is_stacked(experts):
+        elif isinstance(experts, nn.Module) and (_is_stacked(experts) or stacked_layout(experts) is not None):
             # Either the module names how one expert computes (expert_forward), or it is called as
             # experts(x_TH, ids_TK, weights_TK) (HF transformers >= 5, torchtitan): then one expert runs as
-            # the user's own module with E = 1 slices, every row routed to it with weight 1.
+            # the user's own module with E = 1 slices, every row routed to it with weight 1, and the
+            # parameters every expert uses (shared_names) as they are.
+            layout = stacked_layout(experts)
+            self.shared_names = () if _is_stacked(experts) else layout[2]
             self._stacked = type(experts) if callable(getattr(type(experts), "expert_forward", None)) else None
+            if self._stacked is not None and self.shared_names:
+                raise ValueError(f"MoE layer {layer!r}: {type(experts).__name__}.expert_forward(params, x) cannot "
+                                 f"receive the parameters every expert uses ({', '.join(self.shared_names)})")
             self._template = None if self._stacked else copy.deepcopy(experts).to("meta")
             if self._template is not None and isinstance(getattr(self._template, "num_experts", None), int):
                 # The copy runs one expert at a time (E = 1 slices): code sized by num_experts must agree.
                 self._template.num_experts = 1
-            params = list(experts.named_parameters())
+            for top in dict.fromkeys(n.split(".", 1)[0] for n in self.shared_names):
+                mixed = [f"{top}.{n}" for n, _ in getattr(experts, top).named_parameters()
+                         if f"{top}.{n}" not in self.shared_names] if top not in experts._parameters else []
+                if mixed or top.isdigit():
+                    raise ValueError(f"MoE layer {layer!r}: submodule {top!r} of the experts holds stacked "
+                                     f"parameters ({', '.join(mixed) or top}) next to parameters every expert "
+                                     "uses; shared parameters must be direct parameters or whole submodules")
+            params = [(n, p) for n, p in experts.named_parameters() if n not in self.shared_names]
             self.names = tuple(n for n, _ in params)
             self.num_experts = params[0][1].shape[0]
             if any(p.shape[0] != self.num_experts for _, p in params):
@@ -91,10 +135,20 @@ class ExpertBank:
             self.spec = [(tuple(p.shape[1:]), p.dtype) for _, p in params]
             self.form = "stacked"
         else:
+            shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in experts.named_parameters())
+            if len({p.shape[0] for p in experts.parameters() if p.dim() >= 3}) > 1:
+                # LongCat-Flash: gate_up_proj [E + Z, ...] (Z zero / identity experts) but down_proj [E, ...].
+                raise ValueError(
+                    f"MoE layer {layer!r}: the stacked weights of {type(experts).__name__} disagree on the number "
+                    f"of experts ({shapes}): rows that some stacked weights hold and others do not (zero / "
+                    "identity experts stacked after the real ones) belong to no expert's chunk, yet are one "
+                    "tensor (one gradient, one optimizer state, one state-dict key) with the real experts' rows; "
+                    "stack only the E real experts and run the zero experts outside the experts module (the "
+                    "block adding weight * x for the ids >= E)")
             raise ValueError(
                 f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList / "
-                "nn.ModuleDict of expert modules nor a module whose parameters are all stacked [E, ...] "
-                f"(its parameters: {', '.join(f'{n} {list(p.shape)}' for n, p in experts.named_parameters())})")
+                "nn.ModuleDict of expert modules nor a module whose parameters are stacked [E, ...] (but for "
+                f"some every expert uses, not of 3 or more dimensions) (its parameters: {shapes})")
 
     @property
     def chunk_bytes(self) -> int:
@@ -109,7 +163,7 @@ class ExpertBank:
         """Expert e's parameter tensors, taken from the original (unsharded) experts module."""
         if self.per_expert_modules:
             return list(expert_modules(experts)[e].parameters())
-        return [p[e] for p in experts.parameters()]
+        return [experts.get_parameter(n)[e] for n in self.names]
 
     def shard_of(self, experts: nn.Module, e: int) -> nn.Module:
         """A module owning expert e's parameters: the user's own expert module where there is one
@@ -118,7 +172,7 @@ class ExpertBank:
         if self.per_expert_modules:
             return expert_modules(experts)[e]
         shard = ExpertShard(self.names, self.chunk(experts, e))
-        for q, p in zip(shard.parameters(), experts.parameters()):
+        for q, p in zip(shard.parameters(), (experts.get_parameter(n) for n in self.names)):
             q.requires_grad_(p.requires_grad)     # a frozen stacked weight stays frozen in every shard
         return shard
 
@@ -136,8 +190,16 @@ class ExpertBank:
         """Uninitialised tensors shaped like one chunk (receive buffers for materialized replicas)."""
         return [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.spec]
 
-    def run(self, params: Sequence[torch.Tensor], x_NH: torch.Tensor) -> torch.Tensor:
-        """Run one expert with parameters ``params`` on rows ``x_NH``."""
+    def shared_tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The parameters every expert uses, by name, as ``module`` holds them now: the original experts
+        module, or the sharded experts (which hold the same parameter objects under the same names).
+        Read at every forward, never kept: a dense wrapper may swap them (FSDP2's unsharded parameters)."""
+        return {n: module.get_parameter(n) for n in self.shared_names}
+
+    def run(self, params: Sequence[torch.Tensor], x_NH: torch.Tensor,
+            shared: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run one expert with parameters ``params`` on rows ``x_NH``; ``shared``: the parameters every
+        expert uses (:meth:`shared_tensors`), needed when the layer has some."""
         if self._stacked is not None:
             return self._stacked.expert_forward(params, x_NH)
         if self.per_expert_modules:
@@ -146,6 +208,11 @@ class ExpertBank:
         ids_N1 = torch.zeros((n, 1), dtype=torch.int64, device=x_NH.device)
         weights_N1 = torch.ones((n, 1), dtype=x_NH.dtype, device=x_NH.device)
         stacked = {name: p.unsqueeze(0) for name, p in zip(self.names, params)}
+        if self.shared_names:
+            if shared is None or set(shared) != set(self.shared_names):
+                raise ValueError(f"MoE layer {self.layer!r}: its experts use the shared parameters "
+                                 f"{', '.join(self.shared_names)}; run() needs them (ExpertBank.shared_tensors)")
+            stacked.update(shared)
         return torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
 
 
