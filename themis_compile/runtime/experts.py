@@ -171,7 +171,8 @@ class ExpertBank:
         else:
             raise ValueError(
                 f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList / "
-                "nn.ModuleDict of expert modules nor a module whose parameters are all stacked [E, ...] "
+                "nn.ModuleDict of expert modules nor a module whose parameters are all stacked [E, ...] or all "
+                "flat [E * F, ...] (every leading dimension a multiple of E) "
                 f"(its parameters: {', '.join(f'{n} {list(p.shape)}' for n, p in experts.named_parameters())})")
 
     def _init_flat(self, experts: nn.Module, rows: tuple[int, ...], num_experts: int) -> None:
