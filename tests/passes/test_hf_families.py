@@ -26,7 +26,6 @@ pytest.importorskip("transformers")
 # parallel), each for a property of the family's code documented in docs/detection.md. None: the family
 # has no module the detector can probe (no text model, or no experts child).
 NOT_SHARDED = {
-    "dbrx": "weights are stored flat along one leading dimension",   # w1 [E * F, H]: no per-expert chunks
     "diffusion_gemma": "the forward fails on probe hidden states",   # MoE inside the decoder layer itself
     "gemma4": "the forward fails on probe hidden states",            # MoE inside the decoder layer itself
     "jetmoe": ("are called as input_linear(Tensor[16, 32], list)",     # ParallelExperts: half an expert each
