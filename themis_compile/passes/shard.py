@@ -502,7 +502,8 @@ class ScoresCall:
     def __init__(self, experts: nn.Module, plan: ScoresCallPlan) -> None:
         self.experts, self.plan = experts, plan
 
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        args = args + tuple(kwargs.values())       # the order detection recorded the call in
         x, ids_TK, weights_TK = args[0], args[self.plan.ids], args[self.plan.weights]
         return self.experts(x.reshape(-1, x.shape[-1]), ids_TK, weights_TK).view(x.shape)
 

@@ -1,7 +1,7 @@
 """The experts of one MoE layer as equal chunks (paper §3.1): one list of tensors per expert, and the
 function that runs one expert on rows of tokens given those tensors.
 
-Two layouts are understood:
+Three layouts are understood:
 
 - ``nn.ModuleList`` (or ``nn.ModuleDict``, Switch/NLLB style: its modules with parameters, in order) of
   identical expert modules (HF-Mixtral style): expert e's chunk is the list of its module's parameters; it runs through ``torch.func.functional_call`` on a parameter-free template, so
