@@ -1174,6 +1174,8 @@ def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, ca
     scores = "+".join(dict.fromkeys(rec.scores)) or "none"
     selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
     expert0 = expert_modules(experts)[0] if expert_modules(experts) else experts
+    if bank.flat:      # (DBRX: the activation lives on the module holding the flat weights)
+        expert0 = next((m for m in experts.modules() if _named_activation(m)), experts)
     return MoELayerInfo(
         name=name, module=module, num_experts=bank.num_experts, top_k=K,
         experts_form="flat" if bank.flat else child.form,
@@ -1297,8 +1299,8 @@ def _scores_call_layer(name: str, module: nn.Module, child: _ExpertsChild, plan:
         name=name, module=module, num_experts=E, top_k=K, experts_form="flat" if bank.flat else child.form,
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} ids "
                 "and the dense scores seen at the experts call (behaviour)"),
-        activation=describe_activation(experts), shared_experts=False, experts_attr=child.attr,
-        rewrite="scores-call", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        activation=describe_activation(next((m for m in experts.modules() if _named_activation(m)), experts)),
+        shared_experts=False, experts_attr=child.attr, rewrite="scores-call", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
         hidden_size=H, probe_flat=flat, plan=plan)
 
 
