@@ -17,8 +17,9 @@ and combine tensors (GShard; traced with the block's methods kept as calls);
 or, whatever the routing code (``max``, sorts, masks, group limits, a router module returning ids), when
 its behaviour on a probe shows it: its experts child, swapped for a stand-in, is called once as
 ``experts(x_TH, ids_TK, weights_TK)``, ``experts(x_TH, ids_TK) -> y_TKH`` (per slot),
-``experts(rows_NH sorted by expert, counts_E)``, ``experts(x_TH, one-hot mask_TKE, weights_TK)`` or
-``experts(x_BSH, ids_TK, weights_TK)`` (unflattened) and the output is unchanged. A whole-module call is
+``experts(rows_NH sorted by expert, counts_E)``, ``experts(x_TH, one-hot mask_TKE, weights_TK)``,
+``experts(x_BSH, ids_TK, weights_TK)`` (unflattened) or ``experts(x, scores_TE, weights_TK, ids_TK)`` (the
+router's dense scores beside the top-k, any order) and the output is unchanged. A whole-module call is
 accepted only when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
@@ -29,8 +30,9 @@ Contract:
     reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
     model in both forms); ``"inline-loop"`` when the forward loops over a ``ModuleList`` of experts
     itself, which :mod:`themis_compile.passes.shard` rewrites.
-    ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` when the experts are called
-    per slot, on sorted rows, with a one-hot mask or on unflattened hidden states (found by behaviour;
+    ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` / ``"scores-call"`` when the
+    experts are called per slot, on sorted rows, with a one-hot mask, on unflattened hidden states or
+    with the router's dense scores (found by behaviour;
     :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"dense-dispatch"`` for
     dense ``[T, E, C]`` dispatch and combine tensors (the forward is rewritten).
     ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace (the
@@ -51,7 +53,7 @@ Pseudo-code:
         if rejected: trace with the block's methods as calls; dense [T, E, C] dispatch?    # dense dispatch
         if none of that finds it: swap each experts child for a stand-in on a probe and read
         the call (x, ids, weights) / (x, ids) / (sorted rows, counts) / (x, mask, weights) /
-        (x_BSH, ids, weights); check combine_mismatch                                       # behaviour
+        (x_BSH, ids, weights) / (x, scores, weights, ids); check combine_mismatch          # behaviour
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """
