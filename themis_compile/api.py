@@ -97,7 +97,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         original = getattr(block, info.experts_attr)
         if world_size > 1:
             _broadcast_experts(original, group, deadline.setup_timeout(config.collective_timeout_s))
-        bank = ExpertBank(original, layer=info.name)
+        bank = ExpertBank(original, layer=info.name, num_experts=info.num_experts)
         shard = Placement.contiguous(bank.num_experts, world_size)
         if fssdp:
             experts = _fssdp_experts(bank, original, shard, state, index, info, config)

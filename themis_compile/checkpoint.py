@@ -18,7 +18,8 @@
 touch they are torch's. On an optimized model they add what torch's cannot do:
 
 - *Stacked experts' optimizer state.* A stacked ``[E, ...]`` weight (``gate_up_proj`` of HF transformers
-  v5) is held as per-expert parameters, so torch's functions see one optimizer state per owned expert
+  v5), or a flat ``[E * F, ...]`` one (HF DBRX's ``w1``: each expert's rows at offset ``e * F``), is held as
+  per-expert parameters, so torch's functions see one optimizer state per owned expert
   under internal names. They are merged here into the unmodified weight's entry: each tensor of the
   parameter's shape becomes a ``ShardedTensor`` of the global shape with one chunk per owned expert at its
   global offset (the model state dict already does this for the weights themselves), shared scalars
@@ -376,7 +377,7 @@ def _merge_expert_state(m: ShardedExperts, stacked: str, per_expert: dict[int, d
         v0 = values[owned[0]]
         if torch.is_tensor(v0) and tuple(v0.shape) == shape and v0.dim() > 0:
             merged[k] = expert_sharded_tensor(values, m.shard_placement, (shape, v0.dtype), m.group,
-                                              name=f"{stacked}.{k}")
+                                              name=f"{stacked}.{k}", flat=m.bank.flat)
         else:
             # Shared by the stacked weight (Adam's step): one value, equal for every trained expert.
             for e in with_state:
@@ -389,6 +390,13 @@ def _merge_expert_state(m: ShardedExperts, stacked: str, per_expert: dict[int, d
 
 
 def _expert_value(value, e: int, m: ShardedExperts, shape: tuple, name: str):
+    if m.bank.flat:
+        # A flat weight's state: [E * F, ...], expert e's chunk its rows (shape is one expert's [F, ...]).
+        if isinstance(value, ShardedTensor) or (torch.is_tensor(value) and value.dim() == len(shape) > 0
+                                                and tuple(value.shape[1:]) == shape[1:]
+                                                and value.shape[0] == m.num_experts * shape[0]):
+            return expert_slice(value, e, m.num_experts, name, flat_rows=shape[0])
+        return value.clone() if torch.is_tensor(value) else value
     if isinstance(value, ShardedTensor) or (torch.is_tensor(value) and tuple(value.shape[1:]) == shape
                                             and value.dim() == len(shape) + 1 and value.dim() > 1):
         return expert_slice(value, e, m.num_experts, name)

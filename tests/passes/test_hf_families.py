@@ -26,7 +26,6 @@ pytest.importorskip("transformers")
 # parallel), each for a property of the family's code documented in docs/detection.md. None: the family
 # has no module the detector can probe (no text model, or no experts child).
 NOT_SHARDED = {
-    "dbrx": "weights are stored flat along one leading dimension",   # w1 [E * F, H]: no per-expert chunks
     # The decoder alone cannot run: it reads the encoder's prefix from a cache (pass example_inputs with one).
     "diffusion_gemma": "fails before it is called (ValueError: The decoder reads the encoder prefix from `cache`",
     "jetmoe": ("are called as input_linear(Tensor[16, 32], list)",     # ParallelExperts: half an expert each

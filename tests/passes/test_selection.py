@@ -181,7 +181,7 @@ def test_a_top1_found_from_recorded_calls_when_fx_fails():
     assert [(i.rewrite, i.top_k) for i in infos] == [("replay", 1)], rejected
 
 
-def test_dbrx_style_flat_weights_are_rejected_with_the_reason():
+def test_dbrx_style_flat_weights_are_found_and_rows_not_in_equal_chunks_rejected():
     class FlatRows(UnflatExperts):
         def __init__(self) -> None:
             super().__init__()
@@ -193,14 +193,31 @@ def test_dbrx_style_flat_weights_are_rejected_with_the_reason():
             out_TH = torch.zeros_like(x_TH)
             for e in range(self.num_experts):
                 token_N, k_N = torch.where(ids_TK == e)
-                w1, w2 = self.w1.view(E, FFN, H)[e], self.w2.view(E, FFN, H)[e]
+                w1, w2 = self.w1.view(self.num_experts, FFN, H)[e], self.w2.view(self.num_experts, FFN, H)[e]
                 out_TH.index_add_(0, token_N, (F.gelu(x_TH[token_N] @ w1.t()) @ w2) * weights_TK[token_N, k_N, None])
             return out_TH.view(x.shape[0], -1, x.shape[-1])
 
     block = UnflatCall()
     block.experts = FlatRows()
     infos, rejected = find_moe_layers(block)
-    assert not infos and "stored flat along one leading dimension" in rejected[0][1], rejected
+    assert [(i.rewrite, i.experts_form, i.num_experts) for i in infos] == [("flatten", "flat", E)], rejected
+    # (Training and checkpoints of flat weights: tests/runtime/test_flat_experts.py.)
+
+    class FixedE(FlatRows):
+        """Views its weights with a constant E: no copy of it runs one expert alone."""
+
+        def forward(self, x, ids_TK, weights_TK):
+            self.num_experts = E
+            return super().forward(x, ids_TK, weights_TK)
+
+    block.experts = FixedE()
+    infos, rejected = find_moe_layers(block)
+    assert not infos and "one expert run alone fails" in rejected[0][1], rejected
+
+    block.experts = FlatRows()
+    block.experts.w3 = nn.Parameter(torch.zeros(E - 1, H))   # rows not a multiple of E
+    infos, rejected = find_moe_layers(block)
+    assert not infos and "all flat [E * F, ...] (every leading dimension a multiple of E)" in rejected[0][1], rejected
 
 
 # --- rewrites ----------------------------------------------------------------------------------------

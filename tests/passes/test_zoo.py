@@ -22,7 +22,7 @@ EXPECTED = {
     "hf_switch_v4": None,  # ModuleDict experts run one by one with getattr, skipping empty ones: capture and replay
     "megablocks": "expert weights are flat parameters of the block itself",
     "hf_mixtral_v4": None,  # inline loop with `continue` and list indexing: the inline-loop rewrite
-    "hf_dbrx_v4": "is called as experts(float[2, 4, 32], float[8, 4], float[8, 2], int[8, 2])",
+    "hf_dbrx_v4": None,    # experts(x, probs, weights, ids) over flat [E * F, H] weights: the scores-call rewrite
     "hf_llama4_v4": None,  # experts(x [E*T, H]), every expert on every row: the all-rows rewrite (sparse)
     "sort_topk_loop": None,  # torch.sort cut to [:, :k], ModuleList loop with index_add_: inline-loop rewrite
     "argsort_bmm": None,     # argsort cut to [..., :2], stacked experts(x, ids) -> [T, K, H] by bmm: per-slot

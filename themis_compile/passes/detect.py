@@ -18,8 +18,9 @@ or, whatever the routing code (``max``, sorts, masks, group limits, a router mod
 its behaviour on a probe shows it: its experts child, swapped for a stand-in, is called once as
 ``experts(x_TH, ids_TK, weights_TK)``, ``experts(x_TH, ids_TK) -> y_TKH`` (per slot),
 ``experts(rows_NH sorted by expert, counts_E)``, ``experts(x_TH, one-hot mask_TKE, weights_TK)``,
-``experts(x_BSH, ids_TK, weights_TK)`` (unflattened) or ``experts(x [E*T, H])`` (every expert on every
-row, Llama 4: :class:`AllRowsPlan`) and the output is unchanged. A whole-module call is accepted only
+``experts(x_BSH, ids_TK, weights_TK)`` (unflattened), ``experts(x [E*T, H])`` (every expert on every
+row, Llama 4: :class:`AllRowsPlan`) or ``experts(x, scores_TE, weights_TK, ids_TK)`` (the router's dense
+scores beside the top-k, any order) and the output is unchanged. A whole-module call is accepted only
 when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
@@ -33,9 +34,9 @@ Contract:
     reproduces the forward on a probe (HF transformers >= 5, torchtitan-like blocks, the reference
     model in both forms); ``"inline-loop"`` when the forward loops over a ``ModuleList`` of experts
     itself, which :mod:`themis_compile.passes.shard` rewrites.
-    ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` / ``"all-rows"`` when the
-    experts are called per slot, on sorted rows, with a one-hot mask, on unflattened hidden states or on
-    every row (found by behaviour;
+    ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` / ``"all-rows"`` /
+    ``"scores-call"`` when the experts are called per slot, on sorted rows, with a one-hot mask, on
+    unflattened hidden states, on every row or with the router's dense scores (found by behaviour;
     :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"dense-dispatch"`` for
     dense ``[T, E, C]`` dispatch and combine tensors (the forward is rewritten).
     ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace, or
@@ -57,7 +58,7 @@ Pseudo-code:
         if rejected: trace with the block's methods as calls; dense [T, E, C] dispatch?    # dense dispatch
         if none of that finds it: swap each experts child for a stand-in on a probe and read
         the call (x, ids, weights) / (x, ids) / (sorted rows, counts) / (x, mask, weights) /
-        (x_BSH, ids, weights) / (x [E*T, H]); check combine_mismatch                        # behaviour
+        (x_BSH, ids, weights) / (x [E*T, H]) / (x, scores, weights, ids); check combine_mismatch  # behaviour
     if a candidate's forward fails on probe hidden states: record the (args, kwargs) it gets in one
     forward of the model on example_inputs (or synthesized token ids) and inspect it again, each
     probe's hidden states in place of the recorded ones                              # recorded inputs
@@ -102,14 +103,15 @@ class MoELayerInfo:
     module: nn.Module
     num_experts: int
     top_k: int
-    experts_form: str          # "modulelist" | "stacked" | "moduledict" (run one by one by the block itself)
+    experts_form: str          # "modulelist" | "stacked" | "flat" (stacked as [E * F, ...] rows) |
+                               # "moduledict" (run one by one by the block itself)
     router: str                # how the router scores experts, e.g. "linear gate [E=8, H=64] -> softmax -> top-k"
     activation: str
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
     rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
                                                # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay" |
-                                               # "all-rows"
+                                               # "all-rows" | "scores-call"
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -144,7 +146,9 @@ class MoELayerInfo:
                 "flatten": f"calls {self.experts_attr}(x [B, S, H], ids, weights) (rewritten to one call on flat "
                            "x [T, H])",
                 "all-rows": f"calls {self.experts_attr}(x [E*T, H]) on every row (rewritten to one experts "
-                            "call)"}.get(self.rewrite,
+                            "call)",
+                "scores-call": f"calls {self.experts_attr}(x, scores [T, E], weights, ids) in some order (rewritten "
+                               "to one experts(x, ids, weights) call)"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -1043,11 +1047,12 @@ class _ExpertsStandIn(nn.Module):
 class RuntimeReference(nn.Module):
     """What the sharded runtime computes for ``experts(x_TH, ids_TK, weights_TK)``, in one process:
     ``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` with each expert run alone by the
-    :class:`~themis_compile.runtime.experts.ExpertBank` of ``experts`` (held, not registered)."""
+    :class:`~themis_compile.runtime.experts.ExpertBank` of ``experts`` (held, not registered; ``num_experts``
+    as the router scores them, which tells flat ``[E * F, H]`` weights apart)."""
 
-    def __init__(self, experts: nn.Module) -> None:
+    def __init__(self, experts: nn.Module, num_experts: int | None = None) -> None:
         super().__init__()
-        self.bank = ExpertBank(experts)
+        self.bank = ExpertBank(experts, num_experts=num_experts or None)
         self.__dict__["experts"] = experts
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
@@ -1076,16 +1081,18 @@ def _outputs_close(a: Any, b: Any) -> bool:
     return True
 
 
-def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
-                     ) -> str | None:
+def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                     num_experts: int | None = None) -> str | None:
     """Why the sharded runtime would not compute what ``experts(x_TH, ids_TK, weights_TK)`` computes, or
     None when it does. The runtime computes ``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``
     with each expert run alone (:class:`~themis_compile.runtime.experts.ExpertBank`); a module that
     gives some ids another meaning (zero or identity experts, dropped tokens) or weighs inside the
-    expert differs, and is rejected instead of trained differently."""
+    expert differs, and is rejected instead of trained differently. ``num_experts``: E as the router
+    scores them, where known (it tells flat ``[E * F, H]`` weights apart, :func:`~themis_compile.runtime.
+    experts.flat_layout`); the probe then proves that layout."""
     with torch.no_grad():
         try:
-            bank = ExpertBank(experts)
+            bank = ExpertBank(experts, num_experts=num_experts or None)
         except ValueError as exc:
             return (f"its experts cannot be cut into equal per-expert chunks ({str(exc).split(': ', 1)[-1]}); "
                     "hold them as a ModuleList of identical modules or as parameters stacked [E, ...] (but for "
@@ -1098,7 +1105,14 @@ def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tenso
         expected = experts(x_TH, ids_TK, weights_TK) if not isinstance(experts, nn.ModuleList) else None
         if expected is None:
             return None   # a ModuleList's combine is the runtime's loop by construction
-        out = RuntimeReference(experts)(x_TH, ids_TK, weights_TK).double()
+        try:
+            out = RuntimeReference(experts, E)(x_TH, ids_TK, weights_TK).double()
+        except Exception as exc:   # the module's code cannot run one expert alone on its chunk
+            if not bank.flat:
+                raise
+            return (f"its weights read flat ({bank.num_experts} experts of rows {list(bank.flat_rows)}), one expert "
+                    f"run alone fails ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); store them "
+                    "stacked [E, ...] or give the module expert_forward(params, x)")
         if not isinstance(expected, torch.Tensor) or expected.shape != x_TH.shape:
             return (f"{type(experts).__name__}(x, ids, weights) returns "
                     f"{getattr(expected, 'shape', type(expected).__name__)}, not [T, H]")
@@ -1549,13 +1563,15 @@ def _dispatch_mask_layer(name: str, module: nn.Module, child: _ExpertsChild,
 
 def flat_call_experts_class(experts_cls: type) -> type:
     """A subclass of an experts module's class that takes unflattened hidden states
-    (``experts(x [B, S, H], ids_TK, weights_TK) -> [B, S, H]``, DBRX) whose forward is its own on flat
-    ``x_TH``, the result read as ``[T, H]``: the runtime's interface."""
+    (``experts(x [B, S, H], ids_TK, weights_TK) -> [B, S, H]``, DBRX) whose forward is its own on the
+    tokens as one sequence ``[1, T, H]``, the result read as ``[T, H]``: the runtime's interface. (One
+    sequence rather than ``[T, H]``: the module's code unpacks or views three dimensions, and a view
+    ``(T, -1, H)`` is ambiguous for the empty rows an expert without tokens runs on.)"""
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        return experts_cls.forward(self, x_TH, ids_TK, weights_TK).reshape(x_TH.shape)
+        return experts_cls.forward(self, x_TH.unsqueeze(0), ids_TK, weights_TK).reshape(x_TH.shape)
 
-    forward.__doc__ = f"{experts_cls.__name__}.forward on flat hidden states [T, H]."
+    forward.__doc__ = f"{experts_cls.__name__}.forward on the tokens as one sequence [1, T, H]."
     return type(experts_cls.__name__, (experts_cls,), {"forward": forward, "__module__": experts_cls.__module__,
                                                        "_themis_original_class": experts_cls})
 
@@ -1577,15 +1593,16 @@ def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, ca
         raise _Reject(f"{where} and returns {getattr(expected, 'shape', type(expected).__name__)}, not the shape of "
                       f"its input; call {child.attr}(x_TH, ids_TK, weights_TK) -> [T, H]")
     try:
-        bank = ExpertBank(experts)
+        bank = ExpertBank(experts, num_experts=E or None)
     except ValueError as exc:
         raise _Reject(f"{where}; its experts cannot be cut into equal per-expert chunks "
                       f"({str(exc).split(': ', 1)[-1]})")
     if E and bank.num_experts != E:
+        # Neither stacked [E, ...] nor flat [E * F, ...] (every leading dimension a multiple of E).
         shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in experts.named_parameters())
-        raise _Reject(f"{where}; its {E} experts' weights are stored flat along one leading dimension ({shapes}: "
-                      f"{bank.num_experts} rows, not {E} experts), so they cannot be cut into per-expert chunks "
-                      f"along it; store them stacked [E, ...] ([{E}, {bank.num_experts // E}, ...])")
+        raise _Reject(f"{where}; its weights ({shapes}) are neither stacked along a leading dimension of its {E} "
+                      f"experts nor flat with a multiple of {E} rows in each, so they cannot be cut into "
+                      f"per-expert chunks; store them stacked [E, ...] or flat [E * F, ...]")
     original_cls = type(experts)
     experts.__class__ = flat_call_experts_class(original_cls)
     try:
@@ -1593,7 +1610,7 @@ def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, ca
             got = experts(x_TH, ids_TK, weights_TK)
         if not _outputs_close(expected.reshape(got.shape), got):
             raise _Reject(f"{where} and computes otherwise on the same hidden states flattened to [T, H]")
-        why = combine_mismatch(experts, x_TH, ids_TK, weights_TK)
+        why = combine_mismatch(experts, x_TH, ids_TK, weights_TK, num_experts=bank.num_experts)
     finally:
         experts.__class__ = original_cls
     if why is not None:
@@ -1604,8 +1621,11 @@ def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, ca
     scores = "+".join(dict.fromkeys(rec.scores)) or "none"
     selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
     expert0 = expert_modules(experts)[0] if expert_modules(experts) else experts
+    if bank.flat:      # (DBRX: the activation lives on the module holding the flat weights)
+        expert0 = next((m for m in experts.modules() if _named_activation(m)), experts)
     return MoELayerInfo(
-        name=name, module=module, num_experts=bank.num_experts, top_k=K, experts_form=child.form,
+        name=name, module=module, num_experts=bank.num_experts, top_k=K,
+        experts_form="flat" if bank.flat else child.form,
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} ids "
                 "seen at the experts call on unflattened hidden states (behaviour)"),
         activation=describe_activation(expert0), shared_experts=False, experts_attr=child.attr,
@@ -1683,6 +1703,71 @@ def all_rows_experts_class(experts_cls: type) -> type:
         return torch.einsum("eth,te->th", y_ETH, w_TE)
 
     forward.__doc__ = f"{experts_cls.__name__}.forward on every token for every expert, combined with the weights."
+
+
+@dataclass(frozen=True)
+class ScoresCallPlan:
+    """Where the arguments of a call ``experts(x, scores [T, E], weights [T, K], ids [T, K])`` (any order
+    after ``x``; HF DBRX before v5: ``experts(x, probs, top_weights, top_experts)``) are, and whether ``x``
+    came unflattened ``[B, S, H]``. The dense scores are not given to the runtime: a rewritten call passes
+    ``scores_from_topk(ids, weights, E)`` in their place, which the probe proves changes nothing."""
+
+    num_args: int
+    scores: int
+    weights: int
+    ids: int
+    num_experts: int
+    unflattened: bool
+
+
+def scores_call_plan(calls: list[tuple], T: int) -> ScoresCallPlan | None:
+    """The plan of a single call ``experts(x, ...)`` whose other arguments are exactly one integer
+    ``[T, K]`` (ids), one floating ``[T, K]`` (weights) and one floating ``[T, E]`` (scores, E != K), else
+    None."""
+    if len(calls) != 1 or len(calls[0]) != 4 or not all(isinstance(a, torch.Tensor) for a in calls[0]):
+        return None
+    x, *rest = calls[0]
+    if not (x.is_floating_point() and x.dim() in (2, 3) and x.shape[:-1].numel() == T):
+        return None
+    ids = [i for i, a in enumerate(rest, 1) if not a.is_floating_point() and a.dim() == 2 and a.shape[0] == T]
+    floats = [i for i, a in enumerate(rest, 1) if a.is_floating_point() and a.dim() == 2 and a.shape[0] == T]
+    if len(ids) != 1 or len(floats) != 2:
+        return None
+    K = calls[0][ids[0]].shape[1]
+    weights = [i for i in floats if calls[0][i].shape[1] == K]
+    scores = [i for i in floats if calls[0][i].shape[1] != K]
+    if len(weights) != 1 or len(scores) != 1:
+        return None
+    return ScoresCallPlan(num_args=4, scores=scores[0], weights=weights[0], ids=ids[0],
+                          num_experts=int(calls[0][scores[0]].shape[1]), unflattened=x.dim() == 3)
+
+
+def scores_from_topk(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Dense scores [T, E] holding the top-k weights at their ids and 0 elsewhere (what a rewritten
+    scores call passes for the router's scores, which the runtime does not carry)."""
+    return torch.zeros(ids_TK.shape[0], num_experts, dtype=weights_TK.dtype, device=weights_TK.device).scatter(
+        1, ids_TK, weights_TK)
+
+
+def scores_call_args(plan: ScoresCallPlan, x: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
+                     ) -> list[torch.Tensor]:
+    """The arguments of the user's call for (x, ids, weights), in the user's order."""
+    args: list[Any] = [None] * plan.num_args
+    args[0], args[plan.ids], args[plan.weights] = x, ids_TK, weights_TK
+    args[plan.scores] = scores_from_topk(ids_TK, weights_TK, plan.num_experts)
+    return args
+
+
+def scores_call_experts_class(experts_cls: type, plan: ScoresCallPlan) -> type:
+    """A subclass of a scores-called experts module's class called as ``experts(x_TH, ids_TK, weights_TK)``:
+    its own forward on the arguments in its order (:func:`scores_call_args`; ``x`` as one sequence
+    ``[1, T, H]`` where the block passed it unflattened), the result read as ``[T, H]``."""
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        x = x_TH.unsqueeze(0) if plan.unflattened else x_TH
+        return experts_cls.forward(self, *scores_call_args(plan, x, ids_TK, weights_TK)).reshape(x_TH.shape)
+
+    forward.__doc__ = f"{experts_cls.__name__}.forward on (x, ids, weights) in its own argument order."
     return type(experts_cls.__name__, (experts_cls,), {"forward": forward, "__module__": experts_cls.__module__,
                                                        "_themis_original_class": experts_cls})
 
@@ -1872,6 +1957,57 @@ def _moduledict_replay_layer(name: str, module: nn.Module, child: _ExpertsChild,
         hidden_size=H, probe_flat=flat, plan=plan), None
 
 
+def _scores_call_layer(name: str, module: nn.Module, child: _ExpertsChild, plan: ScoresCallPlan, call: tuple,
+                       expected: Any, x: torch.Tensor, routers: list[tuple[str, int, int]], H: int,
+                       flat: bool) -> MoELayerInfo:
+    """The layer whose experts are called with the router's dense scores besides the top-k weights and ids
+    (HF DBRX before v5). Accepted when, on the probe, the experts called as ``experts(x_TH, ids, weights)``
+    (:func:`scores_call_experts_class`: the dense scores replaced by the top-k weights at their ids) give
+    the block's result, and compute what the sharded runtime computes (:func:`combine_mismatch`)."""
+    x_in, ids_TK, weights_TK = call[0], call[plan.ids], call[plan.weights]
+    x_TH = x_in.reshape(-1, x_in.shape[-1])
+    experts, E = child.module, plan.num_experts
+    where = f"'{child.attr}' is called with the router's scores ({_describe_call(call)})"
+    if child.num_experts and child.num_experts != E:
+        raise _Reject(f"{where}, scores of {E} experts, but '{child.attr}' declares {child.num_experts}")
+    if not isinstance(expected, torch.Tensor) or expected.shape != x_in.shape:
+        raise _Reject(f"{where} and returns {getattr(expected, 'shape', type(expected).__name__)}, not the shape of "
+                      f"its input; call {child.attr}(x_TH, ids_TK, weights_TK) -> [T, H]")
+    try:
+        bank = ExpertBank(experts, num_experts=E)
+    except ValueError as exc:
+        raise _Reject(f"{where}; its experts cannot be cut into equal per-expert chunks "
+                      f"({str(exc).split(': ', 1)[-1]})")
+    if bank.num_experts != E:
+        raise _Reject(f"{where}; its weights ({', '.join(f'{n} {list(p.shape)}' for n, p in experts.named_parameters())})"
+                      f" cannot be cut into {E} per-expert chunks; store them stacked [E, ...] or flat [E * F, ...]")
+    original_cls = type(experts)
+    experts.__class__ = scores_call_experts_class(original_cls, plan)
+    try:
+        with torch.no_grad(), preserved_state(experts):
+            got = experts(x_TH, ids_TK, weights_TK)
+        if not _outputs_close(expected.reshape(got.shape), got):
+            raise _Reject(f"{where}; with the scores given only at the top-k ids (the weights) it computes "
+                          "otherwise: its result depends on the scores of experts a token is not routed to")
+        why = combine_mismatch(experts, x_TH, ids_TK, weights_TK, num_experts=E)
+    finally:
+        experts.__class__ = original_cls
+    if why is not None:
+        raise _Reject(f"{where}, read as experts(x, ids, weights); but {why}")
+    rec = record_calls(module, x)
+    K = int(ids_TK.shape[1])
+    router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=K, experts_form="flat" if bank.flat else child.form,
+        router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} ids "
+                "and the dense scores seen at the experts call (behaviour)"),
+        activation=describe_activation(next((m for m in experts.modules() if _named_activation(m)), experts)),
+        shared_experts=False, experts_attr=child.attr, rewrite="scores-call", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
+        hidden_size=H, probe_flat=flat, plan=plan)
+
+
 def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
     """An MoE layer recognised by what it does, whatever its routing code looks like (``max``, sorts,
     masks, group limits, bias corrections ...): its experts child, swapped for a stand-in, is called once
@@ -1946,6 +2082,9 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                               "whole experts, mapping [N, H] rows to [N, H]")
             if (mask := dispatch_mask_call(calls, child.num_experts)) is not None:
                 return _dispatch_mask_layer(name, module, child, mask, x, routers, H, flat)
+            if (scores_plan := scores_call_plan(calls, T)) is not None:
+                return _scores_call_layer(name, module, child, scores_plan, calls[0], stand_in.outputs[0], x,
+                                          routers, H, flat)
             if sorted_rows or per_slot:
                 # torchtitan: experts(rows sorted by expert, rows per expert) -> one output row per row;
                 # gpt-fast: experts(x_TH, ids_TK) -> y_TKH, combined by the block itself. passes.shard
@@ -2453,7 +2592,9 @@ def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = 
                                                 "flatten": "experts(x [B, S, H], ids, weights) (rewritten by "
                                                            "optimize to flat x [T, H])",
                                                 "all-rows": "experts(x [E*T, H]), every expert on every row "
-                                                            "(rewritten by optimize)"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
+                                                            "(rewritten by optimize)",
+                                                "scores-call": "experts(x, scores [T, E], weights, ids) (rewritten "
+                                                               "by optimize to experts(x, ids, weights))"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

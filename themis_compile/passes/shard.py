@@ -14,10 +14,11 @@ combine become one ``self.experts(x, ids, weights)`` with (ids, weights) read fr
 
 Blocks whose experts module is called per slot (``experts(x, ids) -> [T, K, H]``, gpt-fast), on rows
 sorted by expert (``experts(rows, counts)``, torchtitan), with a one-hot dispatch mask (HF Switch), on
-unflattened hidden states (DBRX) or on every row with the routing folded into the input
-(``experts(x [E*T, H])``, Llama 4) keep their forward: while it runs, the experts attribute is seen as an
-adapter (:class:`PerSlotCall`, :class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`,
-:class:`AllRowsCall`) serving that call with one ``experts(x, ids, weights)`` call, and the experts
+unflattened hidden states (DBRX), on every row with the routing folded into the input
+(``experts(x [E*T, H])``, Llama 4) or with the router's dense scores besides the top-k (DBRX before v5)
+keep their forward: while it runs, the experts attribute is seen as an adapter (:class:`PerSlotCall`,
+:class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`, :class:`AllRowsCall`,
+:class:`ScoresCall`) serving that call with one ``experts(x, ids, weights)`` call, and the experts
 module's class gets that interface.
 
 Blocks whose forward calls ``experts[i](rows)`` in code FX cannot trace keep their forward too; it runs
@@ -85,6 +86,8 @@ from themis_compile.passes.detect import (
     dense_dispatch_of,
     flat_call_experts_class,
     mask_call_experts_class,
+    ScoresCallPlan,
+    scores_call_experts_class,
     mask_slots,
     preserved_state,
     selection_outputs,
@@ -574,8 +577,25 @@ def _all_rows_rewrite_classes(block_cls: type, experts_cls: type, attr: str, pla
     return new_block, all_rows_experts_class(experts_cls)
 
 
+class ScoresCall:
+    """``self.<experts>`` as a block calling it with the router's dense scores besides the top-k sees it:
+    ``experts(x, scores_TE, weights_TK, ids_TK)`` in the order of its :class:`~themis_compile.passes.
+    detect.ScoresCallPlan` (HF DBRX before v5), ``x`` as ``[T, H]`` or ``[B, S, H]``. Computed with one
+    call of the runtime's interface on ``x`` flattened, the ids and the weights (detection proved on a
+    probe that the scores of experts a token is not routed to change nothing), the result in ``x``'s
+    shape."""
+
+    def __init__(self, experts: nn.Module, plan: ScoresCallPlan) -> None:
+        self.experts, self.plan = experts, plan
+
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        args = args + tuple(kwargs.values())       # the order detection recorded the call in
+        x, ids_TK, weights_TK = args[0], args[self.plan.ids], args[self.plan.weights]
+        return self.experts(x.reshape(-1, x.shape[-1]), ids_TK, weights_TK).view(x.shape)
+
+
 # The rewrites that keep the block's forward and serve its experts call through an adapter.
-CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten")
+CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten", "scores-call")
 
 
 def _sorted_rows_experts_forward(experts_cls: type):
@@ -595,13 +615,13 @@ def _sorted_rows_experts_forward(experts_cls: type):
     return experts_forward
 
 
-def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str, num_experts: int = 0
-                          ) -> tuple[type, type]:
+def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str, num_experts: int = 0,
+                          plan: Any = None) -> tuple[type, type]:
     """(block class, experts class) of a per-slot, sorted-rows or dispatch-mask rewrite: the block's forward
     runs unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall` /
     :class:`DispatchMaskCall`; the experts module is called as ``experts(x_TH, ids_TK, weights_TK)``."""
     call = {"per-slot": PerSlotCall, "sorted-rows": SortedRowsCall, "dispatch-mask": DispatchMaskCall,
-            "flatten": FlattenCall}[form]
+            "flatten": FlattenCall, "scores-call": lambda experts: ScoresCall(experts, plan)}[form]
 
     def block_forward(self, *args, **kwargs):
         self.__dict__[attr] = call(self._modules[attr])   # shadows the submodule inside forward only
@@ -614,6 +634,7 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
     experts_forward = (_per_slot_experts_forward(experts_cls) if form == "per-slot"
                        else mask_call_experts_class(experts_cls, num_experts).forward if form == "dispatch-mask"
                        else flat_call_experts_class(experts_cls).forward if form == "flatten"
+                       else scores_call_experts_class(experts_cls, plan).forward if form == "scores-call"
                        else _sorted_rows_experts_forward(experts_cls))
     new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
                                                         "_themis_original_class": block_cls})
@@ -647,7 +668,7 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     if info.rewrite in CALL_REWRITES:
         experts = info.experts
         block_cls, experts_cls = _call_rewrite_classes(type(info.module), type(experts), info.experts_attr,
-                                                       info.rewrite, info.num_experts)
+                                                       info.rewrite, info.num_experts, info.plan)
         info.module.__class__ = block_cls
         experts.__class__ = experts_cls
         info.rewritten = True
@@ -794,7 +815,8 @@ def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], s
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
         if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows"):
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
-            trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr])
+            trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr],
+                                                                 info.num_experts)
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
         if info.rewrite == "dense-dispatch":
             verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)

@@ -62,20 +62,24 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- state dicts in the unmodified keys
 def expert_sharded_tensor(tensors_E: dict[int, torch.Tensor], shard: Placement, spec: tuple, group, *,
-                          name: str = ""):
+                          name: str = "", flat: bool = False):
     """One ``[E, ...]`` tensor from per-expert ``[...]`` tensors of the experts this rank owns.
 
     A ``ShardedTensor`` whose chunk of expert e is ``tensors_E[e].unsqueeze(0)`` (a view: loading into the
     sharded tensor writes into ``tensors_E``) at offset ``[e, 0, ...]``, placed on e's owner in
     ``shard``. Every rank builds the same global metadata from the shard placement, so no collective
     runs. Without a process group (one process holds every expert) a plain stacked copy.
+
+    ``flat``: the experts' rows of one ``[E * F, ...]`` tensor instead (HF DBRX's ``w1``): expert e's chunk
+    is ``tensors_E[e]`` itself, ``[F, ...]`` at offset ``[e * F, 0, ...]``; without a process group the
+    concatenation.
     """
     shape, dtype = spec
     E = shard.num_experts
     if group is None:
         if sorted(tensors_E) != list(range(E)):
             raise RuntimeError(f"{name}: one process must hold every expert to stack them")
-        return torch.stack([tensors_E[e] for e in range(E)])
+        return (torch.cat if flat else torch.stack)([tensors_E[e] for e in range(E)])
     if tensors_E:
         first = next(iter(tensors_E.values()))
         shape, dtype, device = tuple(first.shape), first.dtype, first.device
@@ -88,8 +92,10 @@ def expert_sharded_tensor(tensors_E: dict[int, torch.Tensor], shard: Placement, 
                            f"{np.flatnonzero(owners_E == local_rank).tolist()}")
     global_ranks = dist.get_process_group_ranks(group)
     shards_md, local = [], []
+    rows = shape[0] if flat else 1       # of expert e, at offset e * rows of the leading dimension
+    chunk = list(shape) if flat else [1, *shape]
     for e in range(E):
-        md = ShardMetadata(shard_offsets=[e] + [0] * len(shape), shard_sizes=[1, *shape],
+        md = ShardMetadata(shard_offsets=[e * rows] + [0] * (len(chunk) - 1), shard_sizes=chunk,
                            placement=f"rank:{global_ranks[int(owners_E[e])]}/{device}")
         shards_md.append(md)
         if e in tensors_E:
@@ -97,17 +103,22 @@ def expert_sharded_tensor(tensors_E: dict[int, torch.Tensor], shard: Placement, 
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise RuntimeError(f"{name}: expert {e}'s tensor is {tuple(t.shape)} {t.dtype}, expected "
                                    f"{tuple(shape)} {dtype}")
-            local.append(Shard(t.detach().contiguous().unsqueeze(0), md))
+            t = t.detach().contiguous()
+            local.append(Shard(t if flat else t.unsqueeze(0), md))
     properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
                                   memory_format=torch.contiguous_format, pin_memory=False)
-    metadata = ShardedTensorMetadata(shards_metadata=shards_md, size=torch.Size([E, *shape]),
+    size = [E * rows, *chunk[1:]]
+    metadata = ShardedTensorMetadata(shards_metadata=shards_md, size=torch.Size(size),
                                      tensor_properties=properties)
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
 
 
-def expert_slice(value, e: int, num_experts: int, name: str = "") -> torch.Tensor:
+def expert_slice(value, e: int, num_experts: int, name: str = "", *, flat_rows: int = 0) -> torch.Tensor:
     """Expert e's ``[...]`` slice of a stacked ``[E, ...]`` value: a plain tensor (the unmodified model's),
-    or a ``ShardedTensor`` holding e's chunk on this rank."""
+    or a ``ShardedTensor`` holding e's chunk on this rank. ``flat_rows`` F: the value is flat,
+    ``[E * F, ...]``, and expert e's slice its rows ``[e * F, (e + 1) * F)``."""
+    if flat_rows:
+        return _flat_expert_rows(value, e, num_experts, flat_rows, name)
     if isinstance(value, ShardedTensor):
         size = list(value.metadata().size)      # (not value.size(): torch functions on it warn)
         if size[0] != num_experts:
@@ -123,6 +134,28 @@ def expert_slice(value, e: int, num_experts: int, name: str = "") -> torch.Tenso
         shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise RuntimeError(f"{name}: expected a stacked tensor of {num_experts} experts, got {shape}")
     return value[e]
+
+
+def _flat_expert_rows(value, e: int, num_experts: int, rows: int, name: str) -> torch.Tensor:
+    """Expert e's rows ``[e * rows, (e + 1) * rows)`` of a flat ``[E * rows, ...]`` value (plain, DTensor, or
+    a ``ShardedTensor`` with a chunk on this rank that holds those rows)."""
+    lo, hi = e * rows, (e + 1) * rows
+    if isinstance(value, ShardedTensor):
+        size = list(value.metadata().size)
+        if size[0] != num_experts * rows:
+            raise RuntimeError(f"{name}: a flat tensor of {size[0]} rows, the layer has {num_experts} experts of "
+                               f"{rows} rows")
+        for s in value.local_shards():
+            offsets, sizes = s.metadata.shard_offsets, s.metadata.shard_sizes
+            if offsets[0] <= lo and hi <= offsets[0] + sizes[0] and not any(offsets[1:]) and list(sizes[1:]) == size[1:]:
+                return s.tensor[lo - offsets[0]:hi - offsets[0]]
+        raise RuntimeError(f"{name}: expert {e}'s rows are not among this rank's chunks of the sharded tensor")
+    if hasattr(value, "full_tensor"):      # a DTensor
+        value = value.full_tensor()
+    if not torch.is_tensor(value) or value.dim() < 1 or value.shape[0] != num_experts * rows:
+        shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise RuntimeError(f"{name}: expected a flat tensor of {num_experts} experts x {rows} rows, got {shape}")
+    return value[lo:hi]
 
 
 def _child_name(name: str) -> str:
@@ -193,7 +226,7 @@ def _load_state_dict_in_unmodified_keys(module: "ShardedExperts", state_dict, pr
                 if head.isdigit() and int(head) < E and int(head) not in owned:
                     del state_dict[key]
         return
-    for name in module.bank.names:
+    for i, name in enumerate(module.bank.names):
         value = state_dict.pop(prefix + name, None)
         if value is None:
             if owned:
@@ -201,7 +234,8 @@ def _load_state_dict_in_unmodified_keys(module: "ShardedExperts", state_dict, pr
             continue
         try:
             for e in sorted(owned):
-                state_dict[f"{prefix}{e}.{_child_name(name)}"] = expert_slice(value, e, E, prefix + name)
+                state_dict[f"{prefix}{e}.{_child_name(name)}"] = expert_slice(value, e, E, prefix + name,
+                                                                              flat_rows=module.bank.rows_of(i))
         except RuntimeError as err:
             error_msgs.append(str(err))
     module._load_prefix = prefix
@@ -328,7 +362,7 @@ class ShardedExperts(nn.Module):
         if tensors_E is None:
             tensors_E = {e: params[i].detach() for e, params in self.local_chunks().items()}
         return expert_sharded_tensor(tensors_E, self.shard_placement, self.bank.spec[i], self.group,
-                                     name=f"{self.layer}.{name}")
+                                     name=f"{self.layer}.{name}", flat=self.bank.flat)
 
     def _routing_error(self, ids_TK: torch.Tensor) -> bool:
         return bool(ids_TK.numel()) and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= self.num_experts)

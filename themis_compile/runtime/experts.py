@@ -1,21 +1,36 @@
 """The experts of one MoE layer as equal chunks (paper §3.1): one list of tensors per expert, and the
 function that runs one expert on rows of tokens given those tensors.
 
-Two layouts are understood:
+Three layouts are understood:
 
 - ``nn.ModuleList`` (or ``nn.ModuleDict``, Switch/NLLB style: its modules with parameters, in order) of
   identical expert modules (HF-Mixtral style): expert e's chunk is the list of its module's parameters; it runs through ``torch.func.functional_call`` on a parameter-free template, so
   the user's own expert code computes every copy, owned or materialized.
 - a stacked module (torchtitan / gpt-fast style) with parameters ``[E, ...]`` and a static method
   ``expert_forward(params, x)`` naming how one expert computes; expert e's chunk is the slices ``w[e]``.
-  Called as ``experts(x_TH, ids_TK, weights_TK)`` instead (HF transformers >= 5), the module may also hold
-  parameters that every expert uses (MuseSpark's ``post_expert_norm``, one RMSNorm weight ``[H]``): they
-  are *shared*, not cut into chunks (:func:`stacked_layout`). They stay ordinary dense parameters of the
+  Without ``expert_forward`` the module is called as ``experts(x_TH, ids_TK, weights_TK)`` (HF
+  transformers >= 5) and one expert runs as a parameter-free copy of it with E = 1: the slices ``w[e]``
+  given as ``[1, ...]`` tensors, every row routed to expert 0 with weight 1. Called so, the module may
+  also hold parameters that every expert uses (MuseSpark's ``post_expert_norm``, one RMSNorm weight
+  ``[H]``): they are *shared*, not cut into chunks (:func:`stacked_layout`). They stay ordinary dense parameters of the
   model, data parallel with the rest, and every copy of every expert runs with the live shared tensors
   (``ExpertBank.run(params, x, shared)``), so their gradient sums over every row any rank computed and the
   dense wrapper reduces it like any dense parameter's.
+- a flat module (HF DBRX: ``w1 [E * F, H]``, viewed ``[E, F, H]`` by its own forward): every parameter's
+  leading dimension is a multiple ``E * F_p`` of the number of experts E, which the caller knows from
+  the router (``num_experts=``) or the module declares (``num_experts`` / ``moe_num_experts``); expert
+  e's chunk is the rows ``w[e * F_p:(e + 1) * F_p]`` of each parameter. One expert runs as the user's
+  module with E = 1: a parameter-free copy whose ``num_experts``-like attributes are set to 1 (in every
+  submodule, where they equal E), given the ``[F_p, ...]`` rows themselves. :func:`flat_layout` decides
+  the layout from the shapes; the probe check of ``passes.detect.combine_mismatch`` proves it (expert e
+  run alone on its rows computes what the module computes for the tokens routed to e). Names, shapes
+  and state-dict keys stay the user's: a checkpoint holds ``w1 [E * F, H]``, each expert's ``[F, H]``
+  rows at offset ``e * F`` (``runtime.ep.expert_sharded_tensor(..., flat=True)``).
 
-Shape suffixes: N rows, H d_model, E experts.
+``ExpertBank.form`` is ``"modulelist"`` or ``"stacked"`` (one tensor per weight for all experts, under
+the user's key); ``ExpertBank.flat`` tells the flat layout among the stacked.
+
+Shape suffixes: N rows, H d_model, E experts, F rows of one expert in a flat weight.
 """
 
 from __future__ import annotations
@@ -47,6 +62,64 @@ def expert_modules(experts: nn.Module) -> list[nn.Module] | None:
     if isinstance(experts, nn.ModuleDict):
         return [m for m in experts.values() if any(True for _ in m.parameters())]
     return None
+
+
+# Attributes through which a module's forward may size itself by its number of experts (set to 1 on the
+# parameter-free copy that runs one expert of a flat module).
+NUM_EXPERTS_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts")
+
+
+def declared_num_experts(experts: nn.Module) -> int | None:
+    """The number of experts ``experts`` declares in an integer attribute (``num_experts``,
+    ``moe_num_experts``, ``num_local_experts``), or None."""
+    return next((v for k in NUM_EXPERTS_ATTRS if isinstance(v := getattr(experts, k, None), int)
+                 and not isinstance(v, bool)), None)
+
+
+def flat_layout(experts: nn.Module, num_experts: int | None = None) -> tuple[int, ...] | None:
+    """Rows per expert ``F_p`` of each parameter when ``experts`` holds its E experts flat along the
+    leading dimension (``w [E * F_p, ...]``, HF DBRX), else None.
+
+    E is ``num_experts`` (from the router) or, when not given, what the module declares
+    (:func:`declared_num_experts`; then only 1-D / 2-D parameters count as flat, a stacked ``[E, F, H]``
+    module keeps its stacked layout whatever its attributes say). Flat means: E >= 2, every parameter's
+    leading dimension a multiple of E, and not all of them E itself (that is the stacked layout).
+    """
+    params = list(experts.parameters())
+    if not params or isinstance(experts, (nn.ModuleList, nn.ModuleDict)) or any(p.dim() < 1 for p in params):
+        return None
+    E = num_experts
+    if E is None:
+        E = declared_num_experts(experts)
+        if E is None or any(p.dim() > 2 for p in params):
+            return None
+    if E < 2 or any(p.shape[0] % E for p in params) or all(p.shape[0] == E for p in params):
+        return None
+    if any(p.dim() >= 3 and p.shape[0] == E for p in params):
+        return None     # stacked [E, ...] weights beside others every expert uses (stacked_layout)
+    return tuple(p.shape[0] // E for p in params)
+
+
+def _one_expert_template(experts: nn.Module, num_experts: int) -> nn.Module:
+    """A parameter-free copy of a flat experts module sized for one expert: every ``num_experts``-like
+    attribute equal to E, in any submodule, set to 1 (its forward views ``w [F, H]`` as ``[1, F, H]``)."""
+    template = copy.deepcopy(experts).to("meta")
+    for sub in template.modules():
+        for attr in NUM_EXPERTS_ATTRS:
+            if getattr(sub, attr, None) == num_experts and not isinstance(getattr(sub, attr), bool):
+                setattr(sub, attr, 1)
+    return template
+
+
+def _with_gradient_path(out: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``out`` made to depend (by zero) on every parameter that needs a gradient. A module's own loop may
+    skip an expert without rows (``for e in hit_experts``), which would leave its rows of a stacked or flat
+    weight without gradient; in one process that weight always has one (zeros there), and AdamW steps
+    it."""
+    needed = [p for p in params if p.requires_grad]
+    if not needed or not torch.is_grad_enabled():
+        return out
+    return out + sum(p.sum() for p in needed).to(out.dtype) * 0
 
 
 def _is_stacked(experts: nn.Module) -> bool:
@@ -81,10 +154,14 @@ def stacked_layout(experts: nn.Module) -> tuple[int, tuple[str, ...], tuple[str,
 class ExpertBank:
     """Describes the experts of one layer: chunk layout (names, shapes, dtypes) and how one expert runs."""
 
-    def __init__(self, experts: nn.Module, *, layer: str = "") -> None:
+    def __init__(self, experts: nn.Module, *, layer: str = "", num_experts: int | None = None) -> None:
+        """``num_experts``: E as the router scores it, where the caller knows it; it tells a flat layout
+        (``w [E * F, H]``) from a stacked one (:func:`flat_layout`)."""
         self.layer = layer
         # Parameters of the experts module that every expert uses (stacked form only): not in any chunk.
         self.shared_names: tuple[str, ...] = ()
+        self.flat = False
+        self.flat_rows: tuple[int, ...] = ()    # F_p of each parameter in the flat layout
         modules = expert_modules(experts)
         if modules is not None:
             if len(modules) == 0:
@@ -105,6 +182,8 @@ class ExpertBank:
             self.num_experts = len(modules)
             self.spec = spec0
             self.form = "modulelist"
+        elif isinstance(experts, nn.Module) and (rows := flat_layout(experts, num_experts)) is not None:
+            self._init_flat(experts, rows, num_experts or declared_num_experts(experts))
         elif isinstance(experts, nn.Module) and (_is_stacked(experts) or stacked_layout(experts) is not None):
             # Either the module names how one expert computes (expert_forward), or it is called as
             # experts(x_TH, ids_TK, weights_TK) (HF transformers >= 5, torchtitan): then one expert runs as
@@ -148,7 +227,24 @@ class ExpertBank:
             raise ValueError(
                 f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList / "
                 "nn.ModuleDict of expert modules nor a module whose parameters are stacked [E, ...] (but for "
-                f"some every expert uses, not of 3 or more dimensions) (its parameters: {shapes})")
+                "some every expert uses, not of 3 or more dimensions) or all flat [E * F, ...] (every leading "
+                f"dimension a multiple of E) (its parameters: {shapes})")
+
+    def _init_flat(self, experts: nn.Module, rows: tuple[int, ...], num_experts: int) -> None:
+        # One expert runs as the user's module with E = 1 on its rows (the module is called as
+        # experts(x_TH, ids_TK, weights_TK), as for stacked modules without expert_forward).
+        params = list(experts.named_parameters())
+        self._stacked = None
+        self._template = _one_expert_template(experts, num_experts)
+        self.names = tuple(n for n, _ in params)
+        self.num_experts = num_experts
+        self.flat, self.flat_rows = True, rows
+        self.spec = [((f, *p.shape[1:]), p.dtype) for f, (_, p) in zip(rows, params)]
+        self.form = "stacked"
+
+    def rows_of(self, i: int) -> int:
+        """F_p, the rows of one expert in parameter ``i`` of the flat layout (0 in the other layouts)."""
+        return self.flat_rows[i] if self.flat else 0
 
     @property
     def chunk_bytes(self) -> int:
@@ -163,6 +259,8 @@ class ExpertBank:
         """Expert e's parameter tensors, taken from the original (unsharded) experts module."""
         if self.per_expert_modules:
             return list(expert_modules(experts)[e].parameters())
+        if self.flat:
+            return [p[e * f:(e + 1) * f] for f, p in zip(self.flat_rows, experts.parameters())]
         return [experts.get_parameter(n)[e] for n in self.names]
 
     def shard_of(self, experts: nn.Module, e: int) -> nn.Module:
@@ -207,13 +305,19 @@ class ExpertBank:
         n = x_NH.shape[0]
         ids_N1 = torch.zeros((n, 1), dtype=torch.int64, device=x_NH.device)
         weights_N1 = torch.ones((n, 1), dtype=x_NH.dtype, device=x_NH.device)
+        if self.flat:
+            # Expert e's rows are the whole weight of a one-expert module: w [F, H] is [1 * F, H].
+            out = torch.func.functional_call(self._template, dict(zip(self.names, params)),
+                                             (x_NH, ids_N1, weights_N1), strict=True)
+            return _with_gradient_path(out, params) if n == 0 else out
         stacked = {name: p.unsqueeze(0) for name, p in zip(self.names, params)}
         if self.shared_names:
             if shared is None or set(shared) != set(self.shared_names):
                 raise ValueError(f"MoE layer {self.layer!r}: its experts use the shared parameters "
                                  f"{', '.join(self.shared_names)}; run() needs them (ExpertBank.shared_tensors)")
             stacked.update(shared)
-        return torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
+        out = torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
+        return _with_gradient_path(out, params) if n == 0 else out
 
 
 def loop_combine(experts: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
