@@ -74,7 +74,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from themis_compile.passes.replay import inline_expert_weights_reason, replay_mismatch, restored_attributes
-from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine
+from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine, wrapped_expert_list
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class MoELayerInfo:
     module: nn.Module
     num_experts: int
     top_k: int
-    experts_form: str          # "modulelist" | "stacked"
+    experts_form: str          # "modulelist" | "stacked" | "wrapped" (a ModuleList inside a wrapper module)
     router: str                # how the router scores experts, e.g. "linear gate [E=8, H=64] -> softmax -> top-k"
     activation: str
     shared_experts: bool
@@ -180,6 +180,29 @@ def _experts_children(module: nn.Module) -> list[_ExpertsChild]:
         elif (E := _stacked_width(child)) is not None:
             found.append(_ExpertsChild(attr, child, E, "stacked"))
     return found
+
+
+def _wrapped_experts_children(module: nn.Module) -> list[_ExpertsChild]:
+    """Children that wrap their experts' ModuleList (:func:`~themis_compile.runtime.experts.wrapped_expert_list`:
+    Megatron-Core ``SequentialMLP``, DeepSpeed ``Experts``) and hold MLP-like experts."""
+    found = []
+    for attr, child in module.named_children():
+        wrapped = None if _is_sharded(child) else wrapped_expert_list(child)
+        if wrapped is not None and len(wrapped[1]) >= 2 and all(_is_mlp_like(c) for c in wrapped[1]):
+            found.append(_ExpertsChild(attr, child, len(wrapped[1]), "wrapped"))
+    return found
+
+
+def expert_call_path(module: nn.Module, attr: str) -> str:
+    """Where the per-expert modules of ``module.<attr>`` are, as FX call targets name them: ``attr`` for a
+    ModuleList of experts, ``attr.<list>`` for a wrapper holding one (whose forward is traced through)."""
+    wrapped = wrapped_expert_list(getattr(module, attr))
+    return f"{attr}.{wrapped[0]}" if wrapped is not None else attr
+
+
+def expert_list(module: nn.Module, attr: str) -> nn.Module:
+    """The ModuleList of experts of ``module.<attr>``: the child itself, or the list a wrapper holds."""
+    return module.get_submodule(expert_call_path(module, attr))
 
 
 def _expert_signature(m: nn.Module) -> tuple:
@@ -959,7 +982,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         return _inspect_dense_dispatch(name, module) or info
     if info is not None:
         return info
-    if reject is not None and (dense := _inspect_dense_dispatch(name, module)) is not None:
+    if ((reject is not None or _wrapped_experts_children(module))
+            and (dense := _inspect_dense_dispatch(name, module)) is not None):
         return dense
     try:
         found = _inspect_by_behaviour(name, module)
@@ -992,6 +1016,9 @@ def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
                   if isinstance(v := getattr(child, k, None), int)), None)
         if E is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             E = len(child)
+        if (wrapped := wrapped_expert_list(child)) is not None:
+            found.append(_ExpertsChild(attr, child, len(wrapped[1]), "wrapped"))
+            continue
         found.append(_ExpertsChild(attr, child, E or 0, "modulelist" if isinstance(child, nn.ModuleList)
                                    else "stacked"))
     return found
@@ -1219,7 +1246,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                         and not calls[0][1].is_floating_point() and calls[0][1].dim() == 2
                         and isinstance(stand_in.outputs[0], torch.Tensor)
                         and stand_in.outputs[0].shape == calls[0][1].shape + calls[0][0].shape[-1:])
-            sorted_rows = (len(calls) == 1 and len(calls[0]) == 2 and child.form == "stacked"
+            sorted_rows = (len(calls) == 1 and len(calls[0]) == 2 and child.form in ("stacked", "wrapped")
                            and isinstance(calls[0][0], torch.Tensor) and calls[0][0].is_floating_point()
                            and calls[0][0].dim() == 2 and _counts(calls[0][1]) is not None
                            and len(_counts(calls[0][1])) == child.num_experts
@@ -1249,10 +1276,11 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                 scores = "+".join(dict.fromkeys(rec.scores)) or "none"
                 selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
                 return MoELayerInfo(
-                    name=name, module=module, num_experts=E, top_k=K, experts_form="stacked",
+                    name=name, module=module, num_experts=E, top_k=K, experts_form=child.form,
                     router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
                             f"{seen} (behaviour)"),
-                    activation=describe_activation(child.module), shared_experts=False, experts_attr=child.attr,
+                    activation=describe_activation((expert_modules(child.module) or [child.module])[0]),
+                    shared_experts=False, experts_attr=child.attr,
                     rewrite=rewrite, router_path=router_path or "",
                     score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
             if not ok:
@@ -1444,7 +1472,8 @@ class _MethodLeafTracer(_LeafTracer):
     """A :class:`_LeafTracer` for blocks whose routing helper holds Python-level shape code that FX cannot
     trace (``math.ceil`` of a shape, ``torch.finfo(x.dtype)``, ``one_hot(num_classes=capacity)``): the
     block's own methods are recorded as calls on the block, which becomes the graph's first input (so a
-    rewritten forward runs them as written), and ``x.chunk(n)`` with a constant ``n`` can be iterated
+    rewritten forward runs them as written), its child modules that hold no experts (a DeepSpeed
+    ``TopKGate``) are kept as calls too, and ``x.chunk(n)`` with a constant ``n`` can be iterated
     (``zip(x.chunk(E), self.experts)``)."""
 
     def __init__(self, leaves: set[int]) -> None:
@@ -1472,7 +1501,8 @@ def trace_block_with_method_leaves(module: nn.Module, experts: nn.Module, *, tra
                                    ) -> TracedBlock:
     """:func:`trace_block` with the block's own methods kept as calls (see :class:`_MethodLeafTracer`);
     the graph takes the block as its first input (``traced.owner_input``)."""
-    tracer = _MethodLeafTracer(leaf_modules(module, experts))
+    routing_children = {id(c) for c in module.children() if not any(m is experts for m in c.modules())}
+    tracer = _MethodLeafTracer(leaf_modules(module, experts) | routing_children)
     mode = module.training if training is None else training
     with preserved_state(module):
         modes = [(m, m.training) for m in module.modules()]
@@ -1558,8 +1588,8 @@ def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None
     K is the number of selections its routing makes on a probe (a top-k's k, else one per max / argmax).
     :mod:`themis_compile.passes.shard` rewrites dispatch, experts and combine into one
     ``experts(x, ids, weights)`` call with (ids, weights) read from the combine tensor."""
-    children = [c for c in _experts_children(module) if c.form == "modulelist"]
-    if not children or _non_identical_reason(children[0].module):
+    children = [c for c in _experts_children(module) if c.form == "modulelist"] + _wrapped_experts_children(module)
+    if not children or _non_identical_reason(expert_list(module, children[0].attr)):
         return None
     child = children[0]
     routers = _router_widths(module, child.module)
@@ -1567,7 +1597,7 @@ def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None
     if H is None:
         return None
     try:
-        traced = trace_block_with_method_leaves(module, child.module)
+        traced = trace_block_with_method_leaves(module, expert_list(module, child.attr))
     except Exception:
         return None
     for flat in (False, True):
@@ -1577,7 +1607,7 @@ def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None
             break
         except Exception:
             x = None
-    if x is None or (found := dense_dispatch_of(traced, child.attr, E)) is None:
+    if x is None or (found := dense_dispatch_of(traced, expert_call_path(module, child.attr), E)) is None:
         return None
     # From here on the block is a dense-dispatch block: what stops it is said.
     if traced.branch_nodes:
@@ -1593,10 +1623,10 @@ def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None
     selection = ", ".join(rec.selections) or "none"
     C = traced.meta[found.combine].shape[-1]
     return MoELayerInfo(
-        name=name, module=module, num_experts=E, top_k=K, experts_form="modulelist",
+        name=name, module=module, num_experts=E, top_k=K, experts_form=child.form,
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}; top-{K} read "
                 f"from the combine tensor [T, E, C={C}] (FX graph, methods kept)"),
-        activation=describe_activation(child.module[0]), shared_experts=False, experts_attr=child.attr,
+        activation=describe_activation(expert_list(module, child.attr)[0]), shared_experts=False, experts_attr=child.attr,
         rewrite="dense-dispatch", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
         hidden_size=H, aux_losses=_auxiliary(traced, [found.y]), probe_flat=flat)
 

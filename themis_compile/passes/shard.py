@@ -78,6 +78,8 @@ from themis_compile.passes.detect import (
     trace_block,
     PROBE_SEED,
     dense_dispatch_of,
+    expert_call_path,
+    expert_list,
     flat_call_experts_class,
     mask_call_experts_class,
     mask_slots,
@@ -88,7 +90,7 @@ from themis_compile.passes.detect import (
     trace_block_with_method_leaves,
 )
 from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch
-from themis_compile.runtime.experts import loop_combine
+from themis_compile.runtime.experts import loop_combine, wrapped_expert_list
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,19 @@ class ExpertLoop(nn.ModuleList):
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         return loop_combine(self, x_TH, ids_TK, weights_TK)
+
+
+def wrapped_loop_class(wrapper_cls: type) -> type:
+    """A subclass of a class that wraps its experts' ModuleList (Megatron-Core ``SequentialMLP``,
+    DeepSpeed ``Experts``) called as ``experts(x_TH, ids_TK, weights_TK) -> out_TH``: the loop of
+    :class:`ExpertLoop` over the list it holds, the list and its parameter names unchanged."""
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return loop_combine(wrapped_expert_list(self)[1], x_TH, ids_TK, weights_TK)
+
+    forward.__doc__ = f"sum_k weights * {wrapper_cls.__name__}'s expert ids[t, k] on x[t]."
+    return type(wrapper_cls.__name__, (wrapper_cls,), {"forward": forward, "__module__": wrapper_cls.__module__,
+                                                       "_themis_original_class": wrapper_cls})
 
 
 def _store_attribute(owner: nn.Module, path: str, name: str, value: Any) -> None:
@@ -312,11 +327,11 @@ def replace_dense_dispatch(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphM
     """
     gm, attr, layer = traced.gm, info.experts_attr, info.name
     graph = gm.graph
-    # Step 1: the parts, from the probe's shapes.
-    found = dense_dispatch_of(traced, attr, info.num_experts)
+    # Step 1: the parts, from the probe's shapes (the experts' calls are under the list a wrapper holds).
+    found = dense_dispatch_of(traced, expert_call_path(info.module, attr), info.num_experts)
     if found is None:
         raise RewriteError(f"MoE layer {layer!r}: no dense [T, E, C] dispatch and combine around its experts")
-    calls = expert_nodes(graph, attr)
+    calls = expert_nodes(graph, expert_call_path(info.module, attr))
     served = reachable([found.y], lambda n: n.all_input_nodes)
 
     # Step 2: one experts call in place of y.
@@ -414,13 +429,14 @@ def plan_rewrite(info: MoELayerInfo) -> RewritePlan:
     """Trace ``info.module`` in train and in eval mode and rewrite each graph (:func:`replace_expert_loop`,
     or :func:`replace_dense_dispatch` for a dense-dispatch block)."""
     module, experts = info.module, info.experts
-    if not isinstance(experts, nn.ModuleList):
+    if not isinstance(experts, nn.ModuleList) and wrapped_expert_list(experts) is None:
         raise ValueError(f"MoE layer {info.name!r}: an inline expert loop needs an nn.ModuleList of experts")
     forwards, constants = {}, {}
     x = probe_input(module, info.hidden_size, flat=info.probe_flat)
     trace, replace = GRAPH_REWRITES[info.rewrite]
     for training in (True, False):
-        traced = trace(module, experts, training=training)
+        # A wrapper of the experts' list is traced through: its forward is part of the expert computation.
+        traced = trace(module, expert_list(module, info.experts_attr), training=training)
         record_meta(traced, module, x)
         gm = replace(traced, info)
         forwards[training] = type(gm).forward
@@ -492,10 +508,10 @@ class FlattenCall:
 CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten")
 
 
-def _sorted_rows_experts_forward(experts_cls: type):
+def _sorted_rows_experts_forward(experts_cls: type, num_experts: int = 0):
     def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         T, K = ids_TK.shape
-        E = next(self.parameters()).shape[0]
+        E = num_experts or next(self.parameters()).shape[0]
         flat_N = ids_TK.reshape(-1)
         order_N = torch.argsort(flat_N, stable=True)
         counts_E = torch.zeros(E, dtype=torch.long, device=flat_N.device).scatter_add_(
@@ -528,7 +544,7 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
     experts_forward = (_per_slot_experts_forward(experts_cls) if form == "per-slot"
                        else mask_call_experts_class(experts_cls, num_experts).forward if form == "dispatch-mask"
                        else flat_call_experts_class(experts_cls).forward if form == "flatten"
-                       else _sorted_rows_experts_forward(experts_cls))
+                       else _sorted_rows_experts_forward(experts_cls, num_experts))
     new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
                                                         "_themis_original_class": block_cls})
     new_experts = type(experts_cls.__name__, (experts_cls,), {"forward": experts_forward,
@@ -582,7 +598,11 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     for name, value in plan.constants.items():
         module.register_buffer(name, value, persistent=False)
     module.__class__ = plan.cls
-    setattr(module, info.experts_attr, ExpertLoop(list(info.experts)))
+    if wrapped_expert_list(info.experts) is not None:
+        # A wrapper keeps its list (and so its parameter names), called as experts(x, ids, weights).
+        info.experts.__class__ = wrapped_loop_class(type(info.experts))
+    else:
+        setattr(module, info.experts_attr, ExpertLoop(list(info.experts)))
     info.rewritten = True
     logger.info("MoE layer %s: expert loop rewritten to one %s(x, ids, weights) call", info.name, info.experts_attr)
 
