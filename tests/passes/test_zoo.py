@@ -24,6 +24,8 @@ EXPECTED = {
     "hf_mixtral_v4": None,  # inline loop with `continue` and list indexing: the inline-loop rewrite
     "hf_dbrx_v4": "is called as experts(float[2, 4, 32], float[8, 4], float[8, 2], int[8, 2])",
     "hf_llama4_v4": "are called as experts(Tensor[32, 32]), not as experts(x_TH, ids_TK, weights_TK)",
+    "megatron": None,      # SequentialMLP wrapping local_experts, on rows sorted by expert: sorted-rows rewrite
+    "deepspeed": None,     # Experts wrapping deepspeed_experts on [1, E, C, H] slots: dense-dispatch rewrite
 }
 FOUND = [s for s, why in EXPECTED.items() if why is None and s != "megablocks"]
 
