@@ -26,6 +26,7 @@ EXPECTED = {
     "hf_llama4_v4": "are called as experts(Tensor[32, 32]), not as experts(x_TH, ids_TK, weights_TK)",
     "megatron": None,      # SequentialMLP wrapping local_experts, on rows sorted by expert: sorted-rows rewrite
     "deepspeed": None,     # Experts wrapping deepspeed_experts on [1, E, C, H] slots: dense-dispatch rewrite
+    "mask_any": None,      # expert calls under `if mask.any():` (FX takes the branch as False): capture and replay
 }
 FOUND = [s for s, why in EXPECTED.items() if why is None and s != "megablocks"]
 

@@ -888,3 +888,30 @@ class DeepSpeedMOELayer(nn.Module):
 
 
 BLOCKS.update(megatron=MegatronMoELayer, deepspeed=DeepSpeedMOELayer)
+
+
+class MaskAnyLoop(nn.Module):
+    """A hand-written top-k loop: per expert a boolean token mask ``(ids == i).any(-1)``, the expert run
+    only ``if mask.any()``, its weight gathered by the mask and added with ``out[mask] +=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(MegatronMLP() for _ in range(E))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        top_logits, ids = self.gate(x).topk(K, dim=-1)
+        w = top_logits.softmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            hit = ids == i
+            mask = hit.any(-1)
+            if mask.any():
+                wi = (w * hit).sum(-1, keepdim=True)[mask]
+                out[mask] += wi * expert(x[mask])
+        return out.view(shape)
+
+
+BLOCKS.update(mask_any=MaskAnyLoop)

@@ -1339,6 +1339,10 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
         traced = trace_block(module, child.module)
     except Exception as exc:
         fx_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    if traced is not None and traced.branch_nodes and not expert_nodes(traced.gm.graph, child.attr):
+        # Every expert call sits under a branch on a traced value (`if mask.any():`), which the trace
+        # took as False: the graph holds no expert call to rewrite. Read the layer as untraceable.
+        traced, fx_error = None, "the expert calls are guarded by branches on traced values"
     topks = selections_of(traced.gm.graph) if traced else []   # top-k, else top-1 (max / argmax)
     if not topks and not any(w == E for _, w, _ in routers):
         return None   # not MoE-like: no top-k and no router of the experts' width
