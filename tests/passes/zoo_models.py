@@ -747,16 +747,17 @@ class MegatronTopKRouter(nn.Module):
 
 class MegatronSequentialMLP(nn.Module):
     """Megatron-Core ``SequentialMLP``: ``local_experts`` run one after the other on the splits of the
-    permuted rows by ``tokens_per_expert``."""
+    permuted rows by ``tokens_per_expert``; returns ``(output, output_bias)``."""
 
     def __init__(self, num_local_experts: int = E) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
         self.local_experts = nn.ModuleList(MegatronMLP() for _ in range(num_local_experts))
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor):
         tokens_list = torch.split(permuted_local_hidden_states, tokens_per_expert.tolist())
-        return torch.cat([expert(tokens) for expert, tokens in zip(self.local_experts, tokens_list)], dim=0)
+        output_local = torch.cat([expert(tokens) for expert, tokens in zip(self.local_experts, tokens_list)], dim=0)
+        return output_local, None       # (output, output_bias): the experts have no bias
 
 
 class MegatronMoELayer(nn.Module):
@@ -774,9 +775,9 @@ class MegatronMoELayer(nn.Module):
         probs, routing_map = self.router(hidden_states)
         tokens_per_expert = routing_map.sum(dim=0)
         permuted, sorted_indices = megatron_permute(hidden_states, routing_map)
-        expert_output = self.experts(permuted, tokens_per_expert)
+        expert_output, mlp_bias = self.experts(permuted, tokens_per_expert)
         output = megatron_unpermute(expert_output, sorted_indices, hidden_states.shape, probs, routing_map)
-        return output.view(hidden_shape)
+        return output.view(hidden_shape), mlp_bias
 
 
 def deepspeed_capacity(gates: torch.Tensor, capacity_factor: torch.Tensor, min_capacity: torch.Tensor) -> torch.Tensor:

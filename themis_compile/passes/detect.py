@@ -105,6 +105,8 @@ class MoELayerInfo:
     rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
     probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
     skips_empty_experts: bool = False          # runs only the experts that receive tokens (skips_empty_experts)
+    call_tail: int = 0                         # sorted-rows: Nones the experts call returns after its rows
+                                               # (Megatron-Core's (output, output_bias) without bias: 1)
     plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
                                                                  # (passes.replay.ReplayPlan for "replay")
 
@@ -1033,6 +1035,17 @@ def _counts(v: Any) -> list[int] | None:
     return None
 
 
+def returned_rows(out: Any) -> tuple[torch.Tensor | None, int]:
+    """(rows, n) of what an experts call returned: a tensor (n = 0), or a tuple of a tensor and n Nones
+    (Megatron-Core ``SequentialMLP``: ``(output, output_bias)`` with no bias); (None, 0) otherwise."""
+    if isinstance(out, torch.Tensor):
+        return out, 0
+    if (isinstance(out, tuple) and len(out) >= 2 and isinstance(out[0], torch.Tensor)
+            and all(v is None for v in out[1:])):
+        return out[0], len(out) - 1
+    return None, 0
+
+
 def _describe_call(args: tuple) -> str:
     return ", ".join(f"{'int' if not a.is_floating_point() else 'float'}{list(a.shape)}"
                      if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
@@ -1246,16 +1259,16 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                         and not calls[0][1].is_floating_point() and calls[0][1].dim() == 2
                         and isinstance(stand_in.outputs[0], torch.Tensor)
                         and stand_in.outputs[0].shape == calls[0][1].shape + calls[0][0].shape[-1:])
+            rows_out, tail = returned_rows(stand_in.outputs[0]) if stand_in.outputs else (None, 0)
             sorted_rows = (len(calls) == 1 and len(calls[0]) == 2 and child.form in ("stacked", "wrapped")
                            and isinstance(calls[0][0], torch.Tensor) and calls[0][0].is_floating_point()
                            and calls[0][0].dim() == 2 and _counts(calls[0][1]) is not None
                            and len(_counts(calls[0][1])) == child.num_experts
                            and sum(_counts(calls[0][1])) == calls[0][0].shape[0]
-                           and isinstance(stand_in.outputs[0], torch.Tensor)
-                           and stand_in.outputs[0].shape[0] == calls[0][0].shape[0])
-            if sorted_rows and stand_in.outputs[0].shape != calls[0][0].shape:
+                           and rows_out is not None and rows_out.shape[0] == calls[0][0].shape[0])
+            if sorted_rows and rows_out.shape != calls[0][0].shape:
                 raise _Reject(f"'{child.attr}' is called on rows sorted by expert ({_describe_call(calls[0])}) but "
-                              f"maps rows of width {calls[0][0].shape[-1]} to {stand_in.outputs[0].shape[-1]}: "
+                              f"maps rows of width {calls[0][0].shape[-1]} to {rows_out.shape[-1]}: "
                               "only part of each expert (JetMoE ParallelExperts); an experts module must hold "
                               "whole experts, mapping [N, H] rows to [N, H]")
             if (mask := dispatch_mask_call(calls, child.num_experts)) is not None:
@@ -1282,7 +1295,8 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                     activation=describe_activation((expert_modules(child.module) or [child.module])[0]),
                     shared_experts=False, experts_attr=child.attr,
                     rewrite=rewrite, router_path=router_path or "",
-                    score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
+                    score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat,
+                    call_tail=tail if sorted_rows else 0)
             if not ok:
                 # Only a child that names experts, or is called with integer ids, is an experts
                 # container used otherwise; a parent of a whole MoE block is not.

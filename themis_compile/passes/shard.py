@@ -517,6 +517,8 @@ def _sorted_rows_experts_forward(experts_cls: type, num_experts: int = 0):
         counts_E = torch.zeros(E, dtype=torch.long, device=flat_N.device).scatter_add_(
             0, flat_N, torch.ones_like(flat_N))
         y_NH = experts_cls.forward(self, x_TH[order_N // K], counts_E)
+        if isinstance(y_NH, tuple):
+            y_NH = y_NH[0]     # (rows, None, ...): Megatron-Core's (output, output_bias) without bias
         # view(T, K, H), not (T, K, -1): an expert with no rows (T = 0) runs too, and -1 is ambiguous there.
         y_TKH = torch.empty_like(y_NH).index_copy_(0, order_N, y_NH).view(T, K, y_NH.shape[-1])
         return torch.einsum("tkh,tk->th", y_TKH, weights_TK.to(y_TKH.dtype))
@@ -525,8 +527,19 @@ def _sorted_rows_experts_forward(experts_cls: type, num_experts: int = 0):
     return experts_forward
 
 
-def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str, num_experts: int = 0
-                          ) -> tuple[type, type]:
+class NoneTail:
+    """An adapter whose result is returned followed by ``n`` Nones, as the user's experts module returns
+    it (Megatron-Core ``SequentialMLP``: ``(output, output_bias)``, the bias None without biases)."""
+
+    def __init__(self, call: Callable, n: int) -> None:
+        self.call, self.n = call, n
+
+    def __call__(self, *args: Any) -> tuple:
+        return (self.call(*args),) + (None,) * self.n
+
+
+def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str, num_experts: int = 0,
+                          call_tail: int = 0) -> tuple[type, type]:
     """(block class, experts class) of a per-slot, sorted-rows or dispatch-mask rewrite: the block's forward
     runs unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall` /
     :class:`DispatchMaskCall`; the experts module is called as ``experts(x_TH, ids_TK, weights_TK)``."""
@@ -534,7 +547,8 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
             "flatten": FlattenCall}[form]
 
     def block_forward(self, *args, **kwargs):
-        self.__dict__[attr] = call(self._modules[attr])   # shadows the submodule inside forward only
+        adapter = call(self._modules[attr])
+        self.__dict__[attr] = NoneTail(adapter, call_tail) if call_tail else adapter   # inside forward only
         try:
             return block_cls.forward(self, *args, **kwargs)
         finally:
@@ -577,7 +591,7 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     if info.rewrite in CALL_REWRITES:
         experts = info.experts
         block_cls, experts_cls = _call_rewrite_classes(type(info.module), type(experts), info.experts_attr,
-                                                       info.rewrite, info.num_experts)
+                                                       info.rewrite, info.num_experts, info.call_tail)
         info.module.__class__ = block_cls
         experts.__class__ = experts_cls
         info.rewritten = True
