@@ -3,7 +3,8 @@
 A module is an MoE layer (the unit FSSDP shards, paper §3.1) when
 
 - one child holds E experts: an ``nn.ModuleList`` of identical MLPs, or one module whose parameters are
-  stacked ``[E, ...]``;
+  stacked ``[E, ...]`` (found by behaviour or by dense dispatch also a parameter-free module wrapping one
+  such list, Megatron-Core ``SequentialMLP`` / DeepSpeed ``Experts``);
 - its forward (FX-traced with the experts, each expert and MLP-like children kept as leaves, the router
   traced through) scores E experts with a learned router (an ``nn.Linear`` with E outputs or a weight
   ``[E, H]``), optionally through softmax or sigmoid, and selects the top-k with ``torch.topk`` (or the
