@@ -1645,7 +1645,8 @@ def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None
         name=name, module=module, num_experts=E, top_k=K, experts_form=child.form,
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}; top-{K} read "
                 f"from the combine tensor [T, E, C={C}] (FX graph, methods kept)"),
-        activation=describe_activation(expert_list(module, child.attr)[0]), shared_experts=False, experts_attr=child.attr,
+        activation=describe_activation(expert_list(module, child.attr)[0]), shared_experts=False,
+        experts_attr=child.attr,
         rewrite="dense-dispatch", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
         hidden_size=H, aux_losses=_auxiliary(traced, [found.y]), probe_flat=flat)
 
