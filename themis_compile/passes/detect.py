@@ -1064,6 +1064,12 @@ def _unsupported_call(attr: str, calls: list[tuple], T: int) -> str:
         return (f"'{attr}' is called with a dispatch mask ({_describe_call(args)}: one-hot [T, K, E] masks, "
                 f"Switch/NLLB style); the runtime needs integer ids [T, K]: call {attr}(x, mask.argmax(-1), "
                 "weights) with dropped tokens weighted 0")
+    if len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].dim() >= 3:
+        return (f"'{attr}' is called on one tensor alone ({_describe_call(args)}): if those are capacity slots "
+                "[E, C, H] between dense dispatch and combine tensors (GShard, DeepSpeed), they are read only when "
+                "the block's forward traces with FX, routing code FX cannot trace (torch.finfo of a traced dtype, "
+                "one_hot of a traced capacity) kept in a method of the block or in a gate module, and each expert "
+                f"runs on its own expert's [C, H] slots; else call {attr}(x_TH, ids_TK, weights_TK)")
     if len(args) == 1:
         return (f"'{attr}' is called on hidden states alone ({_describe_call(args)}), so every expert sees "
                 f"every row (routing folded into the input, e.g. Llama-4's scores * x repeated over experts); "
