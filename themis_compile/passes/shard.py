@@ -721,6 +721,10 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False) -> list[MoELayerI
         if info.rewrite in GRAPH_REWRITES:
             info.plan = plan_rewrite(info)
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
+        # Tensors a forward stored on the modules (DeepSpeed's self.l_aux, with its autograd history) are
+        # shared too: a non-leaf tensor cannot be deep-copied, and the probes restore attributes anyway.
+        shared.update({id(v): v for m in info.module.modules() for v in vars(m).values()
+                       if isinstance(v, torch.Tensor)})
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
         if info.rewrite in CALL_REWRITES or info.rewrite == "replay":
