@@ -508,10 +508,12 @@ class FlattenCall:
 CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten")
 
 
-def _sorted_rows_experts_forward(experts_cls: type, num_experts: int = 0):
+def _sorted_rows_experts_forward(experts_cls: type):
     def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         T, K = ids_TK.shape
-        E = num_experts or next(self.parameters()).shape[0]
+        # E from the module itself (ExpertBank runs one expert as this module with E = 1 slices).
+        wrapped = wrapped_expert_list(self)
+        E = len(wrapped[1]) if wrapped is not None else next(self.parameters()).shape[0]
         flat_N = ids_TK.reshape(-1)
         order_N = torch.argsort(flat_N, stable=True)
         counts_E = torch.zeros(E, dtype=torch.long, device=flat_N.device).scatter_add_(
@@ -558,7 +560,7 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
     experts_forward = (_per_slot_experts_forward(experts_cls) if form == "per-slot"
                        else mask_call_experts_class(experts_cls, num_experts).forward if form == "dispatch-mask"
                        else flat_call_experts_class(experts_cls).forward if form == "flatten"
-                       else _sorted_rows_experts_forward(experts_cls, num_experts))
+                       else _sorted_rows_experts_forward(experts_cls))
     new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
                                                         "_themis_original_class": block_cls})
     new_experts = type(experts_cls.__name__, (experts_cls,), {"forward": experts_forward,
