@@ -27,6 +27,9 @@ EXPECTED = {
     "sort_topk_loop": None,  # torch.sort cut to [:, :k], ModuleList loop with index_add_: inline-loop rewrite
     "argsort_bmm": None,     # argsort cut to [..., :2], stacked experts(x, ids) -> [T, K, H] by bmm: per-slot
     "sort_nonzero": None,    # sort cut to k, untraceable loop over unique().tolist() with nonzero: replay
+    "megatron": None,      # SequentialMLP wrapping local_experts, on rows sorted by expert: sorted-rows rewrite
+    "deepspeed": None,     # Experts wrapping deepspeed_experts on [1, E, C, H] slots: dense-dispatch rewrite
+    "mask_any": None,      # expert calls under `if mask.any():` (FX takes the branch as False): capture and replay
 }
 FOUND = [s for s, why in EXPECTED.items() if why is None and s != "megablocks"]
 

@@ -10,6 +10,7 @@ Shape suffixes: B batch, S sequence, T tokens, H hidden, F ffn, E experts, K top
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -790,3 +791,235 @@ def train_losses(model: nn.Module, rank: int, world_size: int, steps: int, batch
             dist.all_reduce(t)
         losses.append(t.item() / world_size)
     return losses
+
+
+# --- Experts held in a ModuleList inside a wrapper module (Megatron-Core, DeepSpeed) ----------------------
+
+def megatron_permute(tokens_TH: torch.Tensor, routing_map_TE: torch.Tensor):
+    """Megatron-Core ``moe_utils.permute``: the tokens of each expert, expert by expert (token order kept)."""
+    num_tokens, _ = tokens_TH.shape
+    num_experts = routing_map_TE.shape[1]
+    routing_map_ET = routing_map_TE.bool().T.contiguous()
+    token_indices = torch.arange(num_tokens, device=routing_map_ET.device).unsqueeze(0).expand(num_experts, -1)
+    sorted_indices = token_indices.masked_select(routing_map_ET)
+    return tokens_TH.index_select(0, sorted_indices), sorted_indices
+
+
+def megatron_unpermute(permuted_tokens, sorted_indices, restore_shape, probs_TE, routing_map_TE):
+    """Megatron-Core ``moe_utils.unpermute``: weigh each row by its probability, scatter-add it back."""
+    _, hidden = restore_shape
+    permuted_probs = probs_TE.T.contiguous().masked_select(routing_map_TE.T.contiguous())
+    permuted_tokens = permuted_tokens * permuted_probs.unsqueeze(-1)
+    output_tokens = torch.zeros(restore_shape, device=permuted_tokens.device, dtype=permuted_tokens.dtype)
+    output_tokens.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, hidden), permuted_tokens)
+    return output_tokens
+
+
+class MegatronMLP(nn.Module):
+    """Megatron-Core ``MLP`` with ``gated_linear_unit``: linear_fc1 to 2F, SwiGLU, linear_fc2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(H, 2 * FFN, bias=False)
+        self.linear_fc2 = nn.Linear(FFN, H, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.chunk(self.linear_fc1(hidden_states), 2, dim=-1)
+        return self.linear_fc2(F.silu(gate) * up)
+
+
+class MegatronTopKRouter(nn.Module):
+    """Megatron-Core ``TopKRouter``: logits by a bare [E, H] weight, ``topk_softmax_with_capacity``
+    (top-k of the logits, softmax over the k) as dense probs [T, E] and a boolean routing map [T, E]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.topk = K
+        self.weight = nn.Parameter(torch.randn(E, H) * 0.1)
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, self.weight)
+
+    def routing(self, logits: torch.Tensor):
+        scores, top_indices = torch.topk(logits, k=self.topk, dim=1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+        routing_probs = torch.zeros_like(logits).scatter(1, top_indices, probs)
+        routing_map = torch.zeros_like(logits).int().scatter(1, top_indices, 1).bool()
+        return routing_probs, routing_map
+
+    def forward(self, input: torch.Tensor):
+        logits = self.gating(input).view(-1, E)
+        return self.routing(logits)
+
+
+class MegatronSequentialMLP(nn.Module):
+    """Megatron-Core ``SequentialMLP``: ``local_experts`` run one after the other on the splits of the
+    permuted rows by ``tokens_per_expert``; returns ``(output, output_bias)``."""
+
+    def __init__(self, num_local_experts: int = E) -> None:
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.local_experts = nn.ModuleList(MegatronMLP() for _ in range(num_local_experts))
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor):
+        tokens_list = torch.split(permuted_local_hidden_states, tokens_per_expert.tolist())
+        output_local = torch.cat([expert(tokens) for expert, tokens in zip(self.local_experts, tokens_list)], dim=0)
+        return output_local, None       # (output, output_bias): the experts have no bias
+
+
+class MegatronMoELayer(nn.Module):
+    """Megatron-Core ``MoELayer`` with one expert-parallel rank: router, token permutation by the routing
+    map, ``SequentialMLP`` on the rows sorted by expert, unpermutation weighted by the probs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = MegatronTopKRouter()
+        self.experts = MegatronSequentialMLP()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_shape[-1])
+        probs, routing_map = self.router(hidden_states)
+        tokens_per_expert = routing_map.sum(dim=0)
+        permuted, sorted_indices = megatron_permute(hidden_states, routing_map)
+        expert_output, mlp_bias = self.experts(permuted, tokens_per_expert)
+        output = megatron_unpermute(expert_output, sorted_indices, hidden_states.shape, probs, routing_map)
+        return output.view(hidden_shape), mlp_bias
+
+
+def deepspeed_capacity(gates: torch.Tensor, capacity_factor: torch.Tensor, min_capacity: torch.Tensor) -> torch.Tensor:
+    num_tokens, num_experts = gates.shape[0], gates.shape[1]
+    capacity = torch.ceil((num_tokens / num_experts) * capacity_factor).to(torch.int64)
+    if capacity < min_capacity:
+        capacity = min_capacity.to(torch.int64)
+    return capacity
+
+
+def deepspeed_top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int):
+    """DeepSpeed ``sharded_moe.top2gating`` (without the gumbel noise of its second choice)."""
+    gates = F.softmax(logits, dim=1)
+    capacity = deepspeed_capacity(gates, torch.tensor(capacity_factor * 2), torch.tensor(min_capacity))
+    indices1_s = torch.argmax(gates, dim=1)
+    num_experts = int(gates.shape[1])
+    mask1 = F.one_hot(indices1_s, num_classes=num_experts)
+    logits_except1 = logits.masked_fill(mask1.bool(), float("-inf"))
+    indices2_s = torch.argmax(logits_except1, dim=1)
+    mask2 = F.one_hot(indices2_s, num_classes=num_experts)
+    locations1 = torch.cumsum(mask1, dim=0) - 1
+    locations2 = torch.cumsum(mask2, dim=0) - 1
+    locations2 += torch.sum(mask1, dim=0, keepdim=True)
+    me = torch.mean(gates, dim=0)
+    ce = torch.mean(mask1.float(), dim=0)
+    l_aux = torch.mean(me * ce) * num_experts * num_experts
+    exp_counts = torch.sum(mask1 + mask2, dim=0).detach()
+    mask1 *= torch.lt(locations1, capacity)
+    mask2 *= torch.lt(locations2, capacity)
+    locations1_s = torch.sum(locations1 * mask1, dim=1)
+    locations2_s = torch.sum(locations2 * mask2, dim=1)
+    mask1_float, mask2_float = mask1.float(), mask2.float()
+    gates1_s = torch.einsum("se,se->s", gates, mask1_float)
+    gates2_s = torch.einsum("se,se->s", gates, mask2_float)
+    denom_s = torch.clamp(gates1_s + gates2_s, min=torch.finfo(gates1_s.dtype).eps)
+    gates1_s = gates1_s / denom_s
+    gates2_s = gates2_s / denom_s
+    gates1 = torch.einsum("s,se->se", gates1_s, mask1_float)
+    gates2 = torch.einsum("s,se->se", gates2_s, mask2_float)
+    locations1_sc = F.one_hot(locations1_s, num_classes=int(capacity)).float()
+    locations2_sc = F.one_hot(locations2_s, num_classes=int(capacity)).float()
+    combine1_sec = torch.einsum("se,sc->sec", gates1, locations1_sc)
+    combine2_sec = torch.einsum("se,sc->sec", gates2, locations2_sc)
+    combine_weights = combine1_sec + combine2_sec
+    dispatch_mask = combine_weights.bool()
+    return l_aux, combine_weights, dispatch_mask, exp_counts
+
+
+class DeepSpeedTopKGate(nn.Module):
+    """DeepSpeed ``TopKGate`` (k = 2). The capacity factor is large enough that no token is dropped: a
+    capacity depends on the local batch, so dropping differs between one process and N ranks."""
+
+    def __init__(self, capacity_factor: float = E / 2, min_capacity: int = 4) -> None:
+        super().__init__()
+        self.wg = nn.Linear(H, E, bias=False)
+        self.capacity_factor = capacity_factor
+        self.min_capacity = min_capacity
+
+    def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None):
+        logits = self.wg(input)
+        return deepspeed_top2gating(logits, self.capacity_factor, self.min_capacity)
+
+
+class DeepSpeedExperts(nn.Module):
+    """DeepSpeed ``Experts``: copies of one expert in ``deepspeed_experts``, each run on its chunk of the
+    dispatched input [ep_size, num_local_experts, C, H] along dim 1."""
+
+    def __init__(self, expert: nn.Module, num_local_experts: int = 1) -> None:
+        super().__init__()
+        self.deepspeed_experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(num_local_experts)])
+        self.num_local_experts = num_local_experts
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        chunks = inputs.chunk(self.num_local_experts, dim=1)
+        expert_outputs = []
+        for chunk, expert in zip(chunks, self.deepspeed_experts):
+            out = expert(chunk)
+            if isinstance(out, tuple):
+                out = out[0]
+            expert_outputs += [out]
+        return torch.cat(expert_outputs, dim=1)
+
+
+class DeepSpeedMOELayer(nn.Module):
+    """DeepSpeed ``MOELayer`` with one expert-parallel rank: ``TopKGate`` -> dispatch mask [S, E, C],
+    einsum dispatch, ``Experts`` on [1, E, C, H], einsum combine; the gate's l_aux and exp_counts kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = DeepSpeedTopKGate()
+        expert = nn.Sequential(nn.Linear(H, FFN), nn.GELU(), nn.Linear(FFN, H))
+        self.experts = DeepSpeedExperts(expert, num_local_experts=E)
+        self.ep_size, self.num_local_experts = 1, E
+        for e in self.experts.deepspeed_experts:      # (DeepSpeed's copies start equal; these need not)
+            for m in e:
+                if isinstance(m, nn.Linear):
+                    m.reset_parameters()
+
+    def forward(self, *input: torch.Tensor) -> torch.Tensor:
+        d_model = input[0].shape[-1]
+        reshaped_input = input[0].reshape(-1, d_model)
+        self.l_aux, combine_weights, dispatch_mask, self.exp_counts = self.gate(reshaped_input, None)
+        dispatched_input = torch.einsum("sec,sm->ecm", dispatch_mask.type_as(input[0]), reshaped_input)
+        dispatched_input = dispatched_input.reshape(self.ep_size, self.num_local_experts, -1, d_model)
+        expert_output = self.experts(dispatched_input)
+        expert_output = expert_output.reshape(self.ep_size * self.num_local_experts, -1, d_model)
+        combined_output = torch.einsum("sec,ecm->sm", combine_weights.type_as(input[0]), expert_output)
+        return combined_output.reshape(input[0].shape)
+
+
+BLOCKS.update(megatron=MegatronMoELayer, deepspeed=DeepSpeedMOELayer)
+
+
+class MaskAnyLoop(nn.Module):
+    """A hand-written top-k loop: per expert a boolean token mask ``(ids == i).any(-1)``, the expert run
+    only ``if mask.any()``, its weight gathered by the mask and added with ``out[mask] +=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(MegatronMLP() for _ in range(E))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        top_logits, ids = self.gate(x).topk(K, dim=-1)
+        w = top_logits.softmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            hit = ids == i
+            mask = hit.any(-1)
+            if mask.any():
+                wi = (w * hit).sum(-1, keepdim=True)[mask]
+                out[mask] += wi * expert(x[mask])
+        return out.view(shape)
+
+
+BLOCKS.update(mask_any=MaskAnyLoop)

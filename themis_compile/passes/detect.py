@@ -3,7 +3,8 @@
 A module is an MoE layer (the unit FSSDP shards, paper §3.1) when
 
 - one child holds E experts: an ``nn.ModuleList`` of identical MLPs, or one module whose parameters are
-  stacked ``[E, ...]``;
+  stacked ``[E, ...]`` (found by behaviour or by dense dispatch also a parameter-free module wrapping one
+  such list, Megatron-Core ``SequentialMLP`` / DeepSpeed ``Experts``);
 - its forward (FX-traced with the experts, each expert and MLP-like children kept as leaves, the router
   traced through) scores E experts with a learned router (an ``nn.Linear`` with E outputs or a weight
   ``[E, H]``), optionally through softmax or sigmoid, and selects the top-k with ``torch.topk`` (or the
@@ -87,7 +88,8 @@ from torch.utils._pytree import tree_map
 
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
                                           replay_mismatch, restored_attributes)
-from themis_compile.runtime.experts import ExpertBank, expert_modules, loop_combine, stacked_layout
+from themis_compile.runtime.experts import (ExpertBank, expert_modules, loop_combine, stacked_layout,
+                                            wrapped_expert_list)
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,8 @@ class MoELayerInfo:
     num_experts: int
     top_k: int
     experts_form: str          # "modulelist" | "stacked" | "flat" (stacked as [E * F, ...] rows) |
-                               # "moduledict" (run one by one by the block itself)
+                               # "moduledict" (run one by one by the block itself) |
+                               # "wrapped" (a ModuleList inside a wrapper module)
     router: str                # how the router scores experts, e.g. "linear gate [E=8, H=64] -> softmax -> top-k"
     activation: str
     shared_experts: bool
@@ -120,6 +123,8 @@ class MoELayerInfo:
     rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
     probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
     skips_empty_experts: bool = False          # runs only the experts that receive tokens (skips_empty_experts)
+    call_tail: int = 0                         # sorted-rows: Nones the experts call returns after its rows
+                                               # (Megatron-Core's (output, output_bias) without bias: 1)
     plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
                                                                  # (passes.replay.ReplayPlan for "replay",
                                                                  # AllRowsPlan for "all-rows")
@@ -209,6 +214,29 @@ def _stacked_width_with_shared(m: nn.Module) -> int | None:
     to each expert's output, MuseSpark's ``post_expert_norm``): ``runtime.experts.stacked_layout``."""
     layout = stacked_layout(m)
     return layout[0] if layout is not None and layout[1] else None
+
+
+def _wrapped_experts_children(module: nn.Module) -> list[_ExpertsChild]:
+    """Children that wrap their experts' ModuleList (:func:`~themis_compile.runtime.experts.wrapped_expert_list`:
+    Megatron-Core ``SequentialMLP``, DeepSpeed ``Experts``) and hold MLP-like experts."""
+    found = []
+    for attr, child in module.named_children():
+        wrapped = None if _is_sharded(child) else wrapped_expert_list(child)
+        if wrapped is not None and len(wrapped[1]) >= 2 and all(_is_mlp_like(c) for c in wrapped[1]):
+            found.append(_ExpertsChild(attr, child, len(wrapped[1]), "wrapped"))
+    return found
+
+
+def expert_call_path(module: nn.Module, attr: str) -> str:
+    """Where the per-expert modules of ``module.<attr>`` are, as FX call targets name them: ``attr`` for a
+    ModuleList of experts, ``attr.<list>`` for a wrapper holding one (whose forward is traced through)."""
+    wrapped = wrapped_expert_list(getattr(module, attr))
+    return f"{attr}.{wrapped[0]}" if wrapped is not None else attr
+
+
+def expert_list(module: nn.Module, attr: str) -> nn.Module:
+    """The ModuleList of experts of ``module.<attr>``: the child itself, or the list a wrapper holds."""
+    return module.get_submodule(expert_call_path(module, attr))
 
 
 def _expert_signature(m: nn.Module) -> tuple:
@@ -1418,7 +1446,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         return _inspect_dense_dispatch(name, module) or info
     if info is not None:
         return info
-    if reject is not None and (dense := _inspect_dense_dispatch(name, module)) is not None:
+    if ((reject is not None or _wrapped_experts_children(module))
+            and (dense := _inspect_dense_dispatch(name, module)) is not None):
         return dense
     try:
         found = _inspect_by_behaviour(name, module)
@@ -1452,6 +1481,9 @@ def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
                   if isinstance(v := getattr(child, k, None), int)), None)
         if E is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             E = len(expert_modules(child))   # a ModuleDict's entries without parameters are not experts
+        if (wrapped := wrapped_expert_list(child)) is not None:
+            found.append(_ExpertsChild(attr, child, len(wrapped[1]), "wrapped"))
+            continue
         found.append(_ExpertsChild(attr, child, E or 0, "modulelist" if isinstance(child, nn.ModuleList)
                                    else "stacked"))
     return found
@@ -1464,6 +1496,17 @@ def _counts(v: Any) -> list[int] | None:
     if isinstance(v, (list, tuple)) and v and all(isinstance(c, int) for c in v):
         return list(v)
     return None
+
+
+def returned_rows(out: Any) -> tuple[torch.Tensor | None, int]:
+    """(rows, n) of what an experts call returned: a tensor (n = 0), or a tuple of a tensor and n Nones
+    (Megatron-Core ``SequentialMLP``: ``(output, output_bias)`` with no bias); (None, 0) otherwise."""
+    if isinstance(out, torch.Tensor):
+        return out, 0
+    if (isinstance(out, tuple) and len(out) >= 2 and isinstance(out[0], torch.Tensor)
+            and all(v is None for v in out[1:])):
+        return out[0], len(out) - 1
+    return None, 0
 
 
 def _describe_call(args: tuple) -> str:
@@ -1483,6 +1526,12 @@ def _unsupported_call(attr: str, calls: list[tuple], T: int) -> str:
         return (f"'{attr}' is called with a dispatch mask ({_describe_call(args)}: one-hot [T, K, E] masks, "
                 f"Switch/NLLB style); the runtime needs integer ids [T, K]: call {attr}(x, mask.argmax(-1), "
                 "weights) with dropped tokens weighted 0")
+    if len(args) == 1 and isinstance(args[0], torch.Tensor) and args[0].dim() >= 3:
+        return (f"'{attr}' is called on one tensor alone ({_describe_call(args)}): if those are capacity slots "
+                "[E, C, H] between dense dispatch and combine tensors (GShard, DeepSpeed), they are read only when "
+                "the block's forward traces with FX, routing code FX cannot trace (torch.finfo of a traced dtype, "
+                "one_hot of a traced capacity) kept in a method of the block or in a gate module, and each expert "
+                f"runs on its own expert's [C, H] slots; else call {attr}(x_TH, ids_TK, weights_TK)")
     if len(args) == 1:
         return (f"'{attr}' is called on hidden states alone ({_describe_call(args)}), so every expert sees "
                 f"every row (routing folded into the input, e.g. Llama-4's scores * x repeated over experts); "
@@ -1703,6 +1752,8 @@ def all_rows_experts_class(experts_cls: type) -> type:
         return torch.einsum("eth,te->th", y_ETH, w_TE)
 
     forward.__doc__ = f"{experts_cls.__name__}.forward on every token for every expert, combined with the weights."
+    return type(experts_cls.__name__, (experts_cls,), {"forward": forward, "__module__": experts_cls.__module__,
+                                                       "_themis_original_class": experts_cls})
 
 
 @dataclass(frozen=True)
@@ -2068,16 +2119,16 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                         and not calls[0][1].is_floating_point() and calls[0][1].dim() == 2
                         and isinstance(stand_in.outputs[0], torch.Tensor)
                         and stand_in.outputs[0].shape == calls[0][1].shape + calls[0][0].shape[-1:])
-            sorted_rows = (len(calls) == 1 and len(calls[0]) == 2 and child.form == "stacked"
+            rows_out, tail = returned_rows(stand_in.outputs[0]) if stand_in.outputs else (None, 0)
+            sorted_rows = (len(calls) == 1 and len(calls[0]) == 2 and child.form in ("stacked", "wrapped")
                            and isinstance(calls[0][0], torch.Tensor) and calls[0][0].is_floating_point()
                            and calls[0][0].dim() == 2 and _counts(calls[0][1]) is not None
                            and len(_counts(calls[0][1])) == child.num_experts
                            and sum(_counts(calls[0][1])) == calls[0][0].shape[0]
-                           and isinstance(stand_in.outputs[0], torch.Tensor)
-                           and stand_in.outputs[0].shape[0] == calls[0][0].shape[0])
-            if sorted_rows and stand_in.outputs[0].shape != calls[0][0].shape:
+                           and rows_out is not None and rows_out.shape[0] == calls[0][0].shape[0])
+            if sorted_rows and rows_out.shape != calls[0][0].shape:
                 raise _Reject(f"'{child.attr}' is called on rows sorted by expert ({_describe_call(calls[0])}) but "
-                              f"maps rows of width {calls[0][0].shape[-1]} to {stand_in.outputs[0].shape[-1]}: "
+                              f"maps rows of width {calls[0][0].shape[-1]} to {rows_out.shape[-1]}: "
                               "only part of each expert (JetMoE ParallelExperts); an experts module must hold "
                               "whole experts, mapping [N, H] rows to [N, H]")
             if (mask := dispatch_mask_call(calls, child.num_experts)) is not None:
@@ -2101,12 +2152,14 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                 scores = "+".join(dict.fromkeys(rec.scores)) or "none"
                 selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
                 return MoELayerInfo(
-                    name=name, module=module, num_experts=E, top_k=K, experts_form="stacked",
+                    name=name, module=module, num_experts=E, top_k=K, experts_form=child.form,
                     router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
                             f"{seen} (behaviour)"),
-                    activation=describe_activation(child.module), shared_experts=False, experts_attr=child.attr,
+                    activation=describe_activation((expert_modules(child.module) or [child.module])[0]),
+                    shared_experts=False, experts_attr=child.attr,
                     rewrite=rewrite, router_path=router_path or "",
-                    score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat)
+                    score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat,
+                    call_tail=tail if sorted_rows else 0)
             if (rows := all_rows_call(calls, stand_in.outputs, child.num_experts, T, H)) is not None:
                 return _all_rows_layer(name, module, child, rows, x, routers, H, flat)
             if not ok:
@@ -2165,6 +2218,10 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
         traced = trace_block(module, child.module)
     except Exception as exc:
         fx_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    if traced is not None and traced.branch_nodes and not expert_nodes(traced.gm.graph, child.attr):
+        # Every expert call sits under a branch on a traced value (`if mask.any():`), which the trace
+        # took as False: the graph holds no expert call to rewrite. Read the layer as untraceable.
+        traced, fx_error = None, "the expert calls are guarded by branches on traced values"
     topks = selections_of(traced.gm.graph) if traced else []   # top-k, else top-1 (max / argmax)
     if not topks and not any(w == E for _, w, _ in routers):
         return None   # not MoE-like: no top-k and no router of the experts' width
@@ -2313,7 +2370,8 @@ class _MethodLeafTracer(_LeafTracer):
     """A :class:`_LeafTracer` for blocks whose routing helper holds Python-level shape code that FX cannot
     trace (``math.ceil`` of a shape, ``torch.finfo(x.dtype)``, ``one_hot(num_classes=capacity)``): the
     block's own methods are recorded as calls on the block, which becomes the graph's first input (so a
-    rewritten forward runs them as written), and ``x.chunk(n)`` with a constant ``n`` can be iterated
+    rewritten forward runs them as written), its child modules that hold no experts (a DeepSpeed
+    ``TopKGate``) are kept as calls too, and ``x.chunk(n)`` with a constant ``n`` can be iterated
     (``zip(x.chunk(E), self.experts)``)."""
 
     def __init__(self, leaves: set[int]) -> None:
@@ -2341,7 +2399,8 @@ def trace_block_with_method_leaves(module: nn.Module, experts: nn.Module, *, tra
                                    ) -> TracedBlock:
     """:func:`trace_block` with the block's own methods kept as calls (see :class:`_MethodLeafTracer`);
     the graph takes the block as its first input (``traced.owner_input``)."""
-    tracer = _MethodLeafTracer(leaf_modules(module, experts))
+    routing_children = {id(c) for c in module.children() if not any(m is experts for m in c.modules())}
+    tracer = _MethodLeafTracer(leaf_modules(module, experts) | routing_children)
     mode = module.training if training is None else training
     with preserved_state(module):
         modes = [(m, m.training) for m in module.modules()]
@@ -2427,8 +2486,8 @@ def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None
     K is the number of selections its routing makes on a probe (a top-k's k, else one per max / argmax).
     :mod:`themis_compile.passes.shard` rewrites dispatch, experts and combine into one
     ``experts(x, ids, weights)`` call with (ids, weights) read from the combine tensor."""
-    children = [c for c in _experts_children(module) if c.form == "modulelist"]
-    if not children or _non_identical_reason(children[0].module):
+    children = [c for c in _experts_children(module) if c.form == "modulelist"] + _wrapped_experts_children(module)
+    if not children or _non_identical_reason(expert_list(module, children[0].attr)):
         return None
     child = children[0]
     routers = _router_widths(module, child.module)
@@ -2436,7 +2495,7 @@ def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None
     if H is None:
         return None
     try:
-        traced = trace_block_with_method_leaves(module, child.module)
+        traced = trace_block_with_method_leaves(module, expert_list(module, child.attr))
     except Exception:
         return None
     for flat in (False, True):
@@ -2446,7 +2505,7 @@ def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None
             break
         except Exception:
             x = None
-    if x is None or (found := dense_dispatch_of(traced, child.attr, E)) is None:
+    if x is None or (found := dense_dispatch_of(traced, expert_call_path(module, child.attr), E)) is None:
         return None
     # From here on the block is a dense-dispatch block: what stops it is said.
     if traced.branch_nodes:
@@ -2462,10 +2521,11 @@ def _inspect_dense_dispatch(name: str, module: nn.Module) -> MoELayerInfo | None
     selection = ", ".join(rec.selections) or "none"
     C = traced.meta[found.combine].shape[-1]
     return MoELayerInfo(
-        name=name, module=module, num_experts=E, top_k=K, experts_form="modulelist",
+        name=name, module=module, num_experts=E, top_k=K, experts_form=child.form,
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}; top-{K} read "
                 f"from the combine tensor [T, E, C={C}] (FX graph, methods kept)"),
-        activation=describe_activation(child.module[0]), shared_experts=False, experts_attr=child.attr,
+        activation=describe_activation(expert_list(module, child.attr)[0]), shared_experts=False,
+        experts_attr=child.attr,
         rewrite="dense-dispatch", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
         hidden_size=H, aux_losses=_auxiliary(traced, [found.y]), probe_flat=flat)
 

@@ -84,6 +84,8 @@ from themis_compile.passes.detect import (
     trace_block,
     PROBE_SEED,
     dense_dispatch_of,
+    expert_call_path,
+    expert_list,
     flat_call_experts_class,
     mask_call_experts_class,
     ScoresCallPlan,
@@ -96,7 +98,7 @@ from themis_compile.passes.detect import (
     trace_block_with_method_leaves,
 )
 from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch
-from themis_compile.runtime.experts import loop_combine
+from themis_compile.runtime.experts import loop_combine, wrapped_expert_list
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,19 @@ class ExpertLoop(nn.ModuleList):
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         return loop_combine(self, x_TH, ids_TK, weights_TK)
+
+
+def wrapped_loop_class(wrapper_cls: type) -> type:
+    """A subclass of a class that wraps its experts' ModuleList (Megatron-Core ``SequentialMLP``,
+    DeepSpeed ``Experts``) called as ``experts(x_TH, ids_TK, weights_TK) -> out_TH``: the loop of
+    :class:`ExpertLoop` over the list it holds, the list and its parameter names unchanged."""
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return loop_combine(wrapped_expert_list(self)[1], x_TH, ids_TK, weights_TK)
+
+    forward.__doc__ = f"sum_k weights * {wrapper_cls.__name__}'s expert ids[t, k] on x[t]."
+    return type(wrapper_cls.__name__, (wrapper_cls,), {"forward": forward, "__module__": wrapper_cls.__module__,
+                                                       "_themis_original_class": wrapper_cls})
 
 
 def _store_attribute(owner: nn.Module, path: str, name: str, value: Any) -> None:
@@ -367,11 +382,11 @@ def replace_dense_dispatch(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphM
     """
     gm, attr, layer = traced.gm, info.experts_attr, info.name
     graph = gm.graph
-    # Step 1: the parts, from the probe's shapes.
-    found = dense_dispatch_of(traced, attr, info.num_experts)
+    # Step 1: the parts, from the probe's shapes (the experts' calls are under the list a wrapper holds).
+    found = dense_dispatch_of(traced, expert_call_path(info.module, attr), info.num_experts)
     if found is None:
         raise RewriteError(f"MoE layer {layer!r}: no dense [T, E, C] dispatch and combine around its experts")
-    calls = expert_nodes(graph, attr)
+    calls = expert_nodes(graph, expert_call_path(info.module, attr))
     served = reachable([found.y], lambda n: n.all_input_nodes)
 
     # Step 2: one experts call in place of y.
@@ -469,13 +484,14 @@ def plan_rewrite(info: MoELayerInfo) -> RewritePlan:
     """Trace ``info.module`` in train and in eval mode and rewrite each graph (:func:`replace_expert_loop`,
     or :func:`replace_dense_dispatch` for a dense-dispatch block)."""
     module, experts = info.module, info.experts
-    if not isinstance(experts, nn.ModuleList):
+    if not isinstance(experts, nn.ModuleList) and wrapped_expert_list(experts) is None:
         raise ValueError(f"MoE layer {info.name!r}: an inline expert loop needs an nn.ModuleList of experts")
     forwards, constants = {}, {}
     x = probe_input(module, info.hidden_size, flat=info.probe_flat)
     trace, replace = GRAPH_REWRITES[info.rewrite]
     for training in (True, False):
-        traced = trace(module, experts, training=training)
+        # A wrapper of the experts' list is traced through: its forward is part of the expert computation.
+        traced = trace(module, expert_list(module, info.experts_attr), training=training)
         record_meta(traced, module, x)
         gm = replace(traced, info)
         forwards[training] = type(gm).forward
@@ -601,12 +617,16 @@ CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten", "scores-
 def _sorted_rows_experts_forward(experts_cls: type):
     def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         T, K = ids_TK.shape
-        E = next(self.parameters()).shape[0]
+        # E from the module itself (ExpertBank runs one expert as this module with E = 1 slices).
+        wrapped = wrapped_expert_list(self)
+        E = len(wrapped[1]) if wrapped is not None else next(self.parameters()).shape[0]
         flat_N = ids_TK.reshape(-1)
         order_N = torch.argsort(flat_N, stable=True)
         counts_E = torch.zeros(E, dtype=torch.long, device=flat_N.device).scatter_add_(
             0, flat_N, torch.ones_like(flat_N))
         y_NH = experts_cls.forward(self, x_TH[order_N // K], counts_E)
+        if isinstance(y_NH, tuple):
+            y_NH = y_NH[0]     # (rows, None, ...): Megatron-Core's (output, output_bias) without bias
         # view(T, K, H), not (T, K, -1): an expert with no rows (T = 0) runs too, and -1 is ambiguous there.
         y_TKH = torch.empty_like(y_NH).index_copy_(0, order_N, y_NH).view(T, K, y_NH.shape[-1])
         return torch.einsum("tkh,tk->th", y_TKH, weights_TK.to(y_TKH.dtype))
@@ -615,8 +635,19 @@ def _sorted_rows_experts_forward(experts_cls: type):
     return experts_forward
 
 
+class NoneTail:
+    """An adapter whose result is returned followed by ``n`` Nones, as the user's experts module returns
+    it (Megatron-Core ``SequentialMLP``: ``(output, output_bias)``, the bias None without biases)."""
+
+    def __init__(self, call: Callable, n: int) -> None:
+        self.call, self.n = call, n
+
+    def __call__(self, *args: Any) -> tuple:
+        return (self.call(*args),) + (None,) * self.n
+
+
 def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str, num_experts: int = 0,
-                          plan: Any = None) -> tuple[type, type]:
+                          plan: Any = None, call_tail: int = 0) -> tuple[type, type]:
     """(block class, experts class) of a per-slot, sorted-rows or dispatch-mask rewrite: the block's forward
     runs unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall` /
     :class:`DispatchMaskCall`; the experts module is called as ``experts(x_TH, ids_TK, weights_TK)``."""
@@ -624,7 +655,8 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
             "flatten": FlattenCall, "scores-call": lambda experts: ScoresCall(experts, plan)}[form]
 
     def block_forward(self, *args, **kwargs):
-        self.__dict__[attr] = call(self._modules[attr])   # shadows the submodule inside forward only
+        adapter = call(self._modules[attr])
+        self.__dict__[attr] = NoneTail(adapter, call_tail) if call_tail else adapter   # inside forward only
         try:
             return block_cls.forward(self, *args, **kwargs)
         finally:
@@ -668,7 +700,7 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     if info.rewrite in CALL_REWRITES:
         experts = info.experts
         block_cls, experts_cls = _call_rewrite_classes(type(info.module), type(experts), info.experts_attr,
-                                                       info.rewrite, info.num_experts, info.plan)
+                                                       info.rewrite, info.num_experts, info.plan, info.call_tail)
         info.module.__class__ = block_cls
         experts.__class__ = experts_cls
         info.rewritten = True
@@ -700,7 +732,11 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
     for name, value in plan.constants.items():
         module.register_buffer(name, value, persistent=False)
     module.__class__ = plan.cls
-    setattr(module, info.experts_attr, ExpertLoop(list(info.experts)))
+    if wrapped_expert_list(info.experts) is not None:
+        # A wrapper keeps its list (and so its parameter names), called as experts(x, ids, weights).
+        info.experts.__class__ = wrapped_loop_class(type(info.experts))
+    else:
+        setattr(module, info.experts_attr, ExpertLoop(list(info.experts)))
     info.rewritten = True
     logger.info("MoE layer %s: expert loop rewritten to one %s(x, ids, weights) call", info.name, info.experts_attr)
 
@@ -811,6 +847,10 @@ def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], s
         if info.rewrite in GRAPH_REWRITES:
             info.plan = plan_rewrite(info)
         shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
+        # Tensors a forward stored on the modules (DeepSpeed's self.l_aux, with its autograd history) are
+        # shared too: a non-leaf tensor cannot be deep-copied, and the probes restore attributes anyway.
+        shared.update({id(v): v for m in info.module.modules() for v in vars(m).values()
+                       if isinstance(v, torch.Tensor)})
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
         if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows"):

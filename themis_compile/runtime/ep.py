@@ -219,10 +219,12 @@ def _load_state_dict_in_unmodified_keys(module: "ShardedExperts", state_dict, pr
     owned = set(module.owned_experts())
     E = module.num_experts
     if module.bank.form != "stacked":
-        # A full state dict (the unmodified model's, on every rank): keep the experts this rank owns.
+        # A full state dict (the unmodified model's, on every rank): keep the experts this rank owns
+        # (``<prefix><e>.``, or ``<prefix><list>.<e>.`` for a wrapper's list).
+        experts_prefix = prefix + (f"{module.bank.list_name}." if module.bank.list_name else "")
         for key in list(state_dict):
-            if key.startswith(prefix):
-                head = key[len(prefix):].split(".", 1)[0]
+            if key.startswith(experts_prefix):
+                head = key[len(experts_prefix):].split(".", 1)[0]
                 if head.isdigit() and int(head) < E and int(head) not in owned:
                     del state_dict[key]
         return
@@ -263,6 +265,9 @@ class ShardedExperts(nn.Module):
     stacked experts module's parameters that every expert uses (``bank.shared_names``, a shared norm) are
     held as they were, under their own names: dense parameters of the model (``shared_parameters``), data
     parallel through the dense wrapper like any other, read live at every expert call.
+    When the user's experts module wraps its list (``bank.list_name``, Megatron-Core
+    ``SequentialMLP.local_experts``) the owned experts are the children of one ``nn.ModuleDict`` child of
+    that name (``...experts.local_experts.4.fc1.weight``).
 
     State dicts speak the unmodified model's keys and shapes (see ``docs/architecture.md``,
     Checkpointing): a rank's ``state_dict()`` holds its owned experts; for stacked ``[E, ...]`` weights
@@ -303,6 +308,8 @@ class ShardedExperts(nn.Module):
         self.timeout_s = float(timeout_s)      # deadline of every collective of this layer (runtime/deadline.py)
         self.num_experts = bank.num_experts
         self.shard_placement = shard
+        if bank.list_name:
+            self.add_module(bank.list_name, nn.ModuleDict())
         for e in shard.experts_on(rank):
             self.add_expert(int(e), bank.shard_of(experts, int(e)))
         _hold_shared(self, experts, bank.shared_names)
@@ -322,23 +329,27 @@ class ShardedExperts(nn.Module):
         self.owner_E.copy_(torch.tensor(shard.owners().tolist(), dtype=torch.int64))
 
     # ------------------------------------------------------------------ owned experts (the digit-named children)
+    def _held(self) -> dict[str, nn.Module]:
+        """The owned experts by name ``str(e)``: this module's children, or its wrapper list's."""
+        return self._modules[self.bank.list_name]._modules if self.bank.list_name else self._modules
+
     def owned_experts(self) -> list[int]:
         """Global ids of the experts this rank holds, ascending."""
-        return sorted(int(name) for name in self._modules if name.isdigit())
+        return sorted(int(name) for name in self._held() if name.isdigit())
 
     def expert(self, e: int) -> nn.Module:
         """The module holding owned expert ``e``'s parameters."""
-        return self._modules[str(e)]
+        return self._held()[str(e)]
 
     def add_expert(self, e: int, module: nn.Module) -> None:
         """Hold expert ``e`` (it arrived at this rank, or this rank owns it from the start)."""
-        if str(e) in self._modules:
+        if str(e) in self._held():
             raise RuntimeError(f"MoE layer {self.layer!r}: expert {e} is already held on rank {self.rank}")
-        self.add_module(str(e), module)
+        (self._modules[self.bank.list_name] if self.bank.list_name else self).add_module(str(e), module)
 
     def remove_expert(self, e: int) -> nn.Module:
         """Stop holding expert ``e`` (it left for another owner); returns its module."""
-        return self._modules.pop(str(e))
+        return self._held().pop(str(e))
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The owned experts' parameters: what the sharded runtime reduces and the dense wrapper must leave
@@ -351,7 +362,7 @@ class ShardedExperts(nn.Module):
 
     def local_chunks(self) -> dict[int, list[torch.Tensor]]:
         """Owned experts' parameters, by global expert id (ascending)."""
-        return {e: list(self._modules[str(e)].parameters()) for e in self.owned_experts()}
+        return {e: list(self.expert(e).parameters()) for e in self.owned_experts()}
 
     def stacked_weight(self, name: str, tensors_E: dict[int, torch.Tensor] | None = None):
         """Stacked weight ``name`` of the unmodified model, ``[E, ...]``, as this rank holds it: a

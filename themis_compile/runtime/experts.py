@@ -6,6 +6,11 @@ Three layouts are understood:
 - ``nn.ModuleList`` (or ``nn.ModuleDict``, Switch/NLLB style: its modules with parameters, in order) of
   identical expert modules (HF-Mixtral style): expert e's chunk is the list of its module's parameters; it runs through ``torch.func.functional_call`` on a parameter-free template, so
   the user's own expert code computes every copy, owned or materialized.
+- a wrapper around such a list (Megatron-Core ``SequentialMLP.local_experts``, DeepSpeed
+  ``Experts.deepspeed_experts``): a module without parameters or buffers of its own whose parameters all
+  live in one ``nn.ModuleList`` child (:func:`wrapped_expert_list`); read as that list, expert e being
+  ``wrapper.<list>[e]``. ``ExpertBank.list_name`` names the list, so that the sharded experts keep the
+  user's names (``...experts.local_experts.3.fc1.weight``).
 - a stacked module (torchtitan / gpt-fast style) with parameters ``[E, ...]`` and a static method
   ``expert_forward(params, x)`` naming how one expert computes; expert e's chunk is the slices ``w[e]``.
   Without ``expert_forward`` the module is called as ``experts(x_TH, ids_TK, weights_TK)`` (HF
@@ -53,12 +58,30 @@ class ExpertShard(nn.Module):
 
 
 
+def wrapped_expert_list(experts: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(name, list) when ``experts`` wraps its experts: it is no ModuleList / ModuleDict itself, has no
+    parameters or buffers of its own, and all its parameters live in ONE non-empty ``nn.ModuleList``
+    child (Megatron-Core ``SequentialMLP.local_experts``, DeepSpeed ``Experts.deepspeed_experts``); its
+    other children, if any, hold no tensors (an activation). None for any other module."""
+    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    if any(True for _ in experts.parameters(recurse=False)) or any(True for _ in experts.buffers(recurse=False)):
+        return None
+    holding = [(name, child) for name, child in experts.named_children()
+               if any(True for _ in child.parameters()) or any(True for _ in child.buffers())]
+    if len(holding) != 1 or not isinstance(holding[0][1], nn.ModuleList) or len(holding[0][1]) == 0:
+        return None
+    return holding[0]
+
+
 def expert_modules(experts: nn.Module) -> list[nn.Module] | None:
-    """The per-expert modules of ``experts``, in expert order: a ModuleList's items, or the items with
-    parameters of a ModuleDict (parameter-free entries such as a token dropout are not experts); None
-    for any other module."""
+    """The per-expert modules of ``experts``, in expert order: a ModuleList's items, the items with
+    parameters of a ModuleDict (parameter-free entries such as a token dropout are not experts), or the
+    items of the list a wrapper holds (:func:`wrapped_expert_list`); None for any other module."""
     if isinstance(experts, nn.ModuleList):
         return list(experts)
+    if (wrapped := wrapped_expert_list(experts)) is not None:
+        return list(wrapped[1])
     if isinstance(experts, nn.ModuleDict):
         return [m for m in experts.values() if any(True for _ in m.parameters())]
     return None
@@ -162,6 +185,9 @@ class ExpertBank:
         self.shared_names: tuple[str, ...] = ()
         self.flat = False
         self.flat_rows: tuple[int, ...] = ()    # F_p of each parameter in the flat layout
+        # The wrapper's ModuleList holding the experts ("" when the experts module is the list, or stacked):
+        # the sharded experts hold expert e as ``<list_name>.<e>``, the user's own name for it.
+        self.list_name = wrapped[0] if (wrapped := wrapped_expert_list(experts)) is not None else ""
         modules = expert_modules(experts)
         if modules is not None:
             if len(modules) == 0:
@@ -226,7 +252,7 @@ class ExpertBank:
                     "block adding weight * x for the ids >= E)")
             raise ValueError(
                 f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList / "
-                "nn.ModuleDict of expert modules nor a module whose parameters are stacked [E, ...] (but for "
+                "nn.ModuleDict of expert modules (or a parameter-free wrapper of one such list) nor a module whose parameters are stacked [E, ...] (but for "
                 "some every expert uses, not of 3 or more dimensions) or all flat [E * F, ...] (every leading "
                 f"dimension a multiple of E) (its parameters: {shapes})")
 
