@@ -201,6 +201,26 @@ class DenseSoftMoE(nn.Module):
         return out
 
 
+class BlockWeightsMoE(nn.Module):
+    """Grok-1 / Tutel style: top-k gates scattered into a dense [T, E] matrix, every expert applied at once by
+    einsum over stacked weights that are parameters of the block itself (no experts child)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.w_in = nn.Parameter(torch.randn(E, H, 2 * H) * 0.1)
+        self.w_out = nn.Parameter(torch.randn(E, H, H) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_TH = x.reshape(-1, x.shape[-1])
+        probs = self.router(x_TH).softmax(-1)
+        vals, idx = probs.topk(2, dim=-1)
+        gates_TE = torch.zeros_like(probs).scatter(-1, idx, vals)
+        a, b = torch.einsum("th,ehf->etf", x_TH, self.w_in).chunk(2, dim=-1)
+        y_ETH = torch.einsum("etf,efh->eth", torch.nn.functional.gelu(a) * b, self.w_out)
+        return torch.einsum("te,eth->th", gates_TE, y_ETH).view_as(x)
+
+
 class DenseModel(nn.Module):
     """A plain MLP stack: not MoE-like, must be neither found nor rejected."""
 

@@ -102,6 +102,7 @@ def test_stored_auxiliary_loss_is_reported():
     (lambda: zoo.OldHFBlock(expert_ffns=[64, 128, 64, 64]), "experts are not identical: expert 1"),
     (lambda: zoo.OldHFBlock(gate_width=6), "router 'gate' scores 6 experts but 'experts' holds 4"),
     (zoo.DenseSoftMoE, "no top-k selection"),
+    (zoo.BlockWeightsMoE, "its expert weights are stacked parameters of the block itself (w_in [4, 32, 64]"),
 ])
 def test_look_alikes_are_rejected_with_a_reason(block, reason):
     infos, rejected = find_moe_layers(nn.Sequential(block()))

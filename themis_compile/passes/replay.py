@@ -577,8 +577,9 @@ class _TopkSeen(TorchFunctionMode):
 
 
 def inline_expert_weights_reason(module: nn.Module) -> str | None:
-    """Why a block whose experts are flat parameters of its own (MegaBlocks dMoE: ``w1 [E*F, H]`` sliced
-    per expert in the forward), next to a router of E experts and with a top-k on a probe, cannot be
+    """Why a block whose experts are flat or stacked parameters of its own (MegaBlocks dMoE: ``w1 [E*F, H]``
+    sliced per expert in the forward; Tutel / Grok: ``w [E, H, F]`` applied to all experts' slots at once), next
+    to a router of E experts and with a top-k on a probe, cannot be
     sharded; None for any other module. Capture and replay intercepts expert *calls*: inline slices of
     the block's own weights have no call whose input and output rows could be captured, and no experts
     module for the runtime to replace."""
@@ -587,7 +588,13 @@ def inline_expert_weights_reason(module: nn.Module) -> str | None:
         E, H = router.out_features, router.in_features
         flat = [(n, p) for n, p in module.named_parameters(recurse=False)
                 if p.dim() == 2 and H in p.shape and any(d % E == 0 and d >= 2 * E for d in p.shape if d != H)]
-        if len(flat) < 2:
+        # Stacked [E, ...] weights of the block itself (Tutel / Grok style: a matmul or einsum over them all).
+        stacked = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() >= 3 and p.shape[0] == E]
+        if len(stacked) >= 2:
+            flat, layout = stacked, "stacked"
+        elif len(flat) >= 2:
+            layout = "flat"
+        else:
             continue
         seen = _TopkSeen()
         x = torch.randn(2, 4, H, generator=torch.Generator().manual_seed(0)).to(router.weight)
@@ -599,8 +606,9 @@ def inline_expert_weights_reason(module: nn.Module) -> str | None:
         if not seen.seen:
             continue
         shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in flat)
-        return (f"its expert weights are flat parameters of the block itself ({shapes}, {E} experts scored by "
-                f"'{rname}') sliced per expert inline: there is no experts module for the runtime to replace and "
+        how = "sliced per expert inline" if layout == "flat" else "applied inline"
+        return (f"its expert weights are {layout} parameters of the block itself ({shapes}, {E} experts scored by "
+                f"'{rname}') {how}: there is no experts module for the runtime to replace and "
                 "no expert call to capture; hold them in a child module (stacked [E, F, H] weights called as "
                 "experts(x, ids, weights), or an nn.ModuleList called per expert)")
     return None
