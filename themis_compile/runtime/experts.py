@@ -309,10 +309,6 @@ class ExpertBank:
             return module
         return ExpertShard(self.names, tensors)
 
-    def empty_chunk(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-        """Uninitialised tensors shaped like one chunk (receive buffers for materialized replicas)."""
-        return [torch.empty(shape, dtype=dt, device=device) for shape, dt in self.spec]
-
     def shared_tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The parameters every expert uses, by name, as ``module`` holds them now: the original experts
         module, or the sharded experts (which hold the same parameter objects under the same names).
