@@ -343,7 +343,11 @@ class ExpertBank:
                                  f"{', '.join(self.shared_names)}; run() needs them (ExpertBank.shared_tensors)")
             stacked.update(shared)
         out = torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
-        return _with_gradient_path(out, params) if n == 0 else out
+        if n == 0:
+            # The shared parameters too: a rank whose experts all ran on zero rows must still give them a
+            # (zero) gradient, so that every rank's dense wrapper reduces the same gradients.
+            return _with_gradient_path(out, [*params, *(shared.values() if self.shared_names else ())])
+        return out
 
 
 def loop_combine(experts: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
