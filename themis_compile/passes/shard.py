@@ -617,9 +617,13 @@ CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten", "scores-
 def _sorted_rows_experts_forward(experts_cls: type):
     def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         T, K = ids_TK.shape
-        # E from the module itself (ExpertBank runs one expert as this module with E = 1 slices).
+        # E from the module itself (ExpertBank runs one expert as this module with E = 1 slices): a
+        # wrapper's list length, else the stacked weights' leading dimension, read on a weight of 3 or more
+        # dimensions where there is one (a parameter every expert uses, a scale [H], may come first).
         wrapped = wrapped_expert_list(self)
-        E = len(wrapped[1]) if wrapped is not None else next(self.parameters()).shape[0]
+        params = list(self.parameters())
+        E = len(wrapped[1]) if wrapped is not None else next(
+            (p.shape[0] for p in params if p.dim() >= 3), params[0].shape[0])
         flat_N = ids_TK.reshape(-1)
         order_N = torch.argsort(flat_N, stable=True)
         counts_E = torch.zeros(E, dtype=torch.long, device=flat_N.device).scatter_add_(
