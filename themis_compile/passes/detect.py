@@ -1625,6 +1625,25 @@ def flat_call_experts_class(experts_cls: type) -> type:
                                                        "_themis_original_class": experts_cls})
 
 
+def _adapted_call_mismatch(experts: nn.Module, adapted_cls: type, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                           weights_TK: torch.Tensor, expected: torch.Tensor, otherwise: str,
+                           num_experts: int) -> str | None:
+    """Why the sharded runtime would not compute what ``experts`` computes (:func:`combine_mismatch`), or
+    None when it does, with ``experts`` seen for the time of the check as ``adapted_cls`` (a subclass of its
+    class called as ``experts(x_TH, ids_TK, weights_TK)``). Raises ``_Reject(otherwise)`` when, seen so, it
+    does not give ``expected``, the block's own call's result on the probe."""
+    original_cls = type(experts)
+    experts.__class__ = adapted_cls
+    try:
+        with torch.no_grad(), preserved_state(experts):
+            got = experts(x_TH, ids_TK, weights_TK)
+        if not _outputs_close(expected.reshape(got.shape), got):
+            raise _Reject(otherwise)
+        return combine_mismatch(experts, x_TH, ids_TK, weights_TK, num_experts=num_experts)
+    finally:
+        experts.__class__ = original_cls
+
+
 def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, call: tuple, x: torch.Tensor,
                           routers: list[tuple[str, int, int]], H: int, flat: bool) -> MoELayerInfo:
     """The layer whose experts are called on unflattened hidden states with flat ids and weights
@@ -1652,16 +1671,9 @@ def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, ca
         raise _Reject(f"{where}; its weights ({shapes}) are neither stacked along a leading dimension of its {E} "
                       f"experts nor flat with a multiple of {E} rows in each, so they cannot be cut into "
                       f"per-expert chunks; store them stacked [E, ...] or flat [E * F, ...]")
-    original_cls = type(experts)
-    experts.__class__ = flat_call_experts_class(original_cls)
-    try:
-        with torch.no_grad(), preserved_state(experts):
-            got = experts(x_TH, ids_TK, weights_TK)
-        if not _outputs_close(expected.reshape(got.shape), got):
-            raise _Reject(f"{where} and computes otherwise on the same hidden states flattened to [T, H]")
-        why = combine_mismatch(experts, x_TH, ids_TK, weights_TK, num_experts=bank.num_experts)
-    finally:
-        experts.__class__ = original_cls
+    why = _adapted_call_mismatch(
+        experts, flat_call_experts_class(type(experts)), x_TH, ids_TK, weights_TK, expected,
+        f"{where} and computes otherwise on the same hidden states flattened to [T, H]", bank.num_experts)
     if why is not None:
         raise _Reject(f"{where}, read flat; but {why}")
     rec = record_calls(module, x)
@@ -2030,19 +2042,13 @@ def _scores_call_layer(name: str, module: nn.Module, child: _ExpertsChild, plan:
         raise _Reject(f"{where}; its experts cannot be cut into equal per-expert chunks "
                       f"({str(exc).split(': ', 1)[-1]})")
     if bank.num_experts != E:
-        raise _Reject(f"{where}; its weights ({', '.join(f'{n} {list(p.shape)}' for n, p in experts.named_parameters())})"
-                      f" cannot be cut into {E} per-expert chunks; store them stacked [E, ...] or flat [E * F, ...]")
-    original_cls = type(experts)
-    experts.__class__ = scores_call_experts_class(original_cls, plan)
-    try:
-        with torch.no_grad(), preserved_state(experts):
-            got = experts(x_TH, ids_TK, weights_TK)
-        if not _outputs_close(expected.reshape(got.shape), got):
-            raise _Reject(f"{where}; with the scores given only at the top-k ids (the weights) it computes "
-                          "otherwise: its result depends on the scores of experts a token is not routed to")
-        why = combine_mismatch(experts, x_TH, ids_TK, weights_TK, num_experts=E)
-    finally:
-        experts.__class__ = original_cls
+        shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in experts.named_parameters())
+        raise _Reject(f"{where}; its weights ({shapes}) cannot be cut into {E} per-expert chunks; store them "
+                      "stacked [E, ...] or flat [E * F, ...]")
+    why = _adapted_call_mismatch(
+        experts, scores_call_experts_class(type(experts), plan), x_TH, ids_TK, weights_TK, expected,
+        f"{where}; with the scores given only at the top-k ids (the weights) it computes otherwise: its result "
+        "depends on the scores of experts a token is not routed to", E)
     if why is not None:
         raise _Reject(f"{where}, read as experts(x, ids, weights); but {why}")
     rec = record_calls(module, x)
@@ -2055,8 +2061,8 @@ def _scores_call_layer(name: str, module: nn.Module, child: _ExpertsChild, plan:
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} ids "
                 "and the dense scores seen at the experts call (behaviour)"),
         activation=describe_activation(next((m for m in experts.modules() if _named_activation(m)), experts)),
-        shared_experts=False, experts_attr=child.attr, rewrite="scores-call", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
-        hidden_size=H, probe_flat=flat, plan=plan)
+        shared_experts=False, experts_attr=child.attr, rewrite="scores-call", router_path=router_path or "",
+        score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat, plan=plan)
 
 
 def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
@@ -2654,7 +2660,9 @@ def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = 
                                                 "all-rows": "experts(x [E*T, H]), every expert on every row "
                                                             "(rewritten by optimize)",
                                                 "scores-call": "experts(x, scores [T, E], weights, ids) (rewritten "
-                                                               "by optimize to experts(x, ids, weights))"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
+                                                               "by optimize to experts(x, ids, weights))"}.get(
+                                                    info.rewrite, "inline loop over the experts (rewritten by "
+                                                    "optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

@@ -252,9 +252,10 @@ class ExpertBank:
                     "block adding weight * x for the ids >= E)")
             raise ValueError(
                 f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList / "
-                "nn.ModuleDict of expert modules (or a parameter-free wrapper of one such list) nor a module whose parameters are stacked [E, ...] (but for "
-                "some every expert uses, not of 3 or more dimensions) or all flat [E * F, ...] (every leading "
-                f"dimension a multiple of E) (its parameters: {shapes})")
+                "nn.ModuleDict of expert modules (or a parameter-free wrapper of one such list) nor a module "
+                "whose parameters are stacked [E, ...] (but for some every expert uses, not of 3 or more "
+                "dimensions) or all flat [E * F, ...] (every leading dimension a multiple of E) (its parameters: "
+                f"{shapes})")
 
     def _init_flat(self, experts: nn.Module, rows: tuple[int, ...], num_experts: int) -> None:
         # One expert runs as the user's module with E = 1 on its rows (the module is called as
