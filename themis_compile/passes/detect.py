@@ -1590,7 +1590,7 @@ def _dispatch_mask_layer(name: str, module: nn.Module, child: _ExpertsChild,
     original_cls = type(experts)
     experts.__class__ = mask_call_experts_class(original_cls, E)
     try:
-        why = combine_mismatch(experts, x_TH, ids_TK, slot_weights_TK)
+        why = combine_mismatch(experts, x_TH, ids_TK, slot_weights_TK, num_experts=E)
     finally:
         experts.__class__ = original_cls
     if why is not None:
