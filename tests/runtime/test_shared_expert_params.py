@@ -258,6 +258,8 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
     assert all(i.experts_form == "stacked" and i.num_experts == E for i in infos)
     assert themis_compile.explain(model).count(
         "parameters every expert uses (dense, data-parallel): layer_scale, post_norm.weight") == 2
+    assert themis_compile.explain(model, verbose=True).count(
+        "every expert uses: layer_scale, post_norm.weight (dense, data-parallel)") == 2
     keys = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tokens = _batches()[0]
     with torch.no_grad():

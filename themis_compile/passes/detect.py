@@ -135,6 +135,14 @@ class MoELayerInfo:
     def experts(self) -> nn.Module:
         return getattr(self.module, self.experts_attr)
 
+    def shared_parameter_names(self) -> tuple[str, ...]:
+        """The parameters of the experts module that every expert uses (``ExpertBank.shared_names``: dense,
+        data parallel, in no expert's chunk); () when there are none or the experts are not cut into chunks."""
+        try:
+            return ExpertBank(self.experts, layer=self.name, num_experts=self.num_experts).shared_names
+        except ValueError:
+            return ()
+
     def describe(self) -> str:
         shared = ", ".join(self.shared_expert_names) if self.shared_expert_names else "no"
         call = {"none": f"calls {self.experts_attr}(x, ids, weights)",
@@ -2640,6 +2648,8 @@ def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = 
                      f"'{info.experts_attr}'), top-{info.top_k}")
         lines.append(f"    activation:     {info.activation}")
         lines.append(f"    shared experts: {', '.join(info.shared_expert_names) or 'none'}")
+        if shared := info.shared_parameter_names():
+            lines.append(f"    every expert uses: {', '.join(shared)} (dense, data-parallel)")
         for aux in info.aux_losses:
             lines.append(f"    auxiliary:      {aux}")
         if info.probe_call is not None:
