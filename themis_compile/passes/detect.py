@@ -88,8 +88,8 @@ from torch.utils._pytree import tree_map
 
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
                                           replay_mismatch, restored_attributes)
-from themis_compile.runtime.experts import (ExpertBank, expert_modules, loop_combine, stacked_layout,
-                                            wrapped_expert_list)
+from themis_compile.runtime.experts import (ExpertBank, declared_num_experts, expert_modules, loop_combine,
+                                            stacked_layout, wrapped_expert_list)
 
 logger = logging.getLogger(__name__)
 
@@ -1485,8 +1485,7 @@ def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
             continue
         if isinstance(child, (nn.Linear, nn.Embedding)) or not any(True for _ in child.parameters()):
             continue
-        E = next((v for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                  if isinstance(v := getattr(child, k, None), int)), None)
+        E = declared_num_experts(child)
         if E is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             E = len(expert_modules(child))   # a ModuleDict's entries without parameters are not experts
         if (wrapped := wrapped_expert_list(child)) is not None:

@@ -89,12 +89,12 @@ def expert_modules(experts: nn.Module) -> list[nn.Module] | None:
 
 # Attributes through which a module's forward may size itself by its number of experts (set to 1 on the
 # parameter-free copy that runs one expert of a flat module).
-NUM_EXPERTS_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts")
+NUM_EXPERTS_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts", "n_routed_experts")
 
 
 def declared_num_experts(experts: nn.Module) -> int | None:
     """The number of experts ``experts`` declares in an integer attribute (``num_experts``,
-    ``moe_num_experts``, ``num_local_experts``), or None."""
+    ``moe_num_experts``, ``num_local_experts``, ``n_routed_experts``), or None."""
     return next((v for k in NUM_EXPERTS_ATTRS if isinstance(v := getattr(experts, k, None), int)
                  and not isinstance(v, bool)), None)
 
