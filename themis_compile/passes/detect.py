@@ -1174,7 +1174,8 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
         if the experts are stacked: False
         experts(x, ids, weights) of a module with a forward: call it with no id routed to expert 0;
             skips = expert 0 got no .grad
-        a loop of the block's own: one probe token reaches k < E experts; skips = some expert was never called
+        a loop of the block's own, or a wrapper's on rows sorted by expert: one probe token reaches k < E
+            experts; skips = some expert was never called
         capture and replay: what its probe found (ReplayPlan.skips_empty)
     """
     from themis_compile.runtime.experts import expert_modules
@@ -1194,9 +1195,11 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
         return _skipped_expert_gradient(experts, x_TH, ids_TK, weights_TK, info.num_experts)
     if info.rewrite == "replay":
         return bool(getattr(info.plan, "skips_empty", False))     # decided by capture and replay's probe
-    if info.rewrite not in ("none", "inline-loop") or info.top_k >= info.num_experts:
+    if info.rewrite not in ("none", "inline-loop", "sorted-rows") or info.top_k >= info.num_experts:
         return False
-    # A loop of the block's own (inline, or through a helper over a container without a forward).
+    # A loop of the block's own (inline, or through a helper over a container without a forward), or of
+    # a wrapper called on rows sorted by expert (Megatron-Core SequentialMLP; one that skips a split
+    # without rows leaves that expert without gradient in one process).
     if recorded_call(module) is not None:
         raise ValueError("its forward needs the arguments recorded in a forward of the model and loops over its "
                          "experts itself, so no one-token probe can tell whether it skips experts without tokens; "
