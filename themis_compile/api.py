@@ -283,10 +283,7 @@ def explain(model: nn.Module, verbose: bool = False, *, example_inputs: tuple | 
 
 def _shared_note(info: MoELayerInfo) -> str:
     """What explain adds for a layer whose stacked experts hold parameters every expert uses."""
-    try:
-        shared = ExpertBank(getattr(info.module, info.experts_attr), layer=info.name).shared_names
-    except ValueError:
-        return ""
+    shared = info.shared_parameter_names()
     return f"; parameters every expert uses (dense, data-parallel): {', '.join(shared)}" if shared else ""
 
 

@@ -61,3 +61,31 @@ def test_a_wrapper_mixing_slots_is_not_trained_as_an_moe():
     with pytest.raises(ValueError, match="does not match the original"):
         prepare_moe_layers(block, strict=True)
     torch.testing.assert_close(block(x), before)       # left unchanged
+
+
+class _SkippingSequentialMLP(zoo.MegatronSequentialMLP):
+    """``SequentialMLP`` that runs only the experts with rows (an empty split stays empty)."""
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor):
+        tokens_list = torch.split(permuted_local_hidden_states, tokens_per_expert.tolist())
+        outputs = [expert(tokens) if tokens.shape[0] else tokens for expert, tokens in zip(self.local_experts,
+                                                                                             tokens_list)]
+        return torch.cat(outputs, dim=0), None
+
+
+@pytest.mark.parametrize("skipping", [False, True])
+def test_a_wrapper_on_sorted_rows_that_skips_empty_experts_is_recorded_so(skipping):
+    """An expert without tokens gets no gradient in one process when the wrapper skips its empty split:
+    detection records it (``skips_empty_experts``), so that the runtime leaves that gradient missing too."""
+    torch.manual_seed(0)
+    block = zoo.MegatronMoELayer()
+    if skipping:
+        block.experts = _SkippingSequentialMLP()
+    model = torch.nn.Sequential(block)
+    infos, rejected = find_moe_layers(model)
+    assert not rejected, rejected
+    assert [(i.rewrite, i.skips_empty_experts) for i in infos] == [("sorted-rows", skipping)]
+    x = torch.randn(2, 4, zoo.H)
+    expected = block(x)[0]
+    assert [i.skips_empty_experts for i in prepare_moe_layers(model, strict=True)] == [skipping]
+    torch.testing.assert_close(block(x)[0], expected)

@@ -87,6 +87,34 @@ def test_the_flat_layout_is_read_from_the_shapes_and_the_number_of_experts():
     assert flat_layout(stacked) is None and not ExpertBank(stacked).flat
 
 
+class RoutedFlatExperts(nn.Module):
+    """Flat experts sized by ``n_routed_experts`` (the DeepSeek attribute), viewed [E, F, H] in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_routed_experts = zoo.E
+        self.w1 = nn.Parameter(torch.randn(zoo.E * zoo.FFN, zoo.H) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(zoo.E * zoo.FFN, zoo.H) * 0.1)
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        w1 = self.w1.view(self.n_routed_experts, -1, x_TH.shape[-1])
+        w2 = self.w2.view(self.n_routed_experts, -1, x_TH.shape[-1])
+        out = torch.zeros_like(x_TH)
+        for e in range(self.n_routed_experts):
+            t, k = torch.where(ids_TK == e)
+            out.index_add_(0, t, torch.relu(x_TH[t] @ w1[e].t()) @ w2[e] * weights_TK[t, k, None])
+        return out
+
+
+def test_every_attribute_that_declares_the_number_of_experts_sizes_the_one_expert_copy():
+    """The attributes detection reads E from are those the one-expert copy sets to 1 (n_routed_experts too)."""
+    torch.manual_seed(0)
+    experts = RoutedFlatExperts()
+    assert flat_layout(experts) == (zoo.FFN, zoo.FFN)
+    x_TH, ids_TK = torch.randn(16, zoo.H), torch.randint(0, zoo.E, (16, 2))
+    assert combine_mismatch(experts, x_TH, ids_TK, torch.rand(16, 2), num_experts=zoo.E) is None
+
+
 @pytest.mark.parametrize("make", [lambda: _dbrx().transformer.blocks[0].ffn, zoo.DbrxOldFFN],
                          ids=["hf_dbrx", "hf_dbrx_v4"])
 def test_one_expert_alone_on_its_rows_is_the_module_for_its_tokens(make):

@@ -21,6 +21,7 @@ Held here, on a block written the way such code is written (not shaped after the
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 
@@ -36,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 import themis_compile
 from tests.passes import zoo_models as zoo
 from tests.runtime.equivalence import assert_equivalent
+from themis_compile.passes.shard import prepare_moe_layers
 from themis_compile.runtime.experts import ExpertBank
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
@@ -193,6 +195,53 @@ def test_bank_cuts_only_the_stacked_weights():
         bank.run(bank.chunk(experts, 1), x_NH)
 
 
+def test_expert_on_zero_rows_gives_the_shared_parameters_a_zero_gradient():
+    """A rank whose experts all get no rows runs each on zero rows; the user's loop skips an expert without
+    tokens, yet the shared parameters must get a (zero) gradient there, as every other rank's do: the
+    dense wrapper (DDP, FSDP2) reduces the same gradients on every rank."""
+    experts = NormedExperts()
+    bank = ExpertBank(experts)
+    out = bank.run(bank.chunk(experts, 0), torch.randn(0, H), bank.shared_tensors(experts))
+    out.sum().backward()
+    for name, p in experts.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name
+
+
+class ScaledSortedExperts(nn.Module):
+    """torchtitan-style grouped experts called on rows sorted by expert with the counts, with one
+    per-channel scale every expert uses, registered before the stacked weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((H,), 0.5))
+        self.w1 = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, H, FFN) * 0.1)
+
+    def forward(self, x_NH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        out = [(F.silu(x @ self.w1[e].t()) @ self.w2[e].t()) * self.scale
+               for e, x in enumerate(torch.split(x_NH, counts_E.tolist()))]
+        return torch.cat(out)
+
+
+def test_sorted_rows_experts_with_a_shared_parameter_first():
+    """The sorted-rows rewrite reads E from the stacked weights, not from whichever parameter comes first:
+    found, rewritten and verified, the rewritten block computes the unmodified one (value and gradients)."""
+    torch.manual_seed(0)
+    block = zoo.TitanGroupedMoE()
+    block.experts = ScaledSortedExperts()
+    reference = copy.deepcopy(block)
+    model = nn.Sequential(block)
+    infos = prepare_moe_layers(model, strict=True)
+    assert [(i.rewrite, i.experts_form) for i in infos] == [("sorted-rows", "stacked")]
+    assert ExpertBank(block.experts).shared_names == ("scale",)
+    x = torch.randn(2, 4, H)
+    torch.testing.assert_close(model(x), reference(x))
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, p), q in zip(block.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_submodule_mixing_stacked_and_shared_is_rejected():
     experts = NormedExperts()
     experts.post_norm.register_parameter("per_expert", nn.Parameter(torch.ones(E, H)))
@@ -209,6 +258,8 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
     assert all(i.experts_form == "stacked" and i.num_experts == E for i in infos)
     assert themis_compile.explain(model).count(
         "parameters every expert uses (dense, data-parallel): layer_scale, post_norm.weight") == 2
+    assert themis_compile.explain(model, verbose=True).count(
+        "every expert uses: layer_scale, post_norm.weight (dense, data-parallel)") == 2
     keys = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     tokens = _batches()[0]
     with torch.no_grad():

@@ -88,8 +88,8 @@ from torch.utils._pytree import tree_map
 
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
                                           replay_mismatch, restored_attributes)
-from themis_compile.runtime.experts import (ExpertBank, expert_modules, loop_combine, stacked_layout,
-                                            wrapped_expert_list)
+from themis_compile.runtime.experts import (ExpertBank, declared_num_experts, expert_modules, loop_combine,
+                                            stacked_layout, wrapped_expert_list)
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,14 @@ class MoELayerInfo:
     @property
     def experts(self) -> nn.Module:
         return getattr(self.module, self.experts_attr)
+
+    def shared_parameter_names(self) -> tuple[str, ...]:
+        """The parameters of the experts module that every expert uses (``ExpertBank.shared_names``: dense,
+        data parallel, in no expert's chunk); () when there are none or the experts are not cut into chunks."""
+        try:
+            return ExpertBank(self.experts, layer=self.name, num_experts=self.num_experts).shared_names
+        except ValueError:
+            return ()
 
     def describe(self) -> str:
         shared = ", ".join(self.shared_expert_names) if self.shared_expert_names else "no"
@@ -1166,7 +1174,8 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
         if the experts are stacked: False
         experts(x, ids, weights) of a module with a forward: call it with no id routed to expert 0;
             skips = expert 0 got no .grad
-        a loop of the block's own: one probe token reaches k < E experts; skips = some expert was never called
+        a loop of the block's own, or a wrapper's on rows sorted by expert: one probe token reaches k < E
+            experts; skips = some expert was never called
         capture and replay: what its probe found (ReplayPlan.skips_empty)
     """
     from themis_compile.runtime.experts import expert_modules
@@ -1186,9 +1195,11 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
         return _skipped_expert_gradient(experts, x_TH, ids_TK, weights_TK, info.num_experts)
     if info.rewrite == "replay":
         return bool(getattr(info.plan, "skips_empty", False))     # decided by capture and replay's probe
-    if info.rewrite not in ("none", "inline-loop") or info.top_k >= info.num_experts:
+    if info.rewrite not in ("none", "inline-loop", "sorted-rows") or info.top_k >= info.num_experts:
         return False
-    # A loop of the block's own (inline, or through a helper over a container without a forward).
+    # A loop of the block's own (inline, or through a helper over a container without a forward), or of
+    # a wrapper called on rows sorted by expert (Megatron-Core SequentialMLP; one that skips a split
+    # without rows leaves that expert without gradient in one process).
     if recorded_call(module) is not None:
         raise ValueError("its forward needs the arguments recorded in a forward of the model and loops over its "
                          "experts itself, so no one-token probe can tell whether it skips experts without tokens; "
@@ -1477,8 +1488,7 @@ def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
             continue
         if isinstance(child, (nn.Linear, nn.Embedding)) or not any(True for _ in child.parameters()):
             continue
-        E = next((v for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                  if isinstance(v := getattr(child, k, None), int)), None)
+        E = declared_num_experts(child)
         if E is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             E = len(expert_modules(child))   # a ModuleDict's entries without parameters are not experts
         if (wrapped := wrapped_expert_list(child)) is not None:
@@ -1590,7 +1600,7 @@ def _dispatch_mask_layer(name: str, module: nn.Module, child: _ExpertsChild,
     original_cls = type(experts)
     experts.__class__ = mask_call_experts_class(original_cls, E)
     try:
-        why = combine_mismatch(experts, x_TH, ids_TK, slot_weights_TK)
+        why = combine_mismatch(experts, x_TH, ids_TK, slot_weights_TK, num_experts=E)
     finally:
         experts.__class__ = original_cls
     if why is not None:
@@ -1625,6 +1635,25 @@ def flat_call_experts_class(experts_cls: type) -> type:
                                                        "_themis_original_class": experts_cls})
 
 
+def _adapted_call_mismatch(experts: nn.Module, adapted_cls: type, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                           weights_TK: torch.Tensor, expected: torch.Tensor, otherwise: str,
+                           num_experts: int) -> str | None:
+    """Why the sharded runtime would not compute what ``experts`` computes (:func:`combine_mismatch`), or
+    None when it does, with ``experts`` seen for the time of the check as ``adapted_cls`` (a subclass of its
+    class called as ``experts(x_TH, ids_TK, weights_TK)``). Raises ``_Reject(otherwise)`` when, seen so, it
+    does not give ``expected``, the block's own call's result on the probe."""
+    original_cls = type(experts)
+    experts.__class__ = adapted_cls
+    try:
+        with torch.no_grad(), preserved_state(experts):
+            got = experts(x_TH, ids_TK, weights_TK)
+        if not _outputs_close(expected.reshape(got.shape), got):
+            raise _Reject(otherwise)
+        return combine_mismatch(experts, x_TH, ids_TK, weights_TK, num_experts=num_experts)
+    finally:
+        experts.__class__ = original_cls
+
+
 def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, call: tuple, x: torch.Tensor,
                           routers: list[tuple[str, int, int]], H: int, flat: bool) -> MoELayerInfo:
     """The layer whose experts are called on unflattened hidden states with flat ids and weights
@@ -1652,16 +1681,9 @@ def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, ca
         raise _Reject(f"{where}; its weights ({shapes}) are neither stacked along a leading dimension of its {E} "
                       f"experts nor flat with a multiple of {E} rows in each, so they cannot be cut into "
                       f"per-expert chunks; store them stacked [E, ...] or flat [E * F, ...]")
-    original_cls = type(experts)
-    experts.__class__ = flat_call_experts_class(original_cls)
-    try:
-        with torch.no_grad(), preserved_state(experts):
-            got = experts(x_TH, ids_TK, weights_TK)
-        if not _outputs_close(expected.reshape(got.shape), got):
-            raise _Reject(f"{where} and computes otherwise on the same hidden states flattened to [T, H]")
-        why = combine_mismatch(experts, x_TH, ids_TK, weights_TK, num_experts=bank.num_experts)
-    finally:
-        experts.__class__ = original_cls
+    why = _adapted_call_mismatch(
+        experts, flat_call_experts_class(type(experts)), x_TH, ids_TK, weights_TK, expected,
+        f"{where} and computes otherwise on the same hidden states flattened to [T, H]", bank.num_experts)
     if why is not None:
         raise _Reject(f"{where}, read flat; but {why}")
     rec = record_calls(module, x)
@@ -2030,19 +2052,13 @@ def _scores_call_layer(name: str, module: nn.Module, child: _ExpertsChild, plan:
         raise _Reject(f"{where}; its experts cannot be cut into equal per-expert chunks "
                       f"({str(exc).split(': ', 1)[-1]})")
     if bank.num_experts != E:
-        raise _Reject(f"{where}; its weights ({', '.join(f'{n} {list(p.shape)}' for n, p in experts.named_parameters())})"
-                      f" cannot be cut into {E} per-expert chunks; store them stacked [E, ...] or flat [E * F, ...]")
-    original_cls = type(experts)
-    experts.__class__ = scores_call_experts_class(original_cls, plan)
-    try:
-        with torch.no_grad(), preserved_state(experts):
-            got = experts(x_TH, ids_TK, weights_TK)
-        if not _outputs_close(expected.reshape(got.shape), got):
-            raise _Reject(f"{where}; with the scores given only at the top-k ids (the weights) it computes "
-                          "otherwise: its result depends on the scores of experts a token is not routed to")
-        why = combine_mismatch(experts, x_TH, ids_TK, weights_TK, num_experts=E)
-    finally:
-        experts.__class__ = original_cls
+        shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in experts.named_parameters())
+        raise _Reject(f"{where}; its weights ({shapes}) cannot be cut into {E} per-expert chunks; store them "
+                      "stacked [E, ...] or flat [E * F, ...]")
+    why = _adapted_call_mismatch(
+        experts, scores_call_experts_class(type(experts), plan), x_TH, ids_TK, weights_TK, expected,
+        f"{where}; with the scores given only at the top-k ids (the weights) it computes otherwise: its result "
+        "depends on the scores of experts a token is not routed to", E)
     if why is not None:
         raise _Reject(f"{where}, read as experts(x, ids, weights); but {why}")
     rec = record_calls(module, x)
@@ -2055,8 +2071,8 @@ def _scores_call_layer(name: str, module: nn.Module, child: _ExpertsChild, plan:
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} ids "
                 "and the dense scores seen at the experts call (behaviour)"),
         activation=describe_activation(next((m for m in experts.modules() if _named_activation(m)), experts)),
-        shared_experts=False, experts_attr=child.attr, rewrite="scores-call", router_path=router_path or "", score_fn=rec.scores[0] if rec.scores else "none",
-        hidden_size=H, probe_flat=flat, plan=plan)
+        shared_experts=False, experts_attr=child.attr, rewrite="scores-call", router_path=router_path or "",
+        score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=flat, plan=plan)
 
 
 def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
@@ -2634,6 +2650,8 @@ def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = 
                      f"'{info.experts_attr}'), top-{info.top_k}")
         lines.append(f"    activation:     {info.activation}")
         lines.append(f"    shared experts: {', '.join(info.shared_expert_names) or 'none'}")
+        if shared := info.shared_parameter_names():
+            lines.append(f"    every expert uses: {', '.join(shared)} (dense, data-parallel)")
         for aux in info.aux_losses:
             lines.append(f"    auxiliary:      {aux}")
         if info.probe_call is not None:
@@ -2654,7 +2672,9 @@ def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = 
                                                 "all-rows": "experts(x [E*T, H]), every expert on every row "
                                                             "(rewritten by optimize)",
                                                 "scores-call": "experts(x, scores [T, E], weights, ids) (rewritten "
-                                                               "by optimize to experts(x, ids, weights))"}.get(info.rewrite, "inline loop over the experts (rewritten by optimize)"))
+                                                               "by optimize to experts(x, ids, weights))"}.get(
+                                                    info.rewrite, "inline loop over the experts (rewritten by "
+                                                    "optimize)"))
     if rejected:
         lines.append(f"{len(rejected)} MoE-like module(s) rejected")
         for name, why in rejected:

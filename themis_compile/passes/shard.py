@@ -579,18 +579,25 @@ def _all_rows_rewrite_classes(block_cls: type, experts_cls: type, attr: str, pla
     """(block class, experts class) of an all-rows rewrite: the block's forward runs unchanged with
     ``self.<attr>`` seen as an :class:`AllRowsCall`; the experts module is called as
     ``experts(x_TH, ids_TK, weights_TK)`` (:func:`~themis_compile.passes.detect.all_rows_experts_class`)."""
+    new_block = _served_block_class(block_cls, attr, lambda experts: AllRowsCall(experts, plan))
+    return new_block, all_rows_experts_class(experts_cls)
+
+
+def _served_block_class(block_cls: type, attr: str, view: Callable[[nn.Module], Callable]) -> type:
+    """A subclass of ``block_cls`` whose forward is its own with ``self.<attr>`` seen as ``view(experts)``:
+    the adapter shadows the experts submodule (an instance attribute before ``nn.Module.__getattr__``)
+    inside the forward only, so that ``named_modules``, state dicts and hooks see the experts module."""
 
     def block_forward(self, *args, **kwargs):
-        self.__dict__[attr] = AllRowsCall(self._modules[attr], plan)   # shadows the submodule inside forward only
+        self.__dict__[attr] = view(self._modules[attr])
         try:
             return block_cls.forward(self, *args, **kwargs)
         finally:
             self.__dict__.pop(attr, None)
 
     block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr} served by one experts(x, ids, weights) call."
-    new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
-                                                        "_themis_original_class": block_cls})
-    return new_block, all_rows_experts_class(experts_cls)
+    return type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
+                                                   "_themis_original_class": block_cls})
 
 
 class ScoresCall:
@@ -617,9 +624,13 @@ CALL_REWRITES = ("per-slot", "sorted-rows", "dispatch-mask", "flatten", "scores-
 def _sorted_rows_experts_forward(experts_cls: type):
     def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         T, K = ids_TK.shape
-        # E from the module itself (ExpertBank runs one expert as this module with E = 1 slices).
+        # E from the module itself (ExpertBank runs one expert as this module with E = 1 slices): a
+        # wrapper's list length, else the stacked weights' leading dimension, read on a weight of 3 or more
+        # dimensions where there is one (a parameter every expert uses, a scale [H], may come first).
         wrapped = wrapped_expert_list(self)
-        E = len(wrapped[1]) if wrapped is not None else next(self.parameters()).shape[0]
+        params = list(self.parameters())
+        E = len(wrapped[1]) if wrapped is not None else next(
+            (p.shape[0] for p in params if p.dim() >= 3), params[0].shape[0])
         flat_N = ids_TK.reshape(-1)
         order_N = torch.argsort(flat_N, stable=True)
         counts_E = torch.zeros(E, dtype=torch.long, device=flat_N.device).scatter_add_(
@@ -654,22 +665,13 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
     call = {"per-slot": PerSlotCall, "sorted-rows": SortedRowsCall, "dispatch-mask": DispatchMaskCall,
             "flatten": FlattenCall, "scores-call": lambda experts: ScoresCall(experts, plan)}[form]
 
-    def block_forward(self, *args, **kwargs):
-        adapter = call(self._modules[attr])
-        self.__dict__[attr] = NoneTail(adapter, call_tail) if call_tail else adapter   # inside forward only
-        try:
-            return block_cls.forward(self, *args, **kwargs)
-        finally:
-            self.__dict__.pop(attr, None)
-
-    block_forward.__doc__ = f"{block_cls.__name__}.forward with {attr} served by one experts(x, ids, weights) call."
+    new_block = _served_block_class(block_cls, attr, (lambda experts: NoneTail(call(experts), call_tail))
+                                    if call_tail else call)
     experts_forward = (_per_slot_experts_forward(experts_cls) if form == "per-slot"
                        else mask_call_experts_class(experts_cls, num_experts).forward if form == "dispatch-mask"
                        else flat_call_experts_class(experts_cls).forward if form == "flatten"
                        else scores_call_experts_class(experts_cls, plan).forward if form == "scores-call"
                        else _sorted_rows_experts_forward(experts_cls))
-    new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
-                                                        "_themis_original_class": block_cls})
     new_experts = type(experts_cls.__name__, (experts_cls,), {"forward": experts_forward,
                                                               "__module__": experts_cls.__module__,
                                                               "_themis_original_class": experts_cls})
@@ -860,14 +862,11 @@ def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], s
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
         if info.rewrite == "dense-dispatch":
             verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
-        if info.rewrite == "all-rows" and (why := gradient_mismatch(info.module, trial, _probe_for(info),
-                                                                   PROBE_SEED)) is not None:
-            raise ValueError(f"MoE layer {info.name!r}: the all-rows rewrite does not reproduce the gradients of "
+        if info.rewrite in ("all-rows", "replay") and (why := gradient_mismatch(info.module, trial, _probe_for(info),
+                                                                              PROBE_SEED)) is not None:
+            what = {"all-rows": "all-rows", "replay": "capture-and-replay"}[info.rewrite]
+            raise ValueError(f"MoE layer {info.name!r}: the {what} rewrite does not reproduce the gradients of "
                              f"the original on a probe input ({why}); the model was left unchanged")
-        if info.rewrite == "replay" and (why := gradient_mismatch(info.module, trial, _probe_for(info),
-                                                                 PROBE_SEED)) is not None:
-            raise ValueError(f"MoE layer {info.name!r}: the capture-and-replay rewrite does not reproduce the "
-                             f"gradients of the original on a probe input ({why}); the model was left unchanged")
     for info in todo:
         rewrite_moe_layer(info)
     return infos

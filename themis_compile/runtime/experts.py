@@ -89,12 +89,12 @@ def expert_modules(experts: nn.Module) -> list[nn.Module] | None:
 
 # Attributes through which a module's forward may size itself by its number of experts (set to 1 on the
 # parameter-free copy that runs one expert of a flat module).
-NUM_EXPERTS_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts")
+NUM_EXPERTS_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts", "n_routed_experts")
 
 
 def declared_num_experts(experts: nn.Module) -> int | None:
     """The number of experts ``experts`` declares in an integer attribute (``num_experts``,
-    ``moe_num_experts``, ``num_local_experts``), or None."""
+    ``moe_num_experts``, ``num_local_experts``, ``n_routed_experts``), or None."""
     return next((v for k in NUM_EXPERTS_ATTRS if isinstance(v := getattr(experts, k, None), int)
                  and not isinstance(v, bool)), None)
 
@@ -251,9 +251,10 @@ class ExpertBank:
                     "block adding weight * x for the ids >= E)")
             raise ValueError(
                 f"MoE layer {layer!r}: experts of type {type(experts).__name__} are neither an nn.ModuleList / "
-                "nn.ModuleDict of expert modules (or a parameter-free wrapper of one such list) nor a module whose parameters are stacked [E, ...] (but for "
-                "some every expert uses, not of 3 or more dimensions) or all flat [E * F, ...] (every leading "
-                f"dimension a multiple of E) (its parameters: {shapes})")
+                "nn.ModuleDict of expert modules (or a parameter-free wrapper of one such list) nor a module "
+                "whose parameters are stacked [E, ...] (but for some every expert uses, not of 3 or more "
+                "dimensions) or all flat [E * F, ...] (every leading dimension a multiple of E) (its parameters: "
+                f"{shapes})")
 
     def _init_flat(self, experts: nn.Module, rows: tuple[int, ...], num_experts: int) -> None:
         # One expert runs as the user's module with E = 1 on its rows (the module is called as
