@@ -325,6 +325,9 @@ class ExpertBank:
         is ambiguous); the empty result depends, by zero, on the rows and on every parameter that needs a
         gradient, shared ones included, so that each gets the zero gradient the user's code would give it
         and the exchange that brought the rows runs its backward."""
+        if self.shared_names and (shared is None or set(shared) != set(self.shared_names)):
+            raise ValueError(f"MoE layer {self.layer!r}: its experts use the shared parameters "
+                             f"{', '.join(self.shared_names)}; run() needs them (ExpertBank.shared_tensors)")
         if x_NH.shape[0] == 0:
             return _with_gradient_path(x_NH * 0, [*params, *(shared or {}).values()])
         if self._stacked is not None:
@@ -340,9 +343,6 @@ class ExpertBank:
                                               (x_NH, ids_N1, weights_N1), strict=True)
         stacked = {name: p.unsqueeze(0) for name, p in zip(self.names, params)}
         if self.shared_names:
-            if shared is None or set(shared) != set(self.shared_names):
-                raise ValueError(f"MoE layer {self.layer!r}: its experts use the shared parameters "
-                                 f"{', '.join(self.shared_names)}; run() needs them (ExpertBank.shared_tensors)")
             stacked.update(shared)
         return torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
 
