@@ -14,6 +14,15 @@ from themis_compile.sim.traces import synthetic_trace
 DEMO_TRACE = Path(__file__).resolve().parents[1] / "sim" / "data" / "demo_trace.jsonl"
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: several intra-op threads on a loaded machine only contend.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_target_counts_round_to_the_assignments_and_respect_the_cap():
     counts_E = target_counts(np.array([0.5, 0.3, 0.2, 0.0]), 20, 10)
     assert counts_E.tolist() == [10, 6, 4, 0]
@@ -78,6 +87,8 @@ def test_replayed_loads_follow_the_trace_step_by_step(source, tmp_path):
 def test_skew_trace_option_parses_and_rejects_a_missing_file():
     args = step._parse(["--skew", f"trace:{DEMO_TRACE}"])
     assert args.skew_trace == str(DEMO_TRACE)
-    assert step._parse(["--skew", "extreme"]).skew_trace is None
+    assert step._resolve_skew(args, 2) == 0.0          # the replay, not a static bias, skews the router
+    extreme = step._parse(["--skew", "extreme"])
+    assert extreme.skew_trace is None and step._resolve_skew(extreme, 2) == 4.0
     with pytest.raises(SystemExit):
         step._parse(["--skew", "trace:/nonexistent/trace.jsonl"])
