@@ -35,7 +35,8 @@ def test_step_benchmark_reports_every_policy_with_trace(tmp_path):
             assert res["trace_replay"]["max_share_deviation"] <= 1 / 64, policy
             assert res["trace_replay"]["share_correlation"] > 0.99, policy
     assert pol["fsdp2"]["memory_bytes_per_rank"][0]["unsharded_buffers_peak"] > 0
-    for key in ("themis_speedup_over_ep", "themis_speedup_over_fsdp2", "themis_over_uniform", "ep_over_uniform"):
+    for key in ("themis_speedup_over_ep", "themis_speedup_over_fsdp2", "themis_over_uniform", "ep_over_uniform",
+                "themis_memory_over_ep", "themis_memory_over_fsdp2"):
         assert key in out["ratios"]
     assert len(out["process_peak_rss_bytes_per_rank"]) == 2
     # Plain FSDP2 trains the same model on the same data: the same global loss as EP and Themis at every

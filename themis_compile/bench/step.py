@@ -24,7 +24,8 @@ Std of the timed steps is reported.
 The JSON reports per policy the median step time, tokens/s, load imbalance (max/mean rows computed per
 rank), |ΔP| per layer, the global loss of every step, and per rank the bytes of parameters, gradients,
 optimizer state and replica (themis) or unsharded-block (fsdp2) buffers; then the ratios: every policy's
-speed-up over ep and over fsdp2, themis / uniform and ep / uniform. ``--trace DIR`` then profiles
+speed-up over ep and over fsdp2, themis / uniform and ep / uniform, and the model-state memory (max rank)
+of themis, themis-rm over ep and of themis, themis-rm, ep over fsdp2. ``--trace DIR`` then profiles
 ``--trace-steps`` more steps of each policy, writes one chrome trace per policy and rank, and adds the mean
 milliseconds per step of every ``themis::`` profiler range (and FSDP2's ``FSDP::`` ones; rank 0) as
 ``phase_ms_per_step``: ranges nest (``themis::spag_start`` holds ``themis::plan``), so they do not add up
@@ -433,6 +434,10 @@ def _worker(args: argparse.Namespace) -> dict | None:
     if "fsdp2" in pol:
         out["ratios"].update({f"{p}_speedup_over_fsdp2": pol["fsdp2"]["step_time_s"] / v["step_time_s"]
                               for p, v in pol.items() if p != "fsdp2"})
+        for p in ("themis", "themis-rm", "ep"):
+            if p in pol:
+                out["ratios"][f"{p}_memory_over_fsdp2"] = (pol[p]["model_state_bytes_max_rank"]
+                                                           / pol["fsdp2"]["model_state_bytes_max_rank"])
     if "ep" in pol:
         ep = pol["ep"]
         out["ratios"].update({
