@@ -415,10 +415,11 @@ def summarize(out: Path, policies: Sequence[str], warmup: int = 2) -> dict[str, 
                                         for p in names[1:]}
         summary["loss_baseline"] = base
         summary["loss_coincide"] = {p: d <= LOSS_COINCIDE_RTOL for p, d in summary["loss_max_rel_diff"].items()}
-    if "ep" in summary["policies"]:
-        ep_time = summary["policies"]["ep"]["step_time_s"]
-        for stats in summary["policies"].values():
-            stats["speedup_vs_ep"] = ep_time / stats["step_time_s"]
+    for peer in ("ep", "fsdp2"):
+        if peer in summary["policies"]:
+            peer_time = summary["policies"][peer]["step_time_s"]
+            for stats in summary["policies"].values():
+                stats[f"speedup_vs_{peer}"] = peer_time / stats["step_time_s"]
     summary["plots"] = _plot(out, runs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -494,15 +495,15 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
              f"top-{summary.get('top_k', '?')}, {summary.get('world_size', '?')} ranks, "
              f"{summary.get('tokens_per_step', '?')} tokens/step"]
     header = f"{'policy':>10} {'step ms':>8} {'tokens/s':>9} {'expert imb':>14} {'device imb':>14} " \
-             f"{'|dP|':>6} {'final loss':>10} {'vs ep':>6}"
+             f"{'|dP|':>6} {'final loss':>10} {'vs ep':>6} {'vs fsdp2':>8}"
     lines.append(header)
     for policy, s in summary["policies"].items():
         exp = "/".join(f"{x:.2f}" for x in s["mean_expert_imbalance"])
         dev = "/".join(f"{x:.2f}" for x in s["mean_device_imbalance"])
         dp = "-" if s["mean_delta_p"] is None else f"{s['mean_delta_p']:.1f}"
-        speedup = f"{s['speedup_vs_ep']:.2f}x" if "speedup_vs_ep" in s else "-"
+        vs_ep, vs_fsdp2 = (f"{s[k]:.2f}x" if k in s else "-" for k in ("speedup_vs_ep", "speedup_vs_fsdp2"))
         lines.append(f"{policy:>10} {s['step_time_s'] * 1e3:8.1f} {s['tokens_per_s']:9.0f} {exp:>14} {dev:>14} "
-                     f"{dp:>6} {s['final_loss']:10.4f} {speedup:>6}")
+                     f"{dp:>6} {s['final_loss']:10.4f} {vs_ep:>6} {vs_fsdp2:>8}")
     for policy, why in summary["skipped"].items():
         lines.append(f"{policy:>10} skipped: {why}")
     for policy, diff in summary.get("loss_max_rel_diff", {}).items():
