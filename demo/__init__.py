@@ -59,13 +59,16 @@ __all__ = ["build_corpus", "format_summary", "imbalance", "launch", "main", "max
            "sample_batch", "stdlib_sources", "summarize", "worker_main"]
 
 DEFAULT_OUT = "runs/demo"
-DEFAULT_POLICIES = ("ep", "themis")
+DEFAULT_POLICIES = ("ep", "fsdp2", "themis")
+# Peers that are not ThemisConfig policies: the unmodified model under plain FSDP2 (every rank gathers
+# every expert; `themis_compile.bench.step` runs the same peer).
+PEERS = ("fsdp2",)
 # Loss curves of two policies "coincide" when every step's loss agrees to this relative tolerance. The
 # equivalence tests hold policies to 1e-5 over 20 steps; fp32 reduction-order differences grow slowly over
 # the demo's longer run, so the demo allows a little more.
 LOSS_COINCIDE_RTOL = 1e-4
 # Policies that train exactly the model's own numerics (the paper's claim for Themis, §3).
-EXACT_POLICIES = ("ep", "themis", "themis-rm")
+EXACT_POLICIES = ("ep", "fsdp2", "themis", "themis-rm")
 # ------------------------------------------------------------------------------------------- statistics
 def imbalance(load: Sequence[float] | np.ndarray) -> float:
     """max / mean of a load vector (1.0 is perfect balance; 0 load counts as balanced)."""
@@ -131,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=150, help="AdamW steps per policy (default 150)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                   help="comma-separated ThemisConfig policies, run in this order (default ep,themis)")
+                   help="comma-separated ThemisConfig policies or fsdp2 (plain FSDP2), trained side by side, "
+                        f"their steps interleaved (default {','.join(DEFAULT_POLICIES)})")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc-per-node, default 2)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
@@ -161,7 +165,8 @@ def _policies(text: str) -> list[str]:
     if len(set(policies)) != len(policies):
         raise ValueError(f"--policies names a policy twice: {text!r}")
     for p in policies:
-        ThemisConfig(policy=p)   # raises ValueError naming the valid policies
+        if p not in PEERS:
+            ThemisConfig(policy=p)   # raises ValueError naming the valid policies
     return policies
 
 
@@ -199,7 +204,10 @@ class _Skip(Exception):
 
 
 def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, rank: int, world: int,
-                  out: Path) -> dict[str, Any]:
+                  out: Path, position: int = 0):
+    """A generator training ``policy``: it yields once when the model is built (raising `_Skip` instead
+    when the policy cannot run), then after every step; its return value is the policy's metrics. The
+    worker advances every policy's generator in turn, so that the policies' steps interleave."""
     import torch
     import torch.distributed as dist
 
@@ -214,13 +222,20 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
     cfg = model.config
     if cfg.vocab_size < 256:
         raise ValueError(f"model {args.model!r} has vocab {cfg.vocab_size}; the byte corpus needs 256")
-    config = themis_compile.ThemisConfig(policy=policy, collective_timeout_s=args.timeout)
-    try:
-        model = themis_compile.optimize(model, config)
-    except NotImplementedError as exc:
-        raise _Skip(f"optimize does not implement policy {policy!r} yet: {exc}") from exc
-    runtime = runtime_of(model)
-    names = list(runtime.layers)
+    if policy == "fsdp2":
+        from themis_compile.bench.step import _plain_fsdp2
+
+        model, _ = _plain_fsdp2(model)
+        runtime = None
+        names = [f"moe{i}" for i in range(len(model.moe_layers()))]
+    else:
+        config = themis_compile.ThemisConfig(policy=policy, collective_timeout_s=args.timeout)
+        try:
+            model = themis_compile.optimize(model, config)
+        except NotImplementedError as exc:
+            raise _Skip(f"optimize does not implement policy {policy!r} yet: {exc}") from exc
+        runtime = runtime_of(model)
+        names = list(runtime.layers)
     if (policy in ("themis", "themis-rm") and world > 1
             and all(type(runtime.layers[n]) is ShardedExperts for n in names)):
         raise _Skip(f"the runtime built static EP experts for policy {policy!r}: the FSSDP runtime is not "
@@ -228,7 +243,7 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
     blocks = model.moe_layers()
     recorders = [_local_counts_recorder(b) for b in blocks]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    if hasattr(runtime, "attach_optimizer"):
+    if runtime is not None and hasattr(runtime, "attach_optimizer"):
         runtime.attach_optimizer(opt)
 
     E, L, B, S = cfg.num_experts, len(blocks), args.batch, args.seq_len
@@ -242,12 +257,16 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc=f"{policy:>9}", unit="step", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=args.steps, desc=f"{policy:>9}", unit="step", dynamic_ncols=True, file=sys.stderr,
+                   position=position)
     metrics: dict[str, list] = {"loss": [], "lm_loss": [], "step_time_s": [], "expert_imbalance": [],
                                 "device_imbalance": [], "delta_p": []}
     tokens_per_step = B * S * world
+    yield
     try:
         for step in range(args.steps):
+            if world > 1:
+                dist.barrier()    # the previous policy's step has ended on every rank
             tokens_BS = torch.from_numpy(sample_batch(corpus, step, B * world, S, args.seed)[rank * B:(rank + 1) * B])
             t0 = time.perf_counter()
             logits = model(tokens_BS)
@@ -268,10 +287,14 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
             losses_D2 = all_D[:, :2]
             per_device_DLE = all_D[:, 2:].round().to(torch.int64).view(world, L, E)
             layer_steps = []
-            reported = runtime_stats_of_step(runtime, step)
+            reported = runtime_stats_of_step(runtime, step) if runtime is not None else {}
             for li, name in enumerate(names):
                 stats = reported.get(name)
-                if stats is not None:
+                if runtime is None:
+                    # Plain FSDP2: every rank computes its own tokens with every expert gathered.
+                    tpe, tpde = per_device_DLE[:, li].sum(0).tolist(), per_device_DLE[:, li].tolist()
+                    tpd, delta = per_device_DLE[:, li].sum(1).tolist(), None
+                elif stats is not None:
                     tpe, tpde = list(stats.tokens_per_expert), [list(r) for r in stats.tokens_per_device_expert]
                     tpd, delta = list(stats.device_load), int(stats.delta_p)
                 else:
@@ -300,6 +323,7 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
                     postfix["|dP|"] = metrics["delta_p"][-1]
                 bar.set_postfix(postfix, refresh=False)
                 bar.update(1)
+            yield
     finally:
         if bar is not None:
             bar.close()
@@ -310,7 +334,8 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
 
 
 def worker_main(args: argparse.Namespace) -> None:
-    """One rank under torchrun: train every policy in turn, rank 0 writing the per-policy files."""
+    """One rank under torchrun: train every policy side by side, step i of every policy before step i + 1
+    of any (so that the machine's load cannot favour one of them), rank 0 writing the per-policy files."""
     import datetime
 
     import torch
@@ -322,16 +347,26 @@ def worker_main(args: argparse.Namespace) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         out = Path(args.out)
         corpus = np.fromfile(out / "corpus.bin", dtype=np.uint8)
+        running: dict[str, Any] = {}
         for policy in _policies(args.policies):
+            run = _train_policy(policy, args, corpus, rank, world, out, position=len(running))
             try:
-                result = _train_policy(policy, args, corpus, rank, world, out)
+                next(run)               # build the model (or find that the policy cannot run)
+                running[policy] = run
             except _Skip as exc:
-                result = {"policy": policy, "skipped": str(exc)}
                 if rank == 0:
                     print(f"note: skipping policy {policy!r}: {exc}", file=sys.stderr, flush=True)
-            if rank == 0:
-                (out / f"metrics_{policy}.json").write_text(json.dumps(result))
+                    (out / f"metrics_{policy}.json").write_text(json.dumps({"policy": policy, "skipped": str(exc)}))
             dist.barrier()
+        while running:
+            for policy, run in list(running.items()):
+                try:
+                    next(run)
+                except StopIteration as done:
+                    del running[policy]
+                    if rank == 0:
+                        (out / f"metrics_{policy}.json").write_text(json.dumps(done.value))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -380,10 +415,11 @@ def summarize(out: Path, policies: Sequence[str], warmup: int = 2) -> dict[str, 
                                         for p in names[1:]}
         summary["loss_baseline"] = base
         summary["loss_coincide"] = {p: d <= LOSS_COINCIDE_RTOL for p, d in summary["loss_max_rel_diff"].items()}
-    if "ep" in summary["policies"]:
-        ep_time = summary["policies"]["ep"]["step_time_s"]
-        for stats in summary["policies"].values():
-            stats["speedup_vs_ep"] = ep_time / stats["step_time_s"]
+    for peer in ("ep", "fsdp2"):
+        if peer in summary["policies"]:
+            peer_time = summary["policies"][peer]["step_time_s"]
+            for stats in summary["policies"].values():
+                stats[f"speedup_vs_{peer}"] = peer_time / stats["step_time_s"]
     summary["plots"] = _plot(out, runs)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -459,15 +495,15 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
              f"top-{summary.get('top_k', '?')}, {summary.get('world_size', '?')} ranks, "
              f"{summary.get('tokens_per_step', '?')} tokens/step"]
     header = f"{'policy':>10} {'step ms':>8} {'tokens/s':>9} {'expert imb':>14} {'device imb':>14} " \
-             f"{'|dP|':>6} {'final loss':>10} {'vs ep':>6}"
+             f"{'|dP|':>6} {'final loss':>10} {'vs ep':>6} {'vs fsdp2':>8}"
     lines.append(header)
     for policy, s in summary["policies"].items():
         exp = "/".join(f"{x:.2f}" for x in s["mean_expert_imbalance"])
         dev = "/".join(f"{x:.2f}" for x in s["mean_device_imbalance"])
         dp = "-" if s["mean_delta_p"] is None else f"{s['mean_delta_p']:.1f}"
-        speedup = f"{s['speedup_vs_ep']:.2f}x" if "speedup_vs_ep" in s else "-"
+        vs_ep, vs_fsdp2 = (f"{s[k]:.2f}x" if k in s else "-" for k in ("speedup_vs_ep", "speedup_vs_fsdp2"))
         lines.append(f"{policy:>10} {s['step_time_s'] * 1e3:8.1f} {s['tokens_per_s']:9.0f} {exp:>14} {dev:>14} "
-                     f"{dp:>6} {s['final_loss']:10.4f} {speedup:>6}")
+                     f"{dp:>6} {s['final_loss']:10.4f} {vs_ep:>6} {vs_fsdp2:>8}")
     for policy, why in summary["skipped"].items():
         lines.append(f"{policy:>10} skipped: {why}")
     for policy, diff in summary.get("loss_max_rel_diff", {}).items():
@@ -497,6 +533,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
            "-m", "demo", "--worker",
            "--steps", str(args.steps), "--policies", ",".join(policies), "--out", str(out),
            "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--model", args.model,
+           "--d-ffn", str(args.d_ffn),
            "--router-skew", str(args.router_skew), "--lr", str(args.lr), "--seed", str(args.seed),
            "--timeout", str(args.timeout)]
     if args.no_progress:

@@ -2,16 +2,19 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from themis_compile.bench import step
 
+DEMO_TRACE = Path(__file__).resolve().parents[1] / "sim" / "data" / "demo_trace.jsonl"
+
 
 def test_step_benchmark_reports_every_policy_with_trace(tmp_path):
-    # One launch covers the report, the peers and the profiler breakdown (each launch spawns two ranks
-    # that run every policy: the suite pays for one).
-    out = step.main(["--quick", "--trace", str(tmp_path), "--trace-steps", "1"])
+    # One launch covers the report, the peers, the replay of a recorded routing trace (the demo's: skewed)
+    # and the profiler breakdown (each launch spawns two ranks that run every policy: the suite pays for one).
+    out = step.main(["--quick", "--skew", f"trace:{DEMO_TRACE}", "--trace", str(tmp_path), "--trace-steps", "1"])
     pol = out["policies"]
     assert set(pol) == {"ep", "themis", "themis-rm", "uniform", "fsdp2"}
     for policy, res in pol.items():
@@ -22,9 +25,18 @@ def test_step_benchmark_reports_every_policy_with_trace(tmp_path):
     assert pol["themis"]["mean_delta_p_per_layer"] > 0
     assert pol["themis"]["imbalance_max_over_mean"] < pol["ep"]["imbalance_max_over_mean"]
     assert pol["themis"]["memory_bytes_per_rank"][0]["replica_buffers_peak"] > 0
-    assert out["router_skew"] == 4.0 and out["load_share_std"] > 0.15     # --skew extreme (the default)
+    assert out["router_skew"] == 0.0 and out["load_share_std"] > 0.15     # the replay sets the router bias
+    # Every policy that routes realized the trace's global loads of every timed step, up to rounding to a
+    # rank's T·K = 64 assignments; uniform replaces the router.
+    for policy, res in pol.items():
+        if policy == "uniform":
+            assert res["trace_replay"] is None
+        else:
+            assert res["trace_replay"]["max_share_deviation"] <= 1 / 64, policy
+            assert res["trace_replay"]["share_correlation"] > 0.99, policy
     assert pol["fsdp2"]["memory_bytes_per_rank"][0]["unsharded_buffers_peak"] > 0
-    for key in ("themis_speedup_over_ep", "themis_speedup_over_fsdp2", "themis_over_uniform", "ep_over_uniform"):
+    for key in ("themis_speedup_over_ep", "themis_speedup_over_fsdp2", "themis_over_uniform", "ep_over_uniform",
+                "themis_memory_over_ep", "themis_memory_over_fsdp2"):
         assert key in out["ratios"]
     assert len(out["process_peak_rss_bytes_per_rank"]) == 2
     # Plain FSDP2 trains the same model on the same data: the same global loss as EP and Themis at every

@@ -1,6 +1,6 @@
 """Training-step benchmark: the same model and data under ep, themis, themis-rm, uniform and plain FSDP2.
 
-    torchrun --nproc-per-node 2 -m themis_compile.bench step [--skew paper|extreme|R] [--trace DIR]
+    torchrun --nproc-per-node 2 -m themis_compile.bench step [--skew paper|extreme|trace[:PATH]|R] [--trace DIR]
     python -m themis_compile.bench step ...                 # without torchrun: it relaunches itself
 
 Every policy trains an identical model (same seed, same batches) for ``--warmup`` + ``--steps`` steps,
@@ -12,13 +12,20 @@ counts like the other policies' do, so that all of them train the same global-ba
 ``--skew`` sets the reference model's router bias (``router_skew``): ``paper`` calibrates it on the first
 global batch so that the Std over experts of the load shares (tokens per expert / all assignments, the
 shares summing to 1) is 0.04, the paper's measured range being 0.034-0.046; ``extreme`` is 4.0 (the
-hottest expert receives nearly every token); a number is used as it is. The realized Std of the timed
-steps is reported.
+hottest expert receives nearly every token); a number is used as it is. ``trace[:PATH]`` replays a
+recorded routing trace (the JSONL ``make demo`` writes, default ``runs/demo/trace_ep.jsonl``; format in
+``themis_compile.sim.traces``): bench step s reproduces the loads of the trace's s-th step (cyclically),
+every MoE block's ``router_bias`` being fitted before its forward so that its top-k assigns this rank's
+tokens in the trace's proportions (`themis_compile.bench.replay`); the fitting is the harness's work, the
+same for every policy, and is left out of the step times; every policy reports how closely its realized
+global loads followed the trace (``trace_replay``: max |share deviation|, correlation). The realized
+Std of the timed steps is reported.
 
 The JSON reports per policy the median step time, tokens/s, load imbalance (max/mean rows computed per
 rank), |ΔP| per layer, the global loss of every step, and per rank the bytes of parameters, gradients,
 optimizer state and replica (themis) or unsharded-block (fsdp2) buffers; then the ratios: every policy's
-speed-up over ep and over fsdp2, themis / uniform and ep / uniform. ``--trace DIR`` then profiles
+speed-up over ep and over fsdp2, themis / uniform and ep / uniform, and the model-state memory (max rank)
+of themis, themis-rm over ep and of themis, themis-rm, ep over fsdp2. ``--trace DIR`` then profiles
 ``--trace-steps`` more steps of each policy, writes one chrome trace per policy and rank, and adds the mean
 milliseconds per step of every ``themis::`` profiler range (and FSDP2's ``FSDP::`` ones; rank 0) as
 ``phase_ms_per_step``: ranges nest (``themis::spag_start`` holds ``themis::plan``), so they do not add up
@@ -61,7 +68,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="sequences per rank")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--skew", default="extreme",
-                   help="paper (Std of expert load shares 0.04), extreme (router_skew 4.0) or a router_skew")
+                   help="paper (Std of expert load shares 0.04), extreme (router_skew 4.0), trace[:PATH] "
+                        "(replay a recorded routing trace, default runs/demo/trace_ep.jsonl) or a router_skew")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="after timing, profile each policy and write chrome traces + a per-phase breakdown")
     p.add_argument("--trace-steps", type=int, default=2, help="profiled steps per policy with --trace")
@@ -70,11 +78,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.d_model, args.d_ffn, args.batch, args.seq_len = 2, 1, 32, 64, 2, 16
-    if args.skew not in SKEWS and args.skew != "paper":
+    args.skew_trace = None
+    if args.skew == "trace" or args.skew.startswith("trace:"):
+        from themis_compile.bench.replay import DEFAULT_TRACE
+
+        args.skew_trace = args.skew.partition(":")[2] or DEFAULT_TRACE
+        if not os.path.isfile(args.skew_trace):
+            p.error(f"--skew {args.skew}: no routing trace at {args.skew_trace!r} (`make demo` writes "
+                    f"{DEFAULT_TRACE}; or pass trace:PATH)")
+    elif args.skew not in SKEWS and args.skew != "paper":
         try:
             float(args.skew)
         except ValueError:
-            p.error(f"--skew must be paper, {', '.join(SKEWS)} or a number, got {args.skew!r}")
+            p.error(f"--skew must be paper, {', '.join(SKEWS)}, trace[:PATH] or a number, got {args.skew!r}")
     return args
 
 
@@ -174,6 +190,8 @@ def _resolve_skew(args: argparse.Namespace, world: int) -> float:
         value = [calibrate_router_skew(args, world, PAPER_LOAD_SHARE_STD) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(value, src=0)
         return float(value[0])
+    if args.skew_trace is not None:
+        return 0.0      # the replay sets every router's bias, step by step
     return float(SKEWS.get(args.skew, args.skew))
 
 
@@ -238,6 +256,13 @@ class _PolicyRun:
             self.model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy=policy))
             self.runtime = runtime_of(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.replay = None
+        if args.skew_trace is not None:
+            from themis_compile.bench.replay import TraceReplay
+
+            self.replay = TraceReplay.load(args.skew_trace, args.experts, args.top_k, rank, world)
+            self.replay.install(self.model)
+        self.replay_shares: list[tuple] = []     # (realized, trace) global shares per timed step and layer
         self.gen = _batch_generator()
         self.losses: list = []
         self.share_std: list[float] = []
@@ -254,6 +279,10 @@ class _PolicyRun:
 
         args, rank, world = self.args, self.rank, self.world
         tokens = _global_batch(args, world, self.gen)[rank::world]
+        fit_s = 0.0
+        if self.replay is not None:
+            self.replay.set_step(step)
+            fit_s = self.replay.fit_seconds
         dist.barrier()
         t0 = time.perf_counter()
         with torch.profiler.record_function("bench::step"):
@@ -266,10 +295,17 @@ class _PolicyRun:
             return      # a profiled step (--trace): the measurements are complete
         self.losses.append(loss.detach())
         if timed:
-            self.times.append(time.perf_counter() - t0)
+            # The replay's bias fitting is the harness's work (the same for every policy): not timed.
+            fit_s = 0.0 if self.replay is None else self.replay.fit_seconds - fit_s
+            self.times.append(time.perf_counter() - t0 - fit_s)
             if self.policy != "uniform":     # uniform replaces the router: its shares are flat by design
                 self.share_std.append(statistics.mean(
                     load_share_std(m.last_tokens_per_expert) for m in self.model.moe_layers()))
+                if self.replay is not None:
+                    for layer, m in enumerate(self.model.moe_layers()):
+                        counts_E = m.last_tokens_per_expert.to(torch.float64)
+                        self.replay_shares.append(((counts_E / counts_E.sum()).tolist(),
+                                                   self.replay.target_shares(step, layer, local=False).tolist()))
             for s in (self.runtime.stats if self.runtime is not None else ()):
                 if s.iteration == step:
                     self.delta.append(s.delta_p)
@@ -297,7 +333,14 @@ class _PolicyRun:
             # Themis keeps every layer's replicas alive until that layer's backward: all layers at once.
             replica_bytes *= len(self.runtime.layers)
         med = statistics.median(self.times)
+        replay = None
+        if self.replay_shares:
+            got_N = torch.tensor([g for g, _ in self.replay_shares], dtype=torch.float64).flatten()
+            want_N = torch.tensor([w for _, w in self.replay_shares], dtype=torch.float64).flatten()
+            replay = {"max_share_deviation": float((got_N - want_N).abs().max()),
+                      "share_correlation": float(torch.corrcoef(torch.stack([got_N, want_N]))[0, 1])}
         return {
+            "trace_replay": replay,
             "step_time_s": med,
             "tokens_per_s": args.batch * world * args.seq_len / med,
             "imbalance_max_over_mean": statistics.mean(imbalance) if imbalance else 1.0,
@@ -375,6 +418,7 @@ def _worker(args: argparse.Namespace) -> dict | None:
             "imbalance_max_over_mean": r0["imbalance_max_over_mean"],
             "mean_delta_p_per_layer": r0["mean_delta_p_per_layer"],
             "load_share_std": r0["load_share_std"],
+            "trace_replay": r0["trace_replay"],
             "loss_per_step": r0["loss_per_step"],
             "memory_bytes_per_rank": mem,
             "model_state_bytes_max_rank": max(m["parameters"] + m["gradients"] + m["optimizer_state"]
@@ -390,6 +434,10 @@ def _worker(args: argparse.Namespace) -> dict | None:
     if "fsdp2" in pol:
         out["ratios"].update({f"{p}_speedup_over_fsdp2": pol["fsdp2"]["step_time_s"] / v["step_time_s"]
                               for p, v in pol.items() if p != "fsdp2"})
+        for p in ("themis", "themis-rm", "ep"):
+            if p in pol:
+                out["ratios"][f"{p}_memory_over_fsdp2"] = (pol[p]["model_state_bytes_max_rank"]
+                                                           / pol["fsdp2"]["model_state_bytes_max_rank"])
     if "ep" in pol:
         ep = pol["ep"]
         out["ratios"].update({
@@ -413,12 +461,24 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024     # Linux: KiB
 
 
+def _replay_lines(out: dict) -> list[str]:
+    """With --skew trace: how closely each policy's realized global loads followed the replayed trace."""
+    path = out["config"].get("skew_trace")
+    if path is None:
+        return []
+    cells = [f"{p} max |Δshare| {v['trace_replay']['max_share_deviation']:.4f}, "
+             f"corr {v['trace_replay']['share_correlation']:.4f}"
+             for p, v in out["policies"].items() if v.get("trace_replay")]
+    return [f"replayed trace {path}: " + "; ".join(cells), ""]
+
+
 def format_table(out: dict) -> str:
     """The results as a Markdown table (policies, then ratios and, with --trace, the phase breakdown)."""
     pol = out["policies"]
     std = out["load_share_std"]
     lines = [f"router_skew {out['router_skew']:.3f} (--skew {out['config']['skew']}), load-share Std "
              + ("n/a" if std is None else f"{std:.4f}"), "",
+             *_replay_lines(out),
              "| policy | step s | tokens/s | imbalance | ΔP/layer | model state MiB (max rank) | loss step 0 |",
              "|---|---|---|---|---|---|---|"]
     for p, v in pol.items():
