@@ -135,9 +135,10 @@ def _one_expert_template(experts: nn.Module, num_experts: int) -> nn.Module:
 
 
 def _with_gradient_path(out: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``out`` made to depend (by zero) on every parameter that needs a gradient: an expert run on no rows
-    (:meth:`ExpertBank.run`) still gets its zero gradient, as a stacked or flat weight has one in one process
-    (zeros there) whatever its rows, and AdamW steps it."""
+    """``out`` made to depend (by zero) on every parameter that needs a gradient. A module's own loop may
+    skip an expert without rows (``for e in hit_experts``), which would leave its rows of a stacked or flat
+    weight (and the parameters every expert uses) without gradient; in one process that weight always has
+    one (zeros there), and AdamW steps it."""
     needed = [p for p in params if p.requires_grad]
     if not needed or not torch.is_grad_enabled():
         return out
@@ -321,15 +322,13 @@ class ExpertBank:
         """Run one expert with parameters ``params`` on rows ``x_NH``; ``shared``: the parameters every
         expert uses (:meth:`shared_tensors`), needed when the layer has some.
 
-        No rows: the user's code is not run (its views would have to size zero rows, and ``reshape(0, -1)``
-        is ambiguous); the empty result depends, by zero, on the rows and on every parameter that needs a
-        gradient, shared ones included, so that each gets the zero gradient the user's code would give it
-        and the exchange that brought the rows runs its backward."""
+        No rows: the user's code still runs (its result then has the dtype it has on other rows, under
+        autocast too, which every rank's exchange of the results relies on); a stacked or flat module's own
+        loop may skip an expert without rows, so its empty result is made to depend, by zero, on every
+        parameter that needs a gradient, shared ones included."""
         if self.shared_names and (shared is None or set(shared) != set(self.shared_names)):
             raise ValueError(f"MoE layer {self.layer!r}: its experts use the shared parameters "
                              f"{', '.join(self.shared_names)}; run() needs them (ExpertBank.shared_tensors)")
-        if x_NH.shape[0] == 0:
-            return _with_gradient_path(x_NH * 0, [*params, *(shared or {}).values()])
         if self._stacked is not None:
             return self._stacked.expert_forward(params, x_NH)
         if self.per_expert_modules:
@@ -339,12 +338,14 @@ class ExpertBank:
         weights_N1 = torch.ones((n, 1), dtype=x_NH.dtype, device=x_NH.device)
         if self.flat:
             # Expert e's rows are the whole weight of a one-expert module: w [F, H] is [1 * F, H].
-            return torch.func.functional_call(self._template, dict(zip(self.names, params)),
-                                              (x_NH, ids_N1, weights_N1), strict=True)
+            out = torch.func.functional_call(self._template, dict(zip(self.names, params)),
+                                             (x_NH, ids_N1, weights_N1), strict=True)
+            return _with_gradient_path(out, params) if n == 0 else out
         stacked = {name: p.unsqueeze(0) for name, p in zip(self.names, params)}
         if self.shared_names:
             stacked.update(shared)
-        return torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
+        out = torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
+        return _with_gradient_path(out, [*params, *(shared or {}).values()]) if n == 0 else out
 
 
 def loop_combine(experts: nn.ModuleList, x_TH: torch.Tensor, ids_TK: torch.Tensor,
