@@ -73,6 +73,30 @@ def model_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
+def global_losses(model, opt, batches, loss_fn, start: int = 0, *, save=None, save_at: int | None = None
+                  ) -> list[float]:
+    """Global losses of the steps of ``batches`` from ``start`` on: every rank trains on its slice of each
+    global batch (``loss_fn(model, tokens)``, AdamW-style ``opt``), and the losses are averaged over the
+    ranks; ``save(model, opt)`` runs before step ``save_at`` (the checkpoint-and-resume tests)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    losses = []
+    for step, tokens in enumerate(batches):
+        if step < start:
+            continue
+        if step == save_at and save is not None:
+            save(model, opt)
+        local = tokens.shape[0] // world
+        loss = loss_fn(model, tokens[rank * local:(rank + 1) * local])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
 def _expert_chunks_reference(model) -> dict[tuple[int, int], list[torch.Tensor]]:
     from themis_compile.passes.detect import find_moe_layers
     from themis_compile.runtime.experts import ExpertBank

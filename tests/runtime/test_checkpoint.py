@@ -35,7 +35,7 @@ from themis_compile.checkpoint import RUNTIME_STATE_KEY, get_state_dict, set_sta
 from themis_compile.planner import Placement
 from themis_compile.runtime.ep import expert_sharded_tensor
 from themis_compile.testing import run_multirank
-from tests.runtime.equivalence import _batches, make_model, make_optimizer, model_loss
+from tests.runtime.equivalence import _batches, global_losses, make_model, make_optimizer, model_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
 
@@ -74,23 +74,8 @@ def _build(name: str, policy: str | None):
 
 def _train(model, opt, start: int, stop: int, *, save=None) -> list[float]:
     """Global losses of steps [start, stop); ``save(model, opt)`` runs before step SAVE_AT."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    local = BATCH // world
-    losses = []
-    for step, tokens in enumerate(_batches(stop, BATCH, SEQ, model.config.vocab_size)):
-        if step < start:
-            continue
-        if step == SAVE_AT and save is not None:
-            save(model, opt)
-        loss = model_loss(model, tokens[rank * local:(rank + 1) * local])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return global_losses(model, opt, _batches(stop, BATCH, SEQ, model.config.vocab_size), model_loss, start,
+                         save=save, save_at=SAVE_AT)
 
 
 def _save(path: str, options, record: dict | None = None):

@@ -22,7 +22,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -38,6 +37,7 @@ from themis_compile.runtime.experts import ExpertBank, flat_layout
 from themis_compile.testing import run_multirank
 from tests.passes import hf_families as hf
 from tests.passes import zoo_models as zoo
+from tests.runtime.equivalence import global_losses
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
 
@@ -159,23 +159,7 @@ def test_explain_names_the_flat_layout():
 
 # ---------------------------------------------------------------------------------- 2 ranks
 def _train(model, opt, start: int, stop: int, *, save=None) -> list[float]:
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    local = BATCH // world
-    losses = []
-    for step, tokens in enumerate(_tokens()[:stop]):
-        if step < start:
-            continue
-        if step == SAVE_AT and save is not None:
-            save(model, opt)
-        loss = hf.family_loss(model, tokens[rank * local:(rank + 1) * local])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return global_losses(model, opt, _tokens()[:stop], hf.family_loss, start, save=save, save_at=SAVE_AT)
 
 
 def _optimized(policy: str):

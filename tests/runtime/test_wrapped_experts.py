@@ -19,7 +19,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -35,6 +34,7 @@ from themis_compile.runtime.experts import ExpertBank, expert_modules, wrapped_e
 from themis_compile.testing import run_multirank
 from tests.passes import zoo_models as zoo
 from tests.passes.test_zoo_training import _model as skewed_zoo_model
+from tests.runtime.equivalence import global_losses
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
 
@@ -118,23 +118,8 @@ def _batches() -> list[torch.Tensor]:
 
 
 def _train(model, opt, start: int, *, save=None) -> list[float]:
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    local = BATCH // world
-    losses = []
-    for step, tokens in enumerate(_batches()):
-        if step < start:
-            continue
-        if step == SAVE_AT and save is not None:
-            save(model, opt)
-        loss = model.loss(tokens[rank * local:(rank + 1) * local])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return global_losses(model, opt, _batches(), lambda model, tokens: model.loss(tokens), start, save=save,
+                         save_at=SAVE_AT)
 
 
 def _load(model, opt, path: str, *, runtime_state: bool = True) -> None:
