@@ -1,7 +1,7 @@
 """``simulate --paper``: the paper's §5 experiments on the simulator, next to the figures the paper reports.
 
 Every run uses the same inputs for a given cluster and model (`themis_compile.sim.setup.build_setup`
-defaults, synthetic traces at `traces.PAPER_CV` with the default dynamics); nothing is tuned per row.
+defaults, synthetic traces at `traces.model_cv` with the default dynamics); nothing is tuned per row.
 Each row carries ours/paper, and a row outside ±20 % carries the modeling assumption responsible.
 """
 
@@ -15,7 +15,7 @@ from themis_compile.cost_model.cluster import Cluster, get_cluster
 from themis_compile.models.presets import PAPER_PRESETS
 from themis_compile.sim.engine import DEFAULT_POLICIES, SimResult, simulate
 from themis_compile.sim.setup import build_setup, resolve_model_config
-from themis_compile.sim.traces import PAPER_SHARE_STD, RoutingTrace, model_cv, synthetic_trace
+from themis_compile.sim.traces import PAPER_CV, RoutingTrace, model_cv, synthetic_trace
 
 __all__ = ["TOLERANCE", "MAX_PLAN_BYTES", "run_config", "paper_report", "format_paper_report", "weak_scaling",
            "format_weak_scaling"]
@@ -63,20 +63,23 @@ _EXPLAIN: dict[str, tuple[str, str]] = {
         "NCCL broadcasts, and it shadows without the t cap that binds Themis (t = {t_fig9})"),
     "ep_vs_uniform": (
         "the all-to-all is charged at its ingress/egress lower bound, so EP's hot-spot ingress costs the full "
-        "bound while Uniform's balanced traffic reaches it; every model is given Qwen's share Std {std} at 32 GPUs",
+        "bound while Uniform's balanced traffic reaches it; every model is given the same CV {cv:.2f} at 32 GPUs",
         "EP's penalty is straggler compute plus hot-spot ingress at the all-to-all's lower bound; the "
         "synthetic traces have no source locality and compute charges no kernel-efficiency or memory penalty "
         "to overloaded devices, so imbalance costs less than measured"),
     "topk": (
-        "the CV of the expert shares is held as k grows, so EP's straggler grows with the k-fold tokens "
-        "while Themis's t = {t_topk} replicas per layer cover a fixed share of them",
+        "the CV of the expert shares is held as k grows, so EP's straggler and its hot node's all-to-all "
+        "ingress grow linearly with the k-fold assignments at their lower bounds, while only attention and "
+        "the optimizer stay fixed; the measured EP grows less (its gate may flatten as k grows, and its "
+        "fixed costs are larger than modeled)",
         "with the CV held, EP's all-to-all grows linearly with k at its lower bound while its straggler's "
         "share stays put; the paper's gate flattens less as k grows"),
     "weak_scaling": (
-        "the CV is held as E grows with the GPUs, so EP's hottest expert keeps its share of a k-fold larger "
-        "cluster's tokens; t = {t_weak} replicas cover it",
-        "the CV is held as the EP degree grows, while the paper observes EP's imbalance worsening with the EP "
-        "degree; t = {t_weak} (DeepSeek-V3, Cluster A) also caps Themis"),
+        "the Std of the shares is held as E grows with the GPUs (CV {cv_weak}), so EP's imbalance worsens "
+        "with the EP degree, as §5.4 observes; t = {t_weak} replicas cover more of it than measured",
+        "the Std of the shares is held as E grows with the GPUs (CV {cv_weak}); Themis replicates t = "
+        "{t_weak} of 4 experts per device (DeepSeek-V3, Cluster A), a share of the load that falls as E "
+        "grows, and the rest crosses more nodes"),
     "memory": (
         "replicas are charged with their parameters in every layer until backward (t = {t_mem} per layer on "
         "every device); the paper may free some earlier",
@@ -92,8 +95,10 @@ _EXPLAIN: dict[str, tuple[str, str]] = {
     "a2a": (
         "Themis's all-to-all is charged at its lower bound after placement removes the hot spots",
         "the all-to-all is charged at its ingress/egress lower bound: Themis keeps the tokens that the t = "
-        "{t_mem} replicated experts draw on their own node, but the rest still cross nodes at full cost, and "
-        "EP's waiting for the straggler counts only its extra compute"),
+        "{t_mem} replicated experts draw on their own device, but at CV {cv:.2f} over 32 experts those carry "
+        "about half the load, and the rest still crosses nodes at full cost (the 13x needs the top {t_mem} "
+        "experts to carry over 90 %: a more skewed Phi-3.5-MoE, which would put its EP/Uniform above the "
+        "paper's range)"),
     "plan_time": (
         "planning runs in one Python process on a shared CPU, and the simulated plans include calibration "
         "and the dispatch plan",
@@ -188,7 +193,8 @@ def paper_report(iterations: int = 20, progress: bool = False, quick: bool = Fal
     fig9_runs = [r for k, r in runs.items() if k.startswith("fig9/")]
     t_fig9 = sorted({r["setup"]["overlap_degree"] for r in fig9_runs})
     m_fig9 = sorted({r["setup"]["materialization_budget"] for r in fig9_runs})
-    ctx = {"std": PAPER_SHARE_STD,
+    ctx = {"cv": PAPER_CV,
+           "cv_weak": "/".join(f"{model_cv(4, 4 * n, n):.2f}" for n in (16, 64)),
            "t_fig9": f"{t_fig9[0]}-{t_fig9[-1]}" if len(t_fig9) > 1 else str(t_fig9[0]),
            "m_fig9": f"{m_fig9[0]}-{m_fig9[-1]}" if len(m_fig9) > 1 else str(m_fig9[0]),
            "t_topk": "/".join(map(str, t_topk)),
