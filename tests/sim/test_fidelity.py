@@ -64,6 +64,7 @@ def test_one_skew_for_every_model_std_held_as_the_ep_degree_grows() -> None:
     # Weak scaling (E = 4 per device): the Std of the shares is held, so the CV grows with E.
     assert model_cv(4, 64, 16) == pytest.approx(0.64)
     assert model_cv(4, 256, 64) == pytest.approx(2.56)
+    assert model_cv(4, 1024, 256) == model_cv(4, 256, 64)                    # past the paper's 64 GPUs: held
     assert model_cv(None, 64, 16) == PAPER_CV                                # E fixed: no scaling
 
 

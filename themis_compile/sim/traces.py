@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RoutingRecord", "RoutingTrace", "synthetic_trace", "load_skew", "load_cv", "proportions_with_skew",
            "trace_statistics", "model_cv", "read_jsonl", "write_jsonl", "PAPER_CV", "PAPER_SHARE_STD",
-           "DEFAULT_DRIFT", "DEFAULT_JITTER"]
+           "PAPER_MAX_DEVICES", "DEFAULT_DRIFT", "DEFAULT_JITTER"]
 
 # Fig. 16a: Std 0.04 of Qwen1.5-MoE's "per-expert token proportion" (between the 0.034 and 0.046 of its
 # loss weights 0.1 and 0), E = 64 experts, top-4, on the paper's 32 GPUs. The paper does not say whether
@@ -59,6 +59,8 @@ __all__ = ["RoutingRecord", "RoutingTrace", "synthetic_trace", "load_skew", "loa
 # paper measures no other model's skew; all train with the same auxiliary loss weight 0.001, §5.1).
 PAPER_SHARE_STD = 0.04
 PAPER_DEVICES = 32
+# The largest EP degree the paper measures (Fig. 13b): the skew's growth with E is known up to there.
+PAPER_MAX_DEVICES = 64
 PAPER_CV = math.sqrt((64 * PAPER_SHARE_STD) * (64 * PAPER_SHARE_STD / 4))
 # Step-to-step dynamics of the synthetic latent, matched to a routing trace the demo recorded (`make
 # demo`; tests/sim/data/demo_trace.jsonl): its lag-1 autocorrelation of the shares and how often the
@@ -175,15 +177,15 @@ def model_cv(experts_per_device: int | None, num_experts: int, num_devices: int)
     """The CV a model's synthetic traces use: `PAPER_CV` at its 32-GPU configuration (E_32 = experts per
     device · 32 experts), with the Std of the shares held as E grows with the EP degree, CV = PAPER_CV · E /
     E_32 (§5.4: "baseline systems suffer increasing latency at larger EP degrees due to worsening load
-    imbalance"; weak scaling of DeepSeek-V3: CV 0.64 at 16 GPUs, 2.56 at 64). A model whose E does not
-    scale with the devices (``experts_per_device`` None) keeps `PAPER_CV`. The CV does not depend on k.
-
-    Shares are capped at 1/k (`synthetic_trace`), so a CV beyond sqrt(E/k - 1) cannot be reached; the
-    generator then uses the most skewed feasible shares and logs a warning.
+    imbalance"; weak scaling of DeepSeek-V3: CV 0.64 at 16 GPUs, 2.56 at 64). Past the paper's largest EP
+    degree (`PAPER_MAX_DEVICES`) nothing says how the imbalance grows: the CV is held at its value there. A
+    model whose E does not scale with the devices (``experts_per_device`` None) keeps `PAPER_CV`. The CV
+    does not depend on k.
     """
     if not experts_per_device:
         return PAPER_CV
-    return PAPER_CV * num_experts / (experts_per_device * PAPER_DEVICES)
+    experts = min(num_experts, experts_per_device * PAPER_MAX_DEVICES)
+    return PAPER_CV * experts / (experts_per_device * PAPER_DEVICES)
 
 
 def load_skew(tokens_E: np.ndarray) -> float:
