@@ -234,3 +234,17 @@ def test_weak_scaling_past_the_papers_scale(capsys):
     assert json.loads(capsys.readouterr().out)[0]["devices"] == 16
     with pytest.raises(SystemExit, match="GB"):
         cli.main(["--weak-scaling", "1024", "--no-progress"])
+
+
+def test_themis_resharding_is_amortized_over_its_interval() -> None:
+    """§5.3: re-sharding latency amortized over its interval. The one Alg. 2 re-sharding of a short run
+    (in the warm-up) is paid by every measured iteration, a 1/interval share of it."""
+    trace = _trace(10)
+    rearr = {}
+    for interval in (50, 100):
+        setup = sim.build_setup(_model(), _cluster(), batch=2, overlap_degree=3, reshard_interval=interval)
+        res = sim.simulate(setup, trace, ("ep", "themis"), warmup=4)
+        rearr[interval] = res.policies["themis"].breakdown_s["Rearr"]
+        assert res.policies["ep"].breakdown_s["Rearr"] == 0.0
+    assert rearr[100] > 0
+    assert rearr[50] == pytest.approx(2.0 * rearr[100], rel=1e-9)

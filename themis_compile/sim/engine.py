@@ -318,7 +318,7 @@ class _PolicyRun:
             self.result.plan_s += plan_s
         self.sum_max = max(self.sum_max, int(added_sum_D.max()))
         self.owned_max = max(self.owned_max, int(owned_D.max()))
-        migrate_s = coster.migration_time(nbytes, new_copies)
+        migrate_s = charges.rearrangement_s(coster.migration_time(nbytes, new_copies))
         _, _, rep_opt = charges.held_replicas(self.sum_max, self.layer_max)
         tl = _iteration(setup, coster, costs, migrate_s, rep_opt * setup.expert_params,
                         self.owned_max * setup.expert_params, record=record)

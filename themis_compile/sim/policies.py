@@ -11,6 +11,8 @@ at a policy's name:
   state (migration, re-sharding);
 * `PolicyCharges.held_replicas` — the replica parameters, gradients and optimizer states the peak
   device holds at once (Fig. 12);
+* `PolicyCharges.rearrangement_s` — what an iteration pays for the migration of persistent state (in
+  full when it happens; Themis's re-sharding amortized over its interval, §5.3);
 * `PolicyCharges.begin` / `PolicyCharges.end_iteration` — steady-state set-up (Themis re-shards once
   inside the warm-up);
 * `PolicyCharges.take_plan_times` — wall times of the materialization plans (Alg. 1) it computed.
@@ -70,6 +72,11 @@ class PolicyCharges:
         """(replica params, replica grads, replica optimizer states) in experts, on the peak device, from
         the most replicas a device added over all layers (``sum_max``) and in one layer (``layer_max``)."""
         return 0, 0, 0
+
+    def rearrangement_s(self, migrate_s: float) -> float:
+        """The migration time an iteration is charged, given what its persistent-state changes cost
+        (``migrate_s``, `Coster.migration_time`): all of it, in the iteration that makes them."""
+        return migrate_s
 
     def begin(self, warmup: int, early_reshard: bool) -> None:
         """Called once before the first iteration."""
@@ -136,6 +143,16 @@ class ThemisCharges(PolicyCharges):
     def __init__(self, name: str, setup: SimSetup) -> None:
         super().__init__(name, setup)
         self._plan_s: list[float] = []
+        self._reshard_s = 0.0
+
+    def rearrangement_s(self, migrate_s: float) -> float:
+        """§5.3 counts Themis's "re-sharding latency amortized over its interval": every iteration pays the
+        last Alg. 2 re-sharding's migration time over ``reshard_interval`` (a run shorter than the interval
+        would otherwise never see one, or see one in full)."""
+        if migrate_s > 0:
+            self._reshard_s = migrate_s
+        interval = self.setup.reshard_interval
+        return self._reshard_s / interval if interval else migrate_s
 
     def begin(self, warmup: int, early_reshard: bool) -> None:
         # Measure the steady state: the first Alg. 2 re-sharding runs in the last warm-up iteration.
