@@ -52,10 +52,9 @@ __all__ = ["RoutingRecord", "RoutingTrace", "synthetic_trace", "load_skew", "loa
 # loss weights 0.1 and 0), E = 64 experts, top-4, on the paper's 32 GPUs. The paper does not say whether
 # the proportions sum to 1 (shares of routed assignments, as Fig. 3 plots them: CV = 64 * 0.04 = 2.56) or
 # to k (the fraction of tokens that pick the expert: CV = 64 * 0.04 / 4 = 0.64). The one skew-dependent
-# figure it reports for every Fig. 9 configuration, EP 1.48x-2.87x slower than Uniform (§5.2), rules out
-# neither alone at ±20 % but centres between them: at CV 2.56 the simulated slowdowns are 1.75-3.42 (every
-# configuration at or above the paper's top, mean 2.5), at 0.74 1.17-1.83, at their geometric mean 1.28
-# 1.37-2.75. `PAPER_CV` is that geometric mean, the same for every model at its 32-GPU configuration (the
+# figure it reports for every Fig. 9 configuration, EP 1.48x-2.87x slower than Uniform (§5.2), centres
+# between them: at CV 2.56 the simulated slowdowns are 1.75-3.42 (mean 2.50, above the range's centre
+# 2.18 in 7 of 10 runs), at 0.74 1.17-1.83 (below the range), at their geometric mean 1.28 1.37-2.75. `PAPER_CV` is that geometric mean, the same for every model at its 32-GPU configuration (the
 # paper measures no other model's skew; all train with the same auxiliary loss weight 0.001, §5.1).
 PAPER_SHARE_STD = 0.04
 PAPER_DEVICES = 32
