@@ -69,9 +69,10 @@ _EXPLAIN: dict[str, tuple[str, str]] = {
         "to overloaded devices, so imbalance costs less than measured"),
     "topk": (
         "the CV of the expert shares is held as k grows, so EP's straggler and its hot node's all-to-all "
-        "ingress grow linearly with the k-fold assignments at their lower bounds, while only attention and "
-        "the optimizer stay fixed; the measured EP grows less (its gate may flatten as k grows, and its "
-        "fixed costs are larger than modeled)",
+        "ingress grow linearly with the k-fold assignments at their lower bounds, while attention, the LM "
+        "head, the shared expert and the optimizer stay fixed; the measured EP grows less: its fixed costs "
+        "are larger than modeled (the released Qwen1.5-MoE's shared expert is 4x the preset's) or its gate "
+        "flattens as k grows",
         "with the CV held, EP's all-to-all grows linearly with k at its lower bound while its straggler's "
         "share stays put; the paper's gate flattens less as k grows"),
     "weak_scaling": (
