@@ -2228,7 +2228,7 @@ def _joined_layer(name: str, module: nn.Module, child: _ExpertsChild, call: tupl
     (called on rows sorted by expert, ``[N, H] -> [N, W]``): joined with a second stacked module of as many
     experts called on the same counts (``[N, F] -> [N, H]``) and the block's code between the two calls, read
     off a probe and proved row-wise (:mod:`themis_compile.passes.joined`). ``rewrite == "joined"``; raises
-    _Reject with the reason when no second half joins it so."""
+    _CallReject with the reason when no second half joins it so."""
     rows_NH, counts = call
     E, N = child.num_experts, rows_NH.shape[0]
     seen = (f"'{child.attr}' is called on rows sorted by expert ({_describe_call(call)}) but maps rows of width "
@@ -2266,7 +2266,7 @@ def _joined_layer(name: str, module: nn.Module, child: _ExpertsChild, call: tupl
         if (mismatch := combine_mismatch(plan.experts_of(module), rows_NH, ids_N1.to(rows_NH.device),
                                          torch.ones(ids_N1.shape, dtype=rows_NH.dtype, device=rows_NH.device),
                                          E)) is not None:
-            raise _Reject(f"{seen}, joined with '{second.attr}': {mismatch}")
+            raise _CallReject(f"{seen}, joined with '{second.attr}': {mismatch}")
         rec_calls = record_calls(module, x)
         T = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
         router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
@@ -2279,7 +2279,7 @@ def _joined_layer(name: str, module: nn.Module, child: _ExpertsChild, call: tupl
             activation=f"{child.attr} -> {describe_between(rec.between)} -> {second.attr}", shared_experts=False,
             experts_attr=plan.attr, rewrite="joined", router_path=router_path or "",
             score_fn=rec_calls.scores[0] if rec_calls.scores else "none", hidden_size=H, probe_flat=flat, plan=plan)
-    raise _Reject(f"{seen}; {why}")
+    raise _CallReject(f"{seen}; {why}")
 
 
 def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
