@@ -57,6 +57,12 @@ class ParameterBetween(SplitExpertsMoE):
         return super().between(h) * self.scale               # a parameter of the block inside the expert
 
 
+class BranchBetween(SplitExpertsMoE):
+    def between(self, h: torch.Tensor) -> torch.Tensor:
+        h = super().between(h)
+        return h * 0.5 if (h.abs() > 100).any() else h      # Python control flow on the rows' values
+
+
 class Holder(nn.Module):
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
@@ -135,6 +141,7 @@ def test_state_dict_and_checkpoint_keys_stay_the_users():
     (CumsumBetween, "the code between 'input_linear' and 'output_linear' cannot be part of an expert: the code "
                     "between the two calls mixes rows"),
     (ParameterBetween, "mul uses a tensor [32] that is not computed from the first half's rows"),
+    (BranchBetween, "__bool__ reads values of the rows into Python"),
 ])
 def test_code_between_the_halves_that_is_not_row_wise_is_rejected(block, phrase):
     model = Holder(block())

@@ -63,11 +63,14 @@ from themis_compile.runtime.experts import NUM_EXPERTS_ATTRS
 
 # --- Step 1: the code between the two calls -----------------------------------------------------------
 
+_VALUE_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+                torch.Tensor.__float__, torch.Tensor.__index__}
+
 class BetweenRecorder(TorchFunctionMode):
     """Records, as an FX graph of one input, the torch functions applied to ``root`` (the first half's
     output) and to everything computed from it, until :meth:`finish` names the tensor given to the second
     half. ``reason`` says why the code cannot be replayed on other rows (a tensor not computed from
-    ``root`` used beside it, a tensor modified in place), None while it can."""
+    ``root`` used beside it, a tensor modified in place, a value read into Python), None while it can."""
 
     def __init__(self, root: torch.Tensor) -> None:
         super().__init__()
@@ -93,6 +96,9 @@ class BetweenRecorder(TorchFunctionMode):
                                "half's rows (a parameter of the block, a routing value)")
             elif func is torch.Tensor.__setitem__ or any(out is v for v in flat if isinstance(v, torch.Tensor)):
                 self.reason = f"{name} modifies rows in place"
+            elif func in _VALUE_READS:
+                # Python control flow on the rows' values would be replayed as the probe took it.
+                self.reason = f"{name} reads values of the rows into Python (a branch or a count on them)"
         if self.reason is not None or not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
             return out      # (a size, a dtype: used as constants where the code goes on)
         node = self.graph.call_function(func, *tree_map(lambda v: self._tracked(v) or v, (tuple(args), kwargs)))
