@@ -66,6 +66,7 @@ from themis_compile.runtime.experts import NUM_EXPERTS_ATTRS
 _VALUE_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
                 torch.Tensor.__float__, torch.Tensor.__index__}
 
+
 class BetweenRecorder(TorchFunctionMode):
     """Records, as an FX graph of one input, the torch functions applied to ``root`` (the first half's
     output) and to everything computed from it, until :meth:`finish` names the tensor given to the second
