@@ -21,7 +21,9 @@ its behaviour on a probe shows it: its experts child, swapped for a stand-in, is
 ``experts(rows_NH sorted by expert, counts_E)``, ``experts(x_TH, one-hot mask_TKE, weights_TK)``,
 ``experts(x_BSH, ids_TK, weights_TK)`` (unflattened), ``experts(x [E*T, H])`` (every expert on every
 row, Llama 4: :class:`AllRowsPlan`) or ``experts(x, scores_TE, weights_TK, ids_TK)`` (the router's dense
-scores beside the top-k, any order) and the output is unchanged. A whole-module call is accepted only
+scores beside the top-k, any order) and the output is unchanged; a sorted-rows call that changes the
+rows' width is half of every expert, joined with the second half and the block's row-wise code between
+the two calls (JetMoE, :mod:`themis_compile.passes.joined`). A whole-module call is accepted only
 when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
@@ -38,7 +40,9 @@ Contract:
     ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` / ``"all-rows"`` /
     ``"scores-call"`` when the experts are called per slot, on sorted rows, with a one-hot mask, on
     unflattened hidden states, on every row or with the router's dense scores (found by behaviour;
-    :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"dense-dispatch"`` for
+    :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"joined"`` for two halves
+    of every expert called on the same sorted rows (``experts_attr`` names the joined module the rewrite
+    adds, :class:`~themis_compile.passes.joined.JoinedPlan`); ``"dense-dispatch"`` for
     dense ``[T, E, C]`` dispatch and combine tensors (the forward is rewritten).
     ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace, or
     over a ``ModuleDict`` of experts (found by behaviour: ``getattr(self.experts, key)``, HF Switch
