@@ -15,7 +15,7 @@ EXPECTED = {
     "hf_qwen2_moe_v4": None,
     "gpt_fast": None,      # experts(x, ids) -> [T, K, H]: the per-slot rewrite
     "torchtitan": None,    # experts(rows sorted by expert, counts): the sorted-rows rewrite
-    "jetmoe": "called as input_linear(Tensor[16, 32], list)",
+    "jetmoe": None,        # two ParallelExperts halves on sorted rows, row-wise code between: joined
     "deepseek_v3": None,   # untraceable counts loop that skips empty experts: capture and replay
     "switch": None,        # top-1 by max, weight after the loop: inline-loop rewrite with weights 1
     "fairseq_top2": None,  # [T, E, C] dispatch and combine tensors: the dense-dispatch rewrite

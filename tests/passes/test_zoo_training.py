@@ -125,11 +125,13 @@ def _reference(style: str):
     infos, _ = find_moe_layers(model)
     experts = {}
     for info in infos:
-        module = getattr(info.module, info.experts_attr)
+        module = info.experts
         bank = ExpertBank(module)
         for e in range(bank.num_experts):
             experts[(info.name, e)] = [t.detach().clone() for t in bank.chunk(module, e)]
-    prefixes = _experts_prefixes([(i.name, i.experts_attr) for i in infos])
+    # (Experts joined from two halves of the block are the halves in the unmodified model.)
+    prefixes = _experts_prefixes([(i.name, a) for i in infos
+                                  for a in ((i.plan.first, i.plan.second) if i.rewrite == "joined" else (i.experts_attr,))])
     return losses, _dense_params(model, prefixes), experts
 
 

@@ -21,7 +21,9 @@ its behaviour on a probe shows it: its experts child, swapped for a stand-in, is
 ``experts(rows_NH sorted by expert, counts_E)``, ``experts(x_TH, one-hot mask_TKE, weights_TK)``,
 ``experts(x_BSH, ids_TK, weights_TK)`` (unflattened), ``experts(x [E*T, H])`` (every expert on every
 row, Llama 4: :class:`AllRowsPlan`) or ``experts(x, scores_TE, weights_TK, ids_TK)`` (the router's dense
-scores beside the top-k, any order) and the output is unchanged. A whole-module call is accepted only
+scores beside the top-k, any order) and the output is unchanged; a sorted-rows call that changes the
+rows' width is half of every expert, joined with the second half and the block's row-wise code between
+the two calls (JetMoE, :mod:`themis_compile.passes.joined`). A whole-module call is accepted only
 when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
 Contract:
@@ -38,7 +40,9 @@ Contract:
     ``"per-slot"`` / ``"sorted-rows"`` / ``"dispatch-mask"`` / ``"flatten"`` / ``"all-rows"`` /
     ``"scores-call"`` when the experts are called per slot, on sorted rows, with a one-hot mask, on
     unflattened hidden states, on every row or with the router's dense scores (found by behaviour;
-    :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"dense-dispatch"`` for
+    :mod:`themis_compile.passes.shard` rewrites the call, not the forward); ``"joined"`` for two halves
+    of every expert called on the same sorted rows (``experts_attr`` names the joined module the rewrite
+    adds, :class:`~themis_compile.passes.joined.JoinedPlan`); ``"dense-dispatch"`` for
     dense ``[T, E, C]`` dispatch and combine tensors (the forward is rewritten).
     ``"replay"`` when the forward loops over a ``ModuleList`` of experts in code FX cannot trace, or
     over a ``ModuleDict`` of experts (found by behaviour: ``getattr(self.experts, key)``, HF Switch
@@ -86,6 +90,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from themis_compile.passes.joined import (JoinedPlan, describe_between, free_attribute, record_between,
+                                          row_mixing_reason)
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
                                           replay_mismatch, restored_attributes)
 from themis_compile.runtime.experts import (ExpertBank, declared_num_experts, expert_modules, loop_combine,
@@ -107,14 +113,15 @@ class MoELayerInfo:
     top_k: int
     experts_form: str          # "modulelist" | "stacked" | "flat" (stacked as [E * F, ...] rows) |
                                # "moduledict" (run one by one by the block itself) |
-                               # "wrapped" (a ModuleList inside a wrapper module)
+                               # "wrapped" (a ModuleList inside a wrapper module) |
+                               # "joined" (two stacked halves of every expert, passes.joined)
     router: str                # how the router scores experts, e.g. "linear gate [E=8, H=64] -> softmax -> top-k"
     activation: str
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
     rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
                                                # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay" |
-                                               # "all-rows" | "scores-call"
+                                               # "all-rows" | "scores-call" | "joined"
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -127,12 +134,15 @@ class MoELayerInfo:
                                                # (Megatron-Core's (output, output_bias) without bias: 1)
     plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
                                                                  # (passes.replay.ReplayPlan for "replay",
-                                                                 # AllRowsPlan for "all-rows")
+                                                                 # AllRowsPlan for "all-rows",
+                                                                 # passes.joined.JoinedPlan for "joined")
     probe_call: RecordedCall | None = field(default=None, repr=False, compare=False)   # the arguments it is
                                                 # probed with when hidden states alone do not run it
 
     @property
     def experts(self) -> nn.Module:
+        if self.rewrite == "joined":    # the two halves joined (passes.joined): held once rewritten
+            return self.plan.experts_of(self.module)
         return getattr(self.module, self.experts_attr)
 
     def shared_parameter_names(self) -> tuple[str, ...]:
@@ -161,7 +171,9 @@ class MoELayerInfo:
                 "all-rows": f"calls {self.experts_attr}(x [E*T, H]) on every row (rewritten to one experts "
                             "call)",
                 "scores-call": f"calls {self.experts_attr}(x, scores [T, E], weights, ids) in some order (rewritten "
-                               "to one experts(x, ids, weights) call)"}.get(self.rewrite,
+                               "to one experts(x, ids, weights) call)",
+                "joined": f"calls two halves of its experts on rows sorted by expert, row-wise code between them "
+                          f"(joined into '{self.experts_attr}', rewritten to one experts call)"}.get(self.rewrite,
                                                                                                  self.rewrite)
         text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
@@ -2143,10 +2155,9 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                            and sum(_counts(calls[0][1])) == calls[0][0].shape[0]
                            and rows_out is not None and rows_out.shape[0] == calls[0][0].shape[0])
             if sorted_rows and rows_out.shape != calls[0][0].shape:
-                raise _Reject(f"'{child.attr}' is called on rows sorted by expert ({_describe_call(calls[0])}) but "
-                              f"maps rows of width {calls[0][0].shape[-1]} to {rows_out.shape[-1]}: "
-                              "only part of each expert (JetMoE ParallelExperts); an experts module must hold "
-                              "whole experts, mapping [N, H] rows to [N, H]")
+                # Half of every expert (JetMoE ParallelExperts): joined with the other half it is called
+                # with on the same rows, and the block's row-wise code between the two calls.
+                return _joined_layer(name, module, child, calls[0], rows_out, x, routers, H, flat)
             if (mask := dispatch_mask_call(calls, child.num_experts)) is not None:
                 return _dispatch_mask_layer(name, module, child, mask, x, routers, H, flat)
             if (scores_plan := scores_call_plan(calls, T)) is not None:
@@ -2213,6 +2224,66 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                       "block on hidden states alone: keep the MoE in a module called as moe(hidden_states), "
                       "with any other input (token ids for hash routing, masks) optional")
     return None
+
+
+def _joined_layer(name: str, module: nn.Module, child: _ExpertsChild, call: tuple, out_NW: torch.Tensor,
+                  x: torch.Tensor, routers: list[tuple[str, int, int]], H: int, flat: bool) -> MoELayerInfo:
+    """The layer of a block whose stacked experts module ``child`` holds only the first half of every expert
+    (called on rows sorted by expert, ``[N, H] -> [N, W]``): joined with a second stacked module of as many
+    experts called on the same counts (``[N, F] -> [N, H]``) and the block's code between the two calls, read
+    off a probe and proved row-wise (:mod:`themis_compile.passes.joined`). ``rewrite == "joined"``; raises
+    _CallReject with the reason when no second half joins it so."""
+    rows_NH, counts = call
+    E, N = child.num_experts, rows_NH.shape[0]
+    seen = (f"'{child.attr}' is called on rows sorted by expert ({_describe_call(call)}) but maps rows of width "
+            f"{rows_NH.shape[-1]} to {out_NW.shape[-1]}: only part of each expert")
+    why = ("no other stacked module of as many experts is called on the same rows after it; hold whole experts in "
+           "one module mapping [N, H] rows to [N, H], or the second half in a stacked module called as "
+           f"second(rows, counts) on the rows the code after '{child.attr}' computes")
+    for second in _experts_children(module):
+        if second.attr == child.attr or second.form != "stacked" or second.num_experts != E:
+            continue
+        rec = record_between(module, child.attr, second.attr, lambda: run_probe(module, x))
+        firsts = [c for w, c in rec.calls if w == "first"]
+        seconds = [(c, o) for (w, c), o in zip(rec.calls, rec.outputs) if w == "second"]
+        if len(firsts) != 1 or len(seconds) != 1:
+            why = (f"'{child.attr}' and '{second.attr}' are called {len(firsts)} and {len(seconds)} times per forward; "
+                   "each half must be called once")
+            continue
+        (second_call, second_out), (second_rows, _) = seconds[0], returned_rows(seconds[0][1])
+        if not (len(second_call) == 2 and _counts(second_call[1]) == _counts(counts)
+                and isinstance(second_call[0], torch.Tensor) and second_call[0].shape[0] == N
+                and second_rows is not None and tuple(second_rows.shape) == tuple(rows_NH.shape)):
+            why = (f"'{second.attr}' is called as {second.attr}({_describe_call(second_call)}) -> "
+                   f"{_describe_call((second_out,))}, not on the {N} rows and counts of '{child.attr}' returning "
+                   f"[{N}, {rows_NH.shape[-1]}] rows")
+            continue
+        if rec.reason is not None or (why_rows := row_mixing_reason(rec.between, rec.h)) is not None:
+            why = (f"the code between '{child.attr}' and '{second.attr}' cannot be part of an expert: "
+                   f"{rec.reason or why_rows}; keep it row-wise (each row computed from that row alone by torch "
+                   "functions)")
+            continue
+        plan = JoinedPlan(attr=free_attribute(module), first=child.attr, second=second.attr, between=rec.between,
+                          width=int(out_NW.shape[-1]), num_experts=E,
+                          counts_as_list=not isinstance(counts, torch.Tensor))
+        ids_N1 = torch.repeat_interleave(torch.arange(E), torch.as_tensor(_counts(counts))).view(-1, 1)
+        if (mismatch := combine_mismatch(plan.experts_of(module), rows_NH, ids_N1.to(rows_NH.device),
+                                         torch.ones(ids_N1.shape, dtype=rows_NH.dtype, device=rows_NH.device),
+                                         E)) is not None:
+            raise _CallReject(f"{seen}, joined with '{second.attr}': {mismatch}")
+        rec_calls = record_calls(module, x)
+        T = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
+        router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
+        scores = "+".join(dict.fromkeys(rec_calls.scores)) or "none"
+        selection = ", ".join(dict.fromkeys(rec_calls.selections)) or "no top-k/max/sort call (masks)"
+        return MoELayerInfo(
+            name=name, module=module, num_experts=E, top_k=max(1, N // T), experts_form="joined",
+            router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, rows sorted "
+                    f"by expert with counts at '{child.attr}' and '{second.attr}' (behaviour)"),
+            activation=f"{child.attr} -> {describe_between(rec.between)} -> {second.attr}", shared_experts=False,
+            experts_attr=plan.attr, rewrite="joined", router_path=router_path or "",
+            score_fn=rec_calls.scores[0] if rec_calls.scores else "none", hidden_size=H, probe_flat=flat, plan=plan)
+    raise _CallReject(f"{seen}; {why}")
 
 
 def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
@@ -2672,7 +2743,10 @@ def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = 
                                                 "all-rows": "experts(x [E*T, H]), every expert on every row "
                                                             "(rewritten by optimize)",
                                                 "scores-call": "experts(x, scores [T, E], weights, ids) (rewritten "
-                                                               "by optimize to experts(x, ids, weights))"}.get(
+                                                               "by optimize to experts(x, ids, weights))",
+                                                "joined": "two halves of each expert on rows sorted by expert, "
+                                                          "row-wise code between them (joined by optimize into "
+                                                          f"'{info.experts_attr}', one experts call)"}.get(
                                                     info.rewrite, "inline loop over the experts (rewritten by "
                                                     "optimize)"))
     if rejected:

@@ -97,6 +97,7 @@ from themis_compile.passes.detect import (
     selections_of,
     trace_block_with_method_leaves,
 )
+from themis_compile.passes.joined import apply_joined
 from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch
 from themis_compile.runtime.experts import loop_combine, wrapped_expert_list
 
@@ -720,6 +721,12 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
                     info.experts_attr, info.experts_attr,
                     f"the nonzero rows (top-{info.plan.slots})" if info.plan.sparse else "every row")
         return
+    if info.rewrite == "joined":
+        apply_joined(info.module, info.plan, layer=info.name)
+        info.rewritten = True
+        logger.info("MoE layer %s: %s and %s joined into %s, served by one %s(x, ids, weights) call", info.name,
+                    info.plan.first, info.plan.second, info.experts_attr, info.experts_attr)
+        return
     if info.rewrite == "replay":
         plan = info.plan if isinstance(info.plan, ReplayPlan) else ReplayPlan(num_experts=info.num_experts)
         apply_replay(info.module, info.experts_attr, plan, layer=info.name)
@@ -855,16 +862,16 @@ def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], s
                        if isinstance(v, torch.Tensor)})
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
-        if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows"):
+        if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows", "joined"):
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr],
                                                                  info.num_experts)
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
         if info.rewrite == "dense-dispatch":
             verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
-        if info.rewrite in ("all-rows", "replay") and (why := gradient_mismatch(info.module, trial, _probe_for(info),
-                                                                              PROBE_SEED)) is not None:
-            what = {"all-rows": "all-rows", "replay": "capture-and-replay"}[info.rewrite]
+        if info.rewrite in ("all-rows", "replay", "joined") and (why := gradient_mismatch(
+                info.module, trial, _probe_for(info), PROBE_SEED)) is not None:
+            what = {"all-rows": "all-rows", "replay": "capture-and-replay", "joined": "joined"}[info.rewrite]
             raise ValueError(f"MoE layer {info.name!r}: the {what} rewrite does not reproduce the gradients of "
                              f"the original on a probe input ({why}); the model was left unchanged")
     for info in todo:
