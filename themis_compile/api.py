@@ -19,7 +19,7 @@ from themis_compile.runtime import deadline
 from themis_compile.runtime.budgets import BudgetController
 from themis_compile.runtime.collectives import collective_device
 from themis_compile.runtime.ep import ShardedExperts, uniform_ids
-from themis_compile.runtime.experts import ExpertBank
+from themis_compile.runtime.experts import ExpertBank, zero_rows_of
 from themis_compile.runtime.fssdp import FSSDPExperts, FSSDPState, default_budgets
 from themis_compile.runtime.registry import ThemisRuntime, optimized_models, register, runtime_of
 from themis_compile.runtime.reshard import ReshardScheduler
@@ -201,6 +201,7 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
 
     # The owned experts' modules, not the sharded layers: a layer's shared parameters are DDP's.
     owned = [m.expert(e) for m in sharded for e in m.owned_experts()]
+    owned += [rows for m in sharded if (rows := zero_rows_of(m)) is not None]   # held by one rank each, too
     replicate(model, ignored_modules=owned, process_group=group, find_unused_parameters=bool(conditional))
 
 
