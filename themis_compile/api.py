@@ -300,6 +300,12 @@ def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:
         if hasattr(experts, "owned_experts"):
             owned = experts.owned_experts()
             text += f"; this rank owns {len(owned)}: {owned}"
+        if info is not None and info.zero_experts:
+            rows = zero_rows_of(experts)
+            E = experts.num_experts
+            held = f"rows {E + rows.span[0]}..{E + rows.span[1] - 1}" if rows is not None else "none"
+            text += (f"; {info.zero_experts} zero (identity) experts served by the block (their rows of the stacked "
+                     f"weights, never read, held split over the ranks; here: {held})")
         shared = getattr(getattr(experts, "bank", None), "shared_names", ())
         if shared:
             text += f"; parameters every expert uses (dense, data-parallel): {', '.join(shared)}"

@@ -338,6 +338,9 @@ class ShardedExperts(nn.Module):
     stacked experts module's parameters that every expert uses (``bank.shared_names``, a shared norm) are
     held as they were, under their own names: dense parameters of the model (``shared_parameters``), data
     parallel through the dense wrapper like any other, read live at every expert call.
+    A stacked module with zero-expert rows after its experts' (``bank.zero_rows``, LongCat-Flash) has this
+    rank's share of them as a ``zero_expert_rows`` child (``runtime.experts.ZeroExpertRows``): held like
+    the experts (``expert_parameters``), never read, shown under the weight's own key in state dicts.
     When the user's experts module wraps its list (``bank.list_name``, Megatron-Core
     ``SequentialMLP.local_experts``) the owned experts are the children of one ``nn.ModuleDict`` child of
     that name (``...experts.local_experts.4.fc1.weight``).
