@@ -105,9 +105,10 @@ def _tokens() -> list[torch.Tensor]:
     return [torch.randint(0, V, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _train(model, opt, start: int, *, clip, save=None) -> list[float]:
+def _train(model, opt, start: int, *, clip, save=None, norms: list | None = None) -> list[float]:
     """Global losses of steps ``start..STEPS``: each rank its slice of the global batch, gradients clipped
-    to MAX_NORM (``clip``: torch's, or themis' drop-in), ``save(model, opt)`` before step SAVE_AT."""
+    to MAX_NORM (``clip``: torch's, or themis' drop-in; the norms before clipping appended to ``norms``),
+    ``save(model, opt)`` before step SAVE_AT."""
     dist = torch.distributed
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     losses = []
@@ -119,7 +120,9 @@ def _train(model, opt, start: int, *, clip, save=None) -> list[float]:
         local = BATCH // world
         loss = _loss(model, tokens[rank * local:(rank + 1) * local])
         loss.backward()
-        clip(model.parameters(), MAX_NORM)
+        norm = clip(model.parameters(), MAX_NORM)
+        if norms is not None:
+            norms.append(float(norm))
         opt.step()
         opt.zero_grad()
         t = loss.detach().clone()
@@ -187,7 +190,8 @@ def _two_ranks(rank: int, world_size: int, path: str) -> dict:
                                          reshard_interval=2)
     model = themis_compile.optimize(_model(), config, strict=True)
     opt = _adamw(model)
-    out["losses"] = _train(model, opt, 0, clip=clip_grad_norm_, save=save)
+    out["norms"] = []
+    out["losses"] = _train(model, opt, 0, clip=clip_grad_norm_, save=save, norms=out["norms"])
     sd = model.state_dict()
     out["state_dict"] = {k: (tuple(v.metadata().size), _local_rows(v)) for k, v in sd.items() if ".experts." in k}
     out["dense"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
@@ -214,8 +218,9 @@ def _reference():
     def save(model, opt):
         at_save.update({k: v.detach().clone() for k, v in model.state_dict().items()})
 
-    losses = _train(model, opt, 0, clip=torch.nn.utils.clip_grad_norm_, save=save)
-    return losses, initial, {k: v.detach().clone() for k, v in model.state_dict().items()}, at_save
+    norms = []
+    losses = _train(model, opt, 0, clip=torch.nn.utils.clip_grad_norm_, save=save, norms=norms)
+    return (losses, norms), initial, {k: v.detach().clone() for k, v in model.state_dict().items()}, at_save
 
 
 @pytest.fixture(scope="module")
@@ -236,11 +241,13 @@ def _assert_rows_match(chunks: dict[int, torch.Tensor], full: torch.Tensor, what
 
 
 def test_two_ranks_train_like_one_process_with_weight_decay(two_rank_run):
-    _, (losses, initial, final, _), results = two_rank_run
+    _, ((losses, norms), initial, final, _), results = two_rank_run
     # The zero-expert rows are never read, yet weight decay moved them in one process.
     assert not torch.allclose(final["moe.experts.gate_up_proj"][E:], initial[E:])
+    assert max(norms) > MAX_NORM, norms          # clipping is active
     for r in results:
         assert _rel(r["losses"], losses) < 1e-5, (r["losses"], losses)
+        assert _rel(r["norms"], norms) < 1e-5, (r["norms"], norms)     # themis' clip_grad_norm_: one norm
         for k, v in r["dense"].items():
             torch.testing.assert_close(v, final[k], rtol=1e-4, atol=5e-5, msg=k)
     # Every row of both stacked weights, each held by exactly one rank, as one process trained it.
@@ -256,7 +263,7 @@ def test_two_ranks_train_like_one_process_with_weight_decay(two_rank_run):
 
 
 def test_checkpoint_holds_the_user_keys_and_resumes_under_ep(two_rank_run):
-    _, (losses, _, final, _), results = two_rank_run
+    _, ((losses, _), _, final, _), results = two_rank_run
     for r in results:
         assert r["checkpoint"]["moe.experts.gate_up_proj"] == (E + Z, 2 * FF, H)
         assert r["checkpoint"]["moe.experts.gate_up_proj.exp_avg"] == (E + Z, 2 * FF, H)
@@ -267,7 +274,7 @@ def test_checkpoint_holds_the_user_keys_and_resumes_under_ep(two_rank_run):
 
 
 def test_checkpoint_loads_into_the_unmodified_model(two_rank_run, tmp_path):
-    path, (losses, _, final, at_save), _ = two_rank_run
+    path, ((losses, _), _, final, at_save), _ = two_rank_run
     dcp_to_torch_save(path, tmp_path / "full.pt")
     state = torch.load(tmp_path / "full.pt", weights_only=False)
     model = _model()
