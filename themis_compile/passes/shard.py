@@ -19,7 +19,9 @@ unflattened hidden states (DBRX), on every row with the routing folded into the 
 keep their forward: while it runs, the experts attribute is seen as an adapter (:class:`PerSlotCall`,
 :class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`, :class:`AllRowsCall`,
 :class:`ScoresCall`) serving that call with one ``experts(x, ids, weights)`` call, and the experts
-module's class gets that interface.
+module's class gets that interface. Blocks whose experts stack Z zero (identity) experts after the E real
+ones (LongCat-Flash, ids in ``[0, E + Z)``) keep their forward with the experts seen as
+:class:`ZeroExpertsCall`: the ids ``< E`` go to the experts, the others add ``weight * x`` in the block.
 
 Blocks whose forward calls ``experts[i](rows)`` in code FX cannot trace keep their forward too; it runs
 twice around one ``experts(x, ids, weights)`` call (capture and replay, :mod:`themis_compile.passes.replay`).
