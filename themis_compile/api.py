@@ -19,7 +19,7 @@ from themis_compile.runtime import deadline
 from themis_compile.runtime.budgets import BudgetController
 from themis_compile.runtime.collectives import collective_device
 from themis_compile.runtime.ep import ShardedExperts, uniform_ids
-from themis_compile.runtime.experts import ExpertBank
+from themis_compile.runtime.experts import ExpertBank, zero_rows_of
 from themis_compile.runtime.fssdp import FSSDPExperts, FSSDPState, default_budgets
 from themis_compile.runtime.registry import ThemisRuntime, optimized_models, register, runtime_of
 from themis_compile.runtime.reshard import ReshardScheduler
@@ -201,6 +201,7 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
 
     # The owned experts' modules, not the sharded layers: a layer's shared parameters are DDP's.
     owned = [m.expert(e) for m in sharded for e in m.owned_experts()]
+    owned += [rows for m in sharded if (rows := zero_rows_of(m)) is not None]   # held by one rank each, too
     replicate(model, ignored_modules=owned, process_group=group, find_unused_parameters=bool(conditional))
 
 
@@ -299,6 +300,12 @@ def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:
         if hasattr(experts, "owned_experts"):
             owned = experts.owned_experts()
             text += f"; this rank owns {len(owned)}: {owned}"
+        if info is not None and info.zero_experts:
+            rows = zero_rows_of(experts)
+            E = experts.num_experts
+            held = f"rows {E + rows.span[0]}..{E + rows.span[1] - 1}" if rows is not None else "none"
+            text += (f"; {info.zero_experts} zero (identity) experts served by the block (their rows of the stacked "
+                     f"weights, never read, held split over the ranks; here: {held})")
         shared = getattr(getattr(experts, "bank", None), "shared_names", ())
         if shared:
             text += f"; parameters every expert uses (dense, data-parallel): {', '.join(shared)}"

@@ -60,7 +60,9 @@ from torch.distributed.checkpoint import state_dict as _dsd
 
 from themis_compile.planner import Placement
 from themis_compile.runtime import deadline
-from themis_compile.runtime.ep import ShardedExperts, expert_sharded_tensor, expert_slice
+from themis_compile.runtime.ep import (ShardedExperts, expert_sharded_tensor, expert_slice, leading_rows,
+                                       zero_rows_sharded_tensor)
+from themis_compile.runtime.experts import ZERO_ROWS_CHILD, zero_rows_of
 from themis_compile.runtime.fssdp import FSSDPExperts
 from themis_compile.runtime.registry import ThemisRuntime
 from themis_compile.runtime.reshard import move_experts
@@ -234,6 +236,10 @@ class _StackedLayer:
         # The owned expert's parameter as torch's functions name it (ExpertShard under child "e").
         return f"{self.prefix}.{e}.{name.replace('.', '__')}"
 
+    def zero_rows_fqn(self, name: str) -> str:
+        # This rank's zero-expert rows of weight ``name`` (runtime.experts.ZeroExpertRows).
+        return f"{self.prefix}.{ZERO_ROWS_CHILD}.{name.replace('.', '__')}"
+
 
 def _stacked_layers(model: nn.Module, runtime: ThemisRuntime) -> list[_StackedLayer]:
     ours = {id(m) for m in runtime.layers.values()}
@@ -274,6 +280,10 @@ def _stack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer], timeout_
     for layer in layers:
         m = layer.module
         owned = m.owned_experts()
+        if not owned and zero_rows_of(m) is not None:
+            raise NotImplementedError(f"checkpoint: MoE layer {m.layer!r}: this rank holds zero-expert rows of "
+                                      f"{', '.join(m.bank.zero_rows)} but no expert of the layer; its optimizer "
+                                      "state cannot be merged into the stacked entry")
         if not owned:
             continue       # the owners write this layer's entries
         for i, name in enumerate(m.bank.names):
@@ -297,6 +307,8 @@ def _stack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer], timeout_
             frozen = {e for e in owned if not _expert_param(m, e, name).requires_grad}
             merged = _merge_expert_state(m, stacked, per_weight[stacked], tuple(m.bank.spec[i][0]), frozen,
                                          templates.get(stacked), _expert_param(m, owned[0], name).device)
+            if name in m.bank.zero_rows:
+                merged = _with_zero_rows_state(optim_sd, layer, name, merged, flat)
             if merged:
                 if flat:
                     optim_sd.update({f"{_STATE}.{stacked}.{k}": v for k, v in merged.items()})
@@ -321,6 +333,65 @@ def _stack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer], timeout_
                     params = [p for p in g[_PARAMS] if p not in names]
                     params.insert([j for j, p in enumerate(g[_PARAMS]) if p in names][0], stacked)
                     g[_PARAMS] = params
+
+
+def _with_zero_rows_state(optim_sd: dict, layer: _StackedLayer, name: str, merged: dict, flat: bool) -> dict:
+    """The merged ``[E, ...]`` state of a weight that holds zero-expert rows, extended by the state of the
+    rows this rank holds (popped from ``optim_sd``, param groups included) to the user's ``[E + Z, ...]``:
+    its tensors join as the rows' chunks, its scalars (Adam's ``step``) must equal the experts'."""
+    m = layer.module
+    fqn = layer.zero_rows_fqn(name)
+    stacked = layer.stacked_fqn(name)
+    if flat:
+        rows_state = _pop_prefixed(optim_sd, f"{_STATE}.{fqn}.")
+        _pop_prefixed(optim_sd, f"{_PG}.{fqn}.")
+    else:
+        rows_state = optim_sd[_STATE].pop(fqn, None) or {}
+        for g in optim_sd[_PG]:
+            g[_PARAMS] = [p for p in g[_PARAMS] if p != fqn]
+    held = zero_rows_of(m) is not None
+    if held and merged.keys() != rows_state.keys():
+        raise RuntimeError(f"{stacked}: the zero-expert rows' optimizer state {sorted(rows_state)} is not the "
+                           f"experts' {sorted(merged)}")
+    out = {}
+    for k, v in merged.items():
+        if isinstance(v, ShardedTensor) or (torch.is_tensor(v) and v.dim() > 0):
+            out[k] = zero_rows_sharded_tensor(v, rows_state.get(k), m.num_experts, m.bank.zero_rows[name], m.group,
+                                              name=f"{stacked}.{k}")
+        else:
+            if held and not _same(v, rows_state[k]):
+                raise RuntimeError(f"{stacked}: optimizer state {k!r} of the zero-expert rows ({rows_state[k]}) "
+                                   f"differs from the experts' ({v}); a stacked weight holds one value")
+            out[k] = v
+    return out
+
+
+def _unstack_zero_rows_state(optim_sd: dict, layer: _StackedLayer, name: str, state: dict | None,
+                             hyper: dict | None, flat: bool) -> None:
+    """The inverse of :func:`_with_zero_rows_state` for the rows this rank holds (in place)."""
+    m = layer.module
+    rows = zero_rows_of(m)
+    if rows is None:
+        return
+    fqn, stacked = layer.zero_rows_fqn(name), layer.stacked_fqn(name)
+    lo, hi = rows.span
+    E = m.num_experts
+
+    def value(k, v):
+        if isinstance(v, ShardedTensor) or (torch.is_tensor(v) and v.dim() > 0):
+            return leading_rows(v, E + lo, E + hi, f"{stacked}.{k}").clone()
+        return v.clone() if torch.is_tensor(v) else v
+
+    if flat:
+        if rows.rows(name).requires_grad:
+            optim_sd.update({f"{_STATE}.{fqn}.{k}": value(k, v) for k, v in (state or {}).items()})
+        optim_sd.update({f"{_PG}.{fqn}.{k}": v for k, v in (hyper or {}).items()})
+        return
+    if state is not None and rows.rows(name).requires_grad:
+        optim_sd[_STATE][fqn] = {k: value(k, v) for k, v in state.items()}
+    for g in optim_sd[_PG]:
+        if stacked in g[_PARAMS]:
+            g[_PARAMS] = g[_PARAMS] + [fqn]
 
 
 def _expert_param(m: ShardedExperts, e: int, name: str) -> torch.Tensor:
@@ -389,7 +460,7 @@ def _merge_expert_state(m: ShardedExperts, stacked: str, per_expert: dict[int, d
     return merged
 
 
-def _expert_value(value, e: int, m: ShardedExperts, shape: tuple, name: str):
+def _expert_value(value, e: int, m: ShardedExperts, shape: tuple, name: str, zero_rows: int = 0):
     if m.bank.flat:
         # A flat weight's state: [E * F, ...], expert e's chunk its rows (shape is one expert's [F, ...]).
         if isinstance(value, ShardedTensor) or (torch.is_tensor(value) and value.dim() == len(shape) > 0
@@ -399,7 +470,8 @@ def _expert_value(value, e: int, m: ShardedExperts, shape: tuple, name: str):
         return value.clone() if torch.is_tensor(value) else value
     if isinstance(value, ShardedTensor) or (torch.is_tensor(value) and tuple(value.shape[1:]) == shape
                                             and value.dim() == len(shape) + 1 and value.dim() > 1):
-        return expert_slice(value, e, m.num_experts, name)
+        # (zero_rows: Z zero-expert rows follow the E experts' in this weight, [E + Z, ...].)
+        return expert_slice(value, e, m.num_experts + zero_rows, name)
     # A shared scalar: each expert's parameter gets its own copy (Adam increments step in place).
     return value.clone() if torch.is_tensor(value) else value
 
@@ -417,21 +489,26 @@ def _unstack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer]) -> Non
             internal = {e: layer.internal_fqn(e, name) for e in owned}
             # A frozen expert gets no optimizer state, as in a run that never saved.
             trained = [e for e in owned if _expert_param(m, e, name).requires_grad]
+            Z = m.bank.zero_rows.get(name, 0)
             if flat:
                 state = _pop_prefixed(optim_sd, f"{_STATE}.{stacked}.")
                 hyper = _pop_prefixed(optim_sd, f"{_PG}.{stacked}.")
                 for e in owned:
                     if e in trained:
                         optim_sd.update({f"{_STATE}.{internal[e]}.{k}": _expert_value(v, e, m, shape,
-                                                                                    f"{stacked}.{k}")
+                                                                                    f"{stacked}.{k}", Z)
                                          for k, v in state.items()})
                     optim_sd.update({f"{_PG}.{internal[e]}.{k}": v for k, v in hyper.items()})
+                if Z:
+                    _unstack_zero_rows_state(optim_sd, layer, name, state, hyper, flat)
                 continue
             state = optim_sd[_STATE].pop(stacked, None)
             if state is not None:
                 for e in trained:
-                    optim_sd[_STATE][internal[e]] = {k: _expert_value(v, e, m, shape, f"{stacked}.{k}")
+                    optim_sd[_STATE][internal[e]] = {k: _expert_value(v, e, m, shape, f"{stacked}.{k}", Z)
                                                      for k, v in state.items()}
+            if Z:
+                _unstack_zero_rows_state(optim_sd, layer, name, state, None, flat)
             for g in optim_sd[_PG]:
                 if stacked in g[_PARAMS]:
                     j = g[_PARAMS].index(stacked)

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -95,7 +96,7 @@ from themis_compile.passes.joined import (JoinedPlan, describe_between, free_att
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
                                           replay_mismatch, restored_attributes)
 from themis_compile.runtime.experts import (ExpertBank, declared_num_experts, expert_modules, loop_combine,
-                                            stacked_layout, wrapped_expert_list)
+                                            stacked_layout, wrapped_expert_list, zero_expert_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class MoELayerInfo:
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
     rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
                                                # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay" |
-                                               # "all-rows" | "scores-call" | "joined"
+                                               # "all-rows" | "scores-call" | "joined" | "zero-experts"
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -130,6 +131,7 @@ class MoELayerInfo:
     rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
     probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
     skips_empty_experts: bool = False          # runs only the experts that receive tokens (skips_empty_experts)
+    zero_experts: int = 0                      # Z identity experts with ids [E, E + Z) (zero-experts rewrite)
     call_tail: int = 0                         # sorted-rows: Nones the experts call returns after its rows
                                                # (Megatron-Core's (output, output_bias) without bias: 1)
     plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
@@ -173,9 +175,13 @@ class MoELayerInfo:
                 "scores-call": f"calls {self.experts_attr}(x, scores [T, E], weights, ids) in some order (rewritten "
                                "to one experts(x, ids, weights) call)",
                 "joined": f"calls two halves of its experts on rows sorted by expert, row-wise code between them "
-                          f"(joined into '{self.experts_attr}', rewritten to one experts call)"}.get(self.rewrite,
+                          f"(joined into '{self.experts_attr}', rewritten to one experts call)",
+                "zero-experts": f"calls {self.experts_attr}(x, ids, weights) with ids in [0, E + Z) (the "
+                                f"{self.zero_experts} ids >= E add weight * x, served by the rewrite; the others "
+                                "by the runtime)"}.get(self.rewrite,
                                                                                                  self.rewrite)
-        text = (f"{self.num_experts} experts ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
+        zero = f" + {self.zero_experts} zero (identity) experts" if self.zero_experts else ""
+        text = (f"{self.num_experts} experts{zero} ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
         if self.aux_losses:
             text += f"; auxiliary: {'; '.join(self.aux_losses)}"
@@ -1129,6 +1135,64 @@ def _outputs_close(a: Any, b: Any) -> bool:
     return True
 
 
+def zero_experts_mismatch(experts: nn.Module, bank: ExpertBank, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                          weights_TK: torch.Tensor) -> str | None:
+    """Why a stacked experts module with zero-expert rows (``bank.zero_rows``, HF LongCat-Flash) does not
+    compute what the zero-experts rewrite computes, or None when it does: ``out[t] = sum over slots with
+    id < E of weights * expert_id(x[t])`` (each expert alone, as the runtime runs it) ``+ sum over slots
+    with id in [E, E + Z) of weights * x[t]`` (identity experts), and rows ``[E, E + Z)`` of its weights
+    never read (their gradient on the probe exactly 0; in one process they are then stepped on a zero
+    gradient, as the sharded experts step them)."""
+    E, Z = bank.num_experts, bank.num_zero_experts
+    if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= E + Z):
+        return (f"it routes tokens to ids outside [0, {E + Z}) ({E} experts and {Z} zero experts; ids "
+                f"{int(ids_TK.min())}..{int(ids_TK.max())})")
+    real_TK = ids_TK < E
+    with torch.enable_grad():
+        weights = {name: experts.get_parameter(name) for name in bank.zero_rows}
+        expected = experts(x_TH, ids_TK, weights_TK)
+        if not isinstance(expected, torch.Tensor) or expected.shape != x_TH.shape:
+            return (f"{type(experts).__name__}(x, ids, weights) returns "
+                    f"{getattr(expected, 'shape', type(expected).__name__)}, not [T, H]")
+        upstream = torch.randn(expected.shape, generator=torch.Generator().manual_seed(PROBE_SEED)).to(expected)
+        grads = torch.autograd.grad((expected * upstream).sum(), list(weights.values()), allow_unused=True)
+    for (name, w), g in zip(weights.items(), grads):
+        if g is not None and bool(g[E:].ne(0).any()):
+            return (f"its forward reads rows [{E}, {E + Z}) of {name} {list(w.shape)} (their gradient is not 0 on a "
+                    f"probe), which belong to none of its {E} experts")
+    out = RuntimeReference(experts, E)(x_TH, torch.where(real_TK, ids_TK, 0),
+                                       torch.where(real_TK, weights_TK, 0)).double()
+    out = out + x_TH.double() * torch.where(real_TK, 0, weights_TK).double().sum(-1, keepdim=True)
+    if not torch.allclose(expected.detach().double(), out, rtol=1e-4, atol=1e-5):
+        err = float((expected.detach().double() - out).abs().max())
+        return (f"{type(experts).__name__}(x, ids, weights) holds {Z} zero-expert rows after its {E} experts in "
+                f"{', '.join(bank.zero_rows)}, but is not sum_k weights * expert_ids(x) over ids < {E} plus "
+                f"weights * x over ids >= {E} (identity experts; differs by {err:.3g})")
+    return None
+
+
+def zero_experts_layer(info: MoELayerInfo | None) -> MoELayerInfo | None:
+    """``info`` for the zero-experts rewrite when its experts stack zero (identity) experts after the real
+    ones (:func:`~themis_compile.runtime.experts.zero_expert_rows`; :func:`combine_mismatch` proved the
+    call on a probe): E the real experts, Z the zero ones, the router's width E + Z. Such experts are
+    served only when called as ``experts(x, ids, weights)``; any other call of them is rejected."""
+    if info is None or zero_expert_rows(info.experts) is None:
+        return info
+    bank = ExpertBank(info.experts, layer=info.name)
+    if info.rewrite != "none":
+        raise _Reject(f"'{info.experts_attr}' holds {bank.num_zero_experts} zero-expert rows after its "
+                      f"{bank.num_experts} experts ({', '.join(bank.zero_rows)}) and is served only when called as "
+                      f"{info.experts_attr}(x, ids, weights) (its call: {info.rewrite})")
+    E, Z = bank.num_experts, bank.num_zero_experts
+    router = info.router
+    path, width, H = next((r for r in _router_widths(info.module, info.experts) if r[1] == E + Z),
+                          (info.router_path or None, E + Z, info.hidden_size))
+    if "]: " in router:
+        router = f"'{path}' [E={width}, H={H}]: " + router.split("]: ", 1)[1]
+    return dataclasses.replace(info, num_experts=E, zero_experts=Z, rewrite="zero-experts", router=router,
+                               router_path=path or "")
+
+
 def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                      num_experts: int | None = None) -> str | None:
     """Why the sharded runtime would not compute what ``experts(x_TH, ids_TK, weights_TK)`` computes, or
@@ -1146,6 +1210,8 @@ def combine_mismatch(experts: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tenso
                     "hold them as a ModuleList of identical modules or as parameters stacked [E, ...] (but for "
                     "parameters every expert uses)")
         E = bank.num_experts
+        if bank.zero_rows:
+            return zero_experts_mismatch(experts, bank, x_TH, ids_TK, weights_TK)
         if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= E):
             return (f"it routes tokens to ids outside [0, {E}) (ids {int(ids_TK.min())}..{int(ids_TK.max())}: "
                     f"zero/identity experts or dropped tokens); make every routed id name one of the {E} "
@@ -2676,7 +2742,7 @@ def _find_in(model: nn.Module, names: set[str] | None = None, outside: list[MoEL
         if any(name == f"{f.name}.{f.experts_attr}" or name.startswith(f"{f.name}.{f.experts_attr}.") for f in found):
             continue     # the experts of a layer found: sharded with it, not a candidate of their own
         try:
-            info = _inspect(name, module)
+            info = zero_experts_layer(_inspect(name, module))
         except _Reject as why:
             rejected.append((name, why))
             logger.debug("rejected %s: %s", name, why)
@@ -2746,7 +2812,9 @@ def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = 
                                                                "by optimize to experts(x, ids, weights))",
                                                 "joined": "two halves of each expert on rows sorted by expert, "
                                                           "row-wise code between them (joined by optimize into "
-                                                          f"'{info.experts_attr}', one experts call)"}.get(
+                                                          f"'{info.experts_attr}', one experts call)",
+                                                "zero-experts": "experts(x, ids, weights), ids >= E identity "
+                                                                "experts (served by the rewrite)"}.get(
                                                     info.rewrite, "inline loop over the experts (rewritten by "
                                                     "optimize)"))
     if rejected:

@@ -19,7 +19,9 @@ unflattened hidden states (DBRX), on every row with the routing folded into the 
 keep their forward: while it runs, the experts attribute is seen as an adapter (:class:`PerSlotCall`,
 :class:`SortedRowsCall`, :class:`DispatchMaskCall`, :class:`FlattenCall`, :class:`AllRowsCall`,
 :class:`ScoresCall`) serving that call with one ``experts(x, ids, weights)`` call, and the experts
-module's class gets that interface.
+module's class gets that interface. Blocks whose experts stack Z zero (identity) experts after the E real
+ones (LongCat-Flash, ids in ``[0, E + Z)``) keep their forward with the experts seen as
+:class:`ZeroExpertsCall`: the ids ``< E`` go to the experts, the others add ``weight * x`` in the block.
 
 Blocks whose forward calls ``experts[i](rows)`` in code FX cannot trace keep their forward too; it runs
 twice around one ``experts(x, ids, weights)`` call (capture and replay, :mod:`themis_compile.passes.replay`).
@@ -99,7 +101,7 @@ from themis_compile.passes.detect import (
 )
 from themis_compile.passes.joined import apply_joined
 from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch
-from themis_compile.runtime.experts import loop_combine, wrapped_expert_list
+from themis_compile.runtime.experts import loop_combine, with_zero_rows_gradient, wrapped_expert_list
 
 logger = logging.getLogger(__name__)
 
@@ -601,6 +603,33 @@ def _served_block_class(block_cls: type, attr: str, view: Callable[[nn.Module], 
                                                    "_themis_original_class": block_cls})
 
 
+class ZeroExpertsCall:
+    """``self.<experts>`` as a block whose experts stack Z zero (identity) experts after the E real ones
+    sees it (HF LongCat-Flash: ``experts(x_TH, ids_TK, weights_TK)`` with ids in ``[0, E + Z)``, an id
+    ``>= E`` adding ``weight * x``). Served as the user's code serves it, the slots split by id:
+
+        real_N         = the (token, slot) pairs with id < E
+        out_TH         = index_add over real_N of experts(x[token_N], ids[real_N, None], weights[real_N, None])
+        out_TH        += x_TH * (sum of the weights of the slots with id >= E)     # identity experts, locally
+
+    so that ids ``>= E`` never reach the runtime (one row per real slot, routed with its weight). The
+    zero-expert rows the sharded experts hold on this rank (``runtime.experts.ZeroExpertRows``) get their
+    zero gradient here, every call, as in one process."""
+
+    def __init__(self, experts: nn.Module, num_experts: int) -> None:
+        self.experts, self.num_experts = experts, num_experts
+
+    def __call__(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        real_TK = ids_TK < self.num_experts
+        token_N, slot_N = torch.nonzero(real_TK, as_tuple=True)
+        y_NH = self.experts(x_TH[token_N], ids_TK[token_N, slot_N].unsqueeze(1),
+                            weights_TK[token_N, slot_N].unsqueeze(1))
+        out_TH = torch.zeros_like(x_TH).index_add(0, token_N, y_NH.to(x_TH.dtype))
+        identity_T1 = torch.where(real_TK, 0, weights_TK).sum(-1, keepdim=True)
+        out_TH = out_TH + (x_TH * identity_T1).to(x_TH.dtype)
+        return with_zero_rows_gradient(out_TH, self.experts)
+
+
 class ScoresCall:
     """``self.<experts>`` as a block calling it with the router's dense scores besides the top-k sees it:
     ``experts(x, scores_TE, weights_TK, ids_TK)`` in the order of its :class:`~themis_compile.passes.
@@ -709,6 +738,14 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
         info.rewritten = True
         logger.info("MoE layer %s: %s(x, ids) served by one %s(x, ids, weights) call", info.name,
                     info.experts_attr, info.experts_attr)
+        return
+    if info.rewrite == "zero-experts":
+        info.module.__class__ = _served_block_class(type(info.module), info.experts_attr,
+                                                    lambda experts: ZeroExpertsCall(experts, info.num_experts))
+        info.rewritten = True
+        logger.info("MoE layer %s: the %d zero (identity) experts of %s served by the block, the %d others by one "
+                    "%s(x, ids, weights) call", info.name, info.zero_experts, info.experts_attr, info.num_experts,
+                    info.experts_attr)
         return
     if info.rewrite == "all-rows":
         experts = info.experts
@@ -862,16 +899,17 @@ def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], s
                        if isinstance(v, torch.Tensor)})
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
-        if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows", "joined"):
+        if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows", "joined", "zero-experts"):
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr],
                                                                  info.num_experts)
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
         if info.rewrite == "dense-dispatch":
             verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
-        if info.rewrite in ("all-rows", "replay", "joined") and (why := gradient_mismatch(
+        if info.rewrite in ("all-rows", "replay", "joined", "zero-experts") and (why := gradient_mismatch(
                 info.module, trial, _probe_for(info), PROBE_SEED)) is not None:
-            what = {"all-rows": "all-rows", "replay": "capture-and-replay", "joined": "joined"}[info.rewrite]
+            what = {"all-rows": "all-rows", "replay": "capture-and-replay", "joined": "joined",
+                    "zero-experts": "zero-experts"}[info.rewrite]
             raise ValueError(f"MoE layer {info.name!r}: the {what} rewrite does not reproduce the gradients of "
                              f"the original on a probe input ({why}); the model was left unchanged")
     for info in todo:

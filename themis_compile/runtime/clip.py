@@ -64,7 +64,7 @@ def _expert_groups(params: list[torch.Tensor], model: nn.Module | None) -> list[
         runtime = runtime_of(m)
         if runtime.world_size == 1:
             continue     # one process: its experts are local tensors like any other
-        ids = {id(p) for layer in runtime.layers.values() for chunk in layer.local_chunks().values() for p in chunk}
+        ids = {id(p) for layer in runtime.layers.values() for p in layer.expert_parameters()}
         for group, known in out:
             if group is runtime.group:
                 known |= ids

@@ -36,7 +36,8 @@ from torch.profiler import record_function
 from themis_compile.planner.placement import Placement
 from themis_compile.runtime import deadline
 from themis_compile.runtime.exchange import dispatch_compute_combine
-from themis_compile.runtime.experts import ExpertBank
+from themis_compile.runtime.experts import (ZERO_ROWS_CHILD, ExpertBank, ZeroExpertRows, zero_rows_of,
+                                            zero_rows_span)
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,69 @@ class StackedWeight:
         return f"StackedWeight({self.name!r})"
 
 
+def zero_rows_sharded_tensor(stacked, rows_local: torch.Tensor | None, num_experts: int, num_rows: int, group, *,
+                             name: str = ""):
+    """A stacked ``[E, ...]`` value (:func:`expert_sharded_tensor`'s) extended by the Z zero-expert rows to
+    the user's ``[E + Z, ...]``: each rank's rows (``zero_rows_span``; ``rows_local``, None where it holds
+    none) one more chunk at offset ``E + lo``, placed on that rank. Every rank builds the same metadata from
+    Z and the world size, so no collective runs; without a process group the concatenation."""
+    if group is None:
+        return torch.cat([stacked, rows_local])
+    md = stacked.metadata()
+    size = list(md.size)
+    world_size = dist.get_world_size(group)
+    global_ranks = dist.get_process_group_ranks(group)
+    local = list(stacked.local_shards())
+    device = rows_local.device if rows_local is not None else (local[0].tensor.device if local else
+                                                               torch.device("cpu"))
+    shards_md = list(md.shards_metadata)
+    me = dist.get_rank(group)
+    for r in range(world_size):
+        lo, hi = zero_rows_span(num_rows, world_size, r)
+        if hi == lo:
+            continue
+        chunk_md = ShardMetadata(shard_offsets=[num_experts + lo] + [0] * (len(size) - 1),
+                                 shard_sizes=[hi - lo, *size[1:]], placement=f"rank:{global_ranks[r]}/{device}")
+        shards_md.append(chunk_md)
+        if r == me:
+            if rows_local is None or tuple(rows_local.shape) != (hi - lo, *size[1:]):
+                raise RuntimeError(f"{name}: rank {me} holds zero-expert rows "
+                                   f"{None if rows_local is None else tuple(rows_local.shape)}, expected "
+                                   f"{(hi - lo, *size[1:])}")
+            local.append(Shard(rows_local.detach().contiguous(), chunk_md))
+    size[0] = num_experts + num_rows
+    metadata = ShardedTensorMetadata(shards_metadata=shards_md, size=torch.Size(size),
+                                     tensor_properties=md.tensor_properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, metadata, process_group=group)
+
+
+def leading_rows(value, lo: int, hi: int, name: str = "") -> torch.Tensor:
+    """Rows ``[lo, hi)`` of ``value`` along its leading dimension: a plain tensor, a DTensor, or a
+    ``ShardedTensor`` with one chunk on this rank that holds them."""
+    if isinstance(value, ShardedTensor):
+        for s in value.local_shards():
+            offsets, sizes = s.metadata.shard_offsets, s.metadata.shard_sizes
+            if (offsets[0] <= lo and hi <= offsets[0] + sizes[0] and not any(offsets[1:])
+                    and list(sizes[1:]) == list(value.metadata().size)[1:]):
+                return s.tensor[lo - offsets[0]:hi - offsets[0]]
+        raise RuntimeError(f"{name}: rows [{lo}, {hi}) are not among this rank's chunks of the sharded tensor")
+    if hasattr(value, "full_tensor"):      # a DTensor
+        value = value.full_tensor()
+    if not torch.is_tensor(value) or value.dim() < 1 or value.shape[0] < hi:
+        shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise RuntimeError(f"{name}: expected a tensor of at least {hi} rows, got {shape}")
+    return value[lo:hi]
+
+
+def _state_dict_zero_rows(module: "ShardedExperts", state_dict, prefix: str) -> None:
+    """The zero-expert rows this rank holds join their weight's entry, which becomes ``[E + Z, ...]``."""
+    rows = zero_rows_of(module)
+    for name, Z in module.bank.zero_rows.items():
+        local = state_dict.pop(f"{prefix}{ZERO_ROWS_CHILD}.{_child_name(name)}", None) if rows is not None else None
+        state_dict[prefix + name] = zero_rows_sharded_tensor(state_dict[prefix + name], local, module.num_experts,
+                                                             Z, module.group, name=f"{module.layer}.{name}")
+
+
 def _state_dict_in_unmodified_keys(module: "ShardedExperts", state_dict, prefix: str, local_metadata) -> None:
     # ModuleList form: the children's keys already are the unmodified ones. Stacked form: the owned
     # experts' slices become one sharded [E, ...] tensor under the stacked weight's own key.
@@ -212,6 +276,8 @@ def _state_dict_in_unmodified_keys(module: "ShardedExperts", state_dict, prefix:
     for i, name in enumerate(module.bank.names):
         tensors_E = {e: state_dict.pop(f"{prefix}{e}.{_child_name(name)}") for e in owned}
         state_dict[prefix + name] = module.stacked_weight(name, tensors_E)
+    if module.bank.zero_rows:
+        _state_dict_zero_rows(module, state_dict, prefix)
 
 
 def _load_state_dict_in_unmodified_keys(module: "ShardedExperts", state_dict, prefix: str, local_metadata,
@@ -231,13 +297,19 @@ def _load_state_dict_in_unmodified_keys(module: "ShardedExperts", state_dict, pr
     for i, name in enumerate(module.bank.names):
         value = state_dict.pop(prefix + name, None)
         if value is None:
-            if owned:
+            if owned or name in module.bank.zero_rows:
                 missing_keys.append(prefix + name)
             continue
         try:
             for e in sorted(owned):
-                state_dict[f"{prefix}{e}.{_child_name(name)}"] = expert_slice(value, e, E, prefix + name,
-                                                                              flat_rows=module.bank.rows_of(i))
+                # (A weight holding zero-expert rows is [E + Z, ...]: expert e is still its row e.)
+                state_dict[f"{prefix}{e}.{_child_name(name)}"] = expert_slice(
+                    value, e, E + module.bank.zero_rows.get(name, 0), prefix + name,
+                    flat_rows=module.bank.rows_of(i))
+            if name in module.bank.zero_rows and (rows := zero_rows_of(module)) is not None:
+                lo, hi = rows.span
+                state_dict[f"{prefix}{ZERO_ROWS_CHILD}.{_child_name(name)}"] = leading_rows(
+                    value, E + lo, E + hi, prefix + name)
         except RuntimeError as err:
             error_msgs.append(str(err))
     module._load_prefix = prefix
@@ -249,6 +321,7 @@ def _report_in_unmodified_keys(module: "ShardedExperts", incompatible_keys) -> N
     if prefix is None or module.bank.form != "stacked":
         return
     internal = {f"{prefix}{e}.{_child_name(n)}" for e in module.owned_experts() for n in module.bank.names}
+    internal |= {f"{prefix}{ZERO_ROWS_CHILD}.{_child_name(n)}" for n in module.bank.zero_rows}
     incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in internal]
 
 
@@ -265,6 +338,9 @@ class ShardedExperts(nn.Module):
     stacked experts module's parameters that every expert uses (``bank.shared_names``, a shared norm) are
     held as they were, under their own names: dense parameters of the model (``shared_parameters``), data
     parallel through the dense wrapper like any other, read live at every expert call.
+    A stacked module with zero-expert rows after its experts' (``bank.zero_rows``, LongCat-Flash) has this
+    rank's share of them as a ``zero_expert_rows`` child (``runtime.experts.ZeroExpertRows``): held like
+    the experts (``expert_parameters``), never read, shown under the weight's own key in state dicts.
     When the user's experts module wraps its list (``bank.list_name``, Megatron-Core
     ``SequentialMLP.local_experts``) the owned experts are the children of one ``nn.ModuleDict`` child of
     that name (``...experts.local_experts.4.fc1.weight``).
@@ -313,6 +389,11 @@ class ShardedExperts(nn.Module):
         for e in shard.experts_on(rank):
             self.add_expert(int(e), bank.shard_of(experts, int(e)))
         _hold_shared(self, experts, bank.shared_names)
+        if bank.zero_rows:
+            # Rows [E, E + Z) of the weights holding zero experts: split over the ranks, never read.
+            span = zero_rows_span(bank.num_zero_experts, world_size, rank)
+            if span[1] > span[0]:
+                self.add_module(ZERO_ROWS_CHILD, ZeroExpertRows(experts, bank, span))
         self.register_buffer("owner_E", torch.tensor(shard.owners().tolist(), dtype=torch.int64), persistent=False)
         self.grad_scale = 1.0 / world_size if world_size > 1 and scale_grads else 1.0
         if bank.form == "stacked":
@@ -353,8 +434,10 @@ class ShardedExperts(nn.Module):
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """The owned experts' parameters: what the sharded runtime reduces and the dense wrapper must leave
-        alone (``parameters()`` adds the shared ones)."""
-        return [p for c in self.local_chunks().values() for p in c]
+        alone (``parameters()`` adds the shared ones); with them the zero-expert rows this rank holds (each
+        held by one rank, like an expert, with a zero gradient every step: nothing to reduce)."""
+        rows = zero_rows_of(self)
+        return [p for c in self.local_chunks().values() for p in c] + ([] if rows is None else list(rows.parameters()))
 
     def shared_parameters(self) -> list[nn.Parameter]:
         """The parameters every expert of the layer uses (``bank.shared_names``): dense, data parallel."""

@@ -32,6 +32,16 @@ Three layouts are understood:
   and state-dict keys stay the user's: a checkpoint holds ``w1 [E * F, H]``, each expert's ``[F, H]``
   rows at offset ``e * F`` (``runtime.ep.expert_sharded_tensor(..., flat=True)``).
 
+- a stacked module with zero (identity) experts stacked after the real ones (HF LongCat-Flash:
+  ``gate_up_proj [E + Z, 2F, H]``, ``down_proj [E, H, F]``; router ids in ``[E, E + Z)`` add ``weight * x``):
+  :func:`zero_expert_rows` reads the layout. The E real experts are chunks as in the stacked layout; the
+  rows ``[E, E + Z)`` that some weights hold (``ExpertBank.zero_rows``) belong to no expert and are never
+  read, so in one process they get a zero gradient every step (AdamW's weight decay still moves them).
+  The sharded experts hold them split over the ranks (:func:`zero_rows_span`, a :class:`ZeroExpertRows`
+  child), each rank's rows with a zero gradient every step and their optimizer state on that rank only;
+  the state dict shows them in the user's key and full shape ``[E + Z, ...]``. The rewrite serves the
+  ids ``>= E`` itself (``passes.shard.ZeroExpertsCall``): they never reach the runtime.
+
 ``ExpertBank.form`` is ``"modulelist"`` or ``"stacked"`` (one tensor per weight for all experts, under
 the user's key); ``ExpertBank.flat`` tells the flat layout among the stacked.
 
@@ -174,6 +184,75 @@ def stacked_layout(experts: nn.Module) -> tuple[int, tuple[str, ...], tuple[str,
     return E, stacked, shared
 
 
+def zero_expert_rows(experts: nn.Module) -> tuple[int, dict[str, int]] | None:
+    """(E, {name: Z}) when ``experts`` stacks Z zero (identity) experts after its E real ones in some of its
+    weights (HF LongCat-Flash: ``gate_up_proj [E + Z, 2F, H]``, ``down_proj [E, H, F]``), else None.
+
+    Contract: every parameter has 3 or more dimensions; E is the smallest leading dimension (E >= 2), at
+    least one parameter has leading dimension E and every other one E + Z for one Z > 0 (rows
+    ``[E, E + Z)`` of those belong to no expert). Whether the module really never reads those rows and
+    serves ids ``>= E`` as ``weight * x`` is not assumed: detection proves it on a probe
+    (``passes.detect.combine_mismatch``, values and gradients).
+    """
+    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    params = list(experts.named_parameters())
+    if not params or any(p.dim() < 3 for _, p in params):
+        return None
+    E = min(p.shape[0] for _, p in params)
+    extra = {p.shape[0] - E for _, p in params} - {0}
+    if E < 2 or len(extra) != 1:
+        return None
+    Z = extra.pop()
+    return E, {n: Z for n, p in params if p.shape[0] == E + Z}
+
+
+def zero_rows_span(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of the ``num_rows`` zero-expert rows rank ``rank`` holds: ``torch.chunk``'s split over the
+    ranks (``ceil(Z / world_size)`` rows each, the last ones fewer or none)."""
+    per = -(-num_rows // world_size)
+    return min(num_rows, rank * per), min(num_rows, (rank + 1) * per)
+
+
+# The child of the sharded experts holding this rank's zero-expert rows (ZeroExpertRows).
+ZERO_ROWS_CHILD = "zero_expert_rows"
+
+
+class ZeroExpertRows(nn.Module):
+    """This rank's rows ``[E + lo, E + hi)`` of the stacked weights that hold zero-expert rows
+    (``ExpertBank.zero_rows``), one parameter each under the weight's name (dots as ``__``). They are never
+    read; :func:`with_zero_rows_gradient` gives them their zero gradient, as one process does."""
+
+    def __init__(self, experts: nn.Module, bank: "ExpertBank", span: tuple[int, int]) -> None:
+        super().__init__()
+        self.span = span
+        lo, hi = span
+        for name in bank.zero_rows:
+            weight = experts.get_parameter(name)
+            rows = nn.Parameter(weight.detach()[bank.num_experts + lo:bank.num_experts + hi].clone(),
+                                requires_grad=weight.requires_grad)
+            self.register_parameter(name.replace(".", "__"), rows)
+
+    def rows(self, name: str) -> nn.Parameter:
+        return self._parameters[name.replace(".", "__")]
+
+
+def zero_rows_of(module: nn.Module) -> ZeroExpertRows | None:
+    """The zero-expert rows a sharded experts module holds on this rank (None for any other module)."""
+    rows = module._modules.get(ZERO_ROWS_CHILD)
+    return rows if isinstance(rows, ZeroExpertRows) else None
+
+
+def with_zero_rows_gradient(out: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    """``out`` made to depend (by zero) on the zero-expert rows ``experts`` holds on this rank: in one
+    process rows ``[E, E + Z)`` of ``gate_up_proj`` are never read but have a gradient (zeros) every step,
+    so that AdamW steps them (weight decay, step count); every rank gives its rows the same."""
+    rows = zero_rows_of(experts)
+    if rows is None or not torch.is_grad_enabled():
+        return out
+    return _with_gradient_path(out, list(rows.parameters()))
+
+
 class ExpertBank:
     """Describes the experts of one layer: chunk layout (names, shapes, dtypes) and how one expert runs."""
 
@@ -185,6 +264,8 @@ class ExpertBank:
         self.shared_names: tuple[str, ...] = ()
         self.flat = False
         self.flat_rows: tuple[int, ...] = ()    # F_p of each parameter in the flat layout
+        # Stacked weights that hold Z zero-expert rows after the E experts' (name -> Z; zero_expert_rows).
+        self.zero_rows: dict[str, int] = {}
         # The wrapper's ModuleList holding the experts ("" when the experts module is the list, or stacked):
         # the sharded experts hold expert e as ``<list_name>.<e>``, the user's own name for it.
         self.list_name = wrapped[0] if (wrapped := wrapped_expert_list(experts)) is not None else ""
@@ -239,6 +320,8 @@ class ExpertBank:
                 raise ValueError(f"MoE layer {layer!r}: stacked expert weights disagree on E")
             self.spec = [(tuple(p.shape[1:]), p.dtype) for _, p in params]
             self.form = "stacked"
+        elif isinstance(experts, nn.Module) and (zero := zero_expert_rows(experts)) is not None:
+            self._init_zero_rows(experts, *zero)
         else:
             shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in experts.named_parameters())
             if len({p.shape[0] for p in experts.parameters() if p.dim() >= 3}) > 1:
@@ -268,6 +351,23 @@ class ExpertBank:
         self.flat, self.flat_rows = True, rows
         self.spec = [((f, *p.shape[1:]), p.dtype) for f, (_, p) in zip(rows, params)]
         self.form = "stacked"
+
+    def _init_zero_rows(self, experts: nn.Module, num_experts: int, zero_rows: dict[str, int]) -> None:
+        # The E real experts as in the stacked layout (expert e: w[e] of every weight, run as the user's
+        # module with E = 1 slices); rows [E, E + Z) are no expert's (ZeroExpertRows holds them).
+        params = list(experts.named_parameters())
+        self._stacked = None
+        self._template = copy.deepcopy(experts).to("meta")
+        self.names = tuple(n for n, _ in params)
+        self.num_experts = num_experts
+        self.zero_rows = dict(zero_rows)
+        self.spec = [(tuple(p.shape[1:]), p.dtype) for _, p in params]
+        self.form = "stacked"
+
+    @property
+    def num_zero_experts(self) -> int:
+        """Z, the zero (identity) experts whose ids follow the E experts' (0 without any)."""
+        return next(iter(self.zero_rows.values()), 0)
 
     def rows_of(self, i: int) -> int:
         """F_p, the rows of one expert in parameter ``i`` of the flat layout (0 in the other layouts)."""
@@ -344,6 +444,11 @@ class ExpertBank:
         stacked = {name: p.unsqueeze(0) for name, p in zip(self.names, params)}
         if self.shared_names:
             stacked.update(shared)
+        if self.zero_rows:
+            # Two slots: the expert with weight 1, the first zero expert (id E, identity) with weight 0,
+            # which adds 0 * x. (HF LongCat-Flash's loop squeezes the slot dimension: one slot fails.)
+            ids_N1 = torch.cat([ids_N1, torch.full_like(ids_N1, self.num_experts)], 1)
+            weights_N1 = torch.cat([weights_N1, torch.zeros_like(weights_N1)], 1)
         out = torch.func.functional_call(self._template, stacked, (x_NH, ids_N1, weights_N1), strict=True)
         return _with_gradient_path(out, [*params, *(shared or {}).values()]) if n == 0 else out
 
