@@ -509,10 +509,11 @@ def format_table(out: dict) -> str:
 # ==================================================================== across a node boundary (--network emulated)
 # The node boundary of --network emulated, bytes/s each way per node (see docs/bench_step_network.md: it
 # makes EP's inter-node all-to-all about the share of the step that the paper measures).
-EMULATED_INTER_NODE_BW = 50e6
-# Sequences per rank under --network emulated unless --batch is given: 2 nodes x 2 ranks x 8 is the global
-# batch of the loopback default (2 ranks x 16).
-EMULATED_BATCH = 8
+EMULATED_INTER_NODE_BW = 25e6
+# The model and batch of --network emulated, where not given: 2 nodes x 2 ranks x 8 sequences is the
+# loopback default's global batch (2 ranks x 16); d_model = d_ffn = 256 puts token rows, experts and
+# attention in the paper's proportions (docs/bench_step_network.md).
+EMULATED_DEFAULTS = {"batch": 8, "d_model": 256, "d_ffn": 256}
 # The process group's collective deadline of the emulated ranks (the whole run gets 60 s more).
 _EMULATED_TIMEOUT_S = 1800.0
 
@@ -536,8 +537,8 @@ def _given(argv: list[str], flag: str) -> bool:
 
 
 def _network_defaults(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> None:
-    """Check the network options; under --network emulated the world is --nodes x --devices-per-node and,
-    unless --batch is given, every rank takes `EMULATED_BATCH` sequences."""
+    """Check the network options; under --network emulated the world is --nodes x --devices-per-node and
+    `EMULATED_DEFAULTS` replace the loopback defaults of the options not given (not with --quick)."""
     if args.network != "emulated":
         return
     if args.nodes < 2 or args.devices_per_node < 1:
@@ -545,8 +546,10 @@ def _network_defaults(p: argparse.ArgumentParser, args: argparse.Namespace, argv
                 f"{args.nodes} and {args.devices_per_node}")
     if not args.inter_node_bw > 0:
         p.error(f"--inter-node-bw must be > 0 bytes/s, got {args.inter_node_bw}")
-    if not args.quick and not _given(sys.argv[1:] if argv is None else argv, "--batch"):
-        args.batch = EMULATED_BATCH
+    argv = sys.argv[1:] if argv is None else argv
+    for name, value in ({} if args.quick else EMULATED_DEFAULTS).items():
+        if not _given(argv, "--" + name.replace("_", "-")):
+            setattr(args, name, value)
     args.nproc = args.nodes * args.devices_per_node
 
 
@@ -612,7 +615,6 @@ def _main_emulated(args: argparse.Namespace) -> dict:
                          "run it without torchrun")
     reason = EmulatedNodes.unavailable_reason()
     if reason is not None:
-        logger.warning("bench step --network emulated: not run: %s", reason)
         out = {"benchmark": "step", "world_size": args.nproc, "config": dict(vars(args)),
                "network": _network_settings(args), "unavailable": reason, "policies": {}, "ratios": {}}
         sys.stderr.write(format_network(out) + "\n")
