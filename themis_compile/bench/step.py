@@ -2,6 +2,10 @@
 
     torchrun --nproc-per-node 2 -m themis_compile.bench step [--skew paper|extreme|trace[:PATH]|R] [--trace DIR]
     python -m themis_compile.bench step ...                 # without torchrun: it relaunches itself
+    python -m themis_compile.bench step --network emulated [--inter-node-bw B]   # 2 emulated nodes x 2 ranks
+
+``--network emulated`` (no torchrun) runs the same comparison on nodes joined by a shaped boundary, with its
+own model and batch defaults (docs/bench_step_network.md; `_main_emulated`).
 
 Every policy trains an identical model (same seed, same batches) for ``--warmup`` + ``--steps`` steps,
 the policies interleaved step by step so that a shared, noisy machine loads them alike. ``fsdp2`` is the
@@ -344,6 +348,7 @@ class _PolicyRun:
             replay = {"max_share_deviation": float((got_N - want_N).abs().max()),
                       "share_correlation": float(torch.corrcoef(torch.stack([got_N, want_N]))[0, 1])}
         return {
+            "budgets": self.budgets(),
             "trace_replay": replay,
             "step_time_s": med,
             "tokens_per_s": args.batch * world * args.seq_len / med,
@@ -359,6 +364,15 @@ class _PolicyRun:
                 "unsharded_buffers_peak": self.unsharded_bytes,
             },
         }
+
+    def budgets(self) -> dict[str, list[int]] | None:
+        """The overlap degree t and materialization budget m of every FSSDP layer at the end (§4.2: t =
+        floor(T_attn·bw/Ψ), bw the node boundary's on several nodes); None for the other policies."""
+        layers = [] if self.runtime is None or self.runtime.fssdp is None else list(self.runtime.layers.values())
+        if not layers:
+            return None
+        return {"overlap_degree": [int(layer.overlap_degree) for layer in layers],
+                "materialization_budget": [int(layer.materialization_budget) for layer in layers]}
 
     def profile(self, first_step: int, trace_dir: str) -> dict[str, float]:
         """Profile ``--trace-steps`` more steps; write the chrome trace, return ms per step per range."""
@@ -426,6 +440,7 @@ def _worker(args: argparse.Namespace) -> dict | None:
             "mean_delta_p_per_layer": r0["mean_delta_p_per_layer"],
             "load_share_std": r0["load_share_std"],
             "trace_replay": r0["trace_replay"],
+            "budgets": r0["budgets"],
             "loss_per_step": r0["loss_per_step"],
             "memory_bytes_per_rank": mem,
             "model_state_bytes_max_rank": max(m["parameters"] + m["gradients"] + m["optimizer_state"]
