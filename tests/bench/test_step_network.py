@@ -17,7 +17,7 @@ def test_emulated_network_options():
     # 2 nodes x 2 ranks, each rank a quarter of the loopback default's global batch, the emulated model.
     assert (args.nproc, args.nodes, args.devices_per_node) == (4, 2, 2)
     assert args.inter_node_bw == step.EMULATED_INTER_NODE_BW
-    assert (args.batch, args.d_model, args.d_ffn) == (8, 256, 256) == tuple(step.EMULATED_DEFAULTS.values())
+    assert (args.batch, args.d_model, args.d_ffn) == (8, 256, 128) == tuple(step.EMULATED_DEFAULTS.values())
     # What is given wins over the emulated defaults; --quick keeps its tiny sizes.
     args = step._parse(["--network", "emulated", "--batch", "3", "--d-ffn=512", "--nodes", "3",
                         "--inter-node-bw", "1e8"])
