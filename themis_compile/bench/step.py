@@ -522,8 +522,9 @@ def format_table(out: dict) -> str:
 
 
 # ==================================================================== across a node boundary (--network emulated)
-# The node boundary of --network emulated, bytes/s each way per node (see docs/bench_step_network.md: it
-# makes EP's inter-node all-to-all about the share of the step that the paper measures).
+# The node boundary of --network emulated, bytes/s each way per node: the token exchange then takes over a
+# third of a balanced (uniform) step here, as the all-to-all leads EP's step in the paper (Fig. 11), and a
+# replica still crosses within an attention window (t >= 1); docs/bench_step_network.md.
 EMULATED_INTER_NODE_BW = 25e6
 # The model and batch of --network emulated, where not given: 2 nodes x 2 ranks x 8 sequences is the
 # loopback default's global batch (2 ranks x 16); d_ffn / d_model = 0.5 (the paper's models: 0.29-4) puts
