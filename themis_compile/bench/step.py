@@ -2,6 +2,10 @@
 
     torchrun --nproc-per-node 2 -m themis_compile.bench step [--skew paper|extreme|trace[:PATH]|R] [--trace DIR]
     python -m themis_compile.bench step ...                 # without torchrun: it relaunches itself
+    python -m themis_compile.bench step --network emulated [--inter-node-bw B]   # 2 emulated nodes x 2 ranks
+
+``--network emulated`` (no torchrun) runs the same comparison on nodes joined by a shaped boundary, with its
+own model and batch defaults (docs/bench_step_network.md; `_main_emulated`).
 
 Every policy trains an identical model (same seed, same batches) for ``--warmup`` + ``--steps`` steps,
 the policies interleaved step by step so that a shared, noisy machine loads them alike. ``fsdp2`` is the
@@ -42,6 +46,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 logger = logging.getLogger(__name__)
@@ -75,7 +80,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace-steps", type=int, default=2, help="profiled steps per policy with --trace")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     p.add_argument("--out", default=None, help="also write the JSON here (rank 0)")
+    _add_network_args(p)
     args = p.parse_args(argv)
+    _network_defaults(p, args, argv)
     if args.quick:
         args.steps, args.warmup, args.d_model, args.d_ffn, args.batch, args.seq_len = 2, 1, 32, 64, 2, 16
     args.skew_trace = None
@@ -253,7 +260,8 @@ class _PolicyRun:
             self.model, self.unsharded_bytes = _plain_fsdp2(model)
             self.runtime = None
         else:
-            self.model = themis_compile.optimize(model, themis_compile.ThemisConfig(policy=policy))
+            self.model = themis_compile.optimize(model, themis_compile.ThemisConfig(
+                policy=policy, **getattr(args, "themis_config", {})))
             self.runtime = runtime_of(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.replay = None
@@ -340,6 +348,7 @@ class _PolicyRun:
             replay = {"max_share_deviation": float((got_N - want_N).abs().max()),
                       "share_correlation": float(torch.corrcoef(torch.stack([got_N, want_N]))[0, 1])}
         return {
+            "budgets": self.budgets(),
             "trace_replay": replay,
             "step_time_s": med,
             "tokens_per_s": args.batch * world * args.seq_len / med,
@@ -355,6 +364,15 @@ class _PolicyRun:
                 "unsharded_buffers_peak": self.unsharded_bytes,
             },
         }
+
+    def budgets(self) -> dict[str, list[int]] | None:
+        """The overlap degree t and materialization budget m of every FSSDP layer at the end (§4.2: t =
+        floor(T_attn·bw/Ψ), bw the node boundary's on several nodes); None for the other policies."""
+        layers = [] if self.runtime is None or self.runtime.fssdp is None else list(self.runtime.layers.values())
+        if not layers:
+            return None
+        return {"overlap_degree": [int(layer.overlap_degree) for layer in layers],
+                "materialization_budget": [int(layer.materialization_budget) for layer in layers]}
 
     def profile(self, first_step: int, trace_dir: str) -> dict[str, float]:
         """Profile ``--trace-steps`` more steps; write the chrome trace, return ms per step per range."""
@@ -378,7 +396,9 @@ def _worker(args: argparse.Namespace) -> dict | None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    own_group = not dist.is_initialized()     # --network emulated: the harness made the group
+    if own_group:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     policies = args.policies.split(",")
     unknown = sorted(set(policies) - set(POLICIES))
@@ -401,7 +421,8 @@ def _worker(args: argparse.Namespace) -> dict | None:
     results = {"policies": results, "peak_rss_bytes": _peak_rss_bytes()}
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, results)
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
     if rank != 0:
         return None
     out = {"benchmark": "step", "world_size": world, "config": {k: v for k, v in vars(args).items()},
@@ -419,6 +440,7 @@ def _worker(args: argparse.Namespace) -> dict | None:
             "mean_delta_p_per_layer": r0["mean_delta_p_per_layer"],
             "load_share_std": r0["load_share_std"],
             "trace_replay": r0["trace_replay"],
+            "budgets": r0["budgets"],
             "loss_per_step": r0["loss_per_step"],
             "memory_bytes_per_rank": mem,
             "model_state_bytes_max_rank": max(m["parameters"] + m["gradients"] + m["optimizer_state"]
@@ -499,8 +521,137 @@ def format_table(out: dict) -> str:
     return "\n".join(lines)
 
 
+# ==================================================================== across a node boundary (--network emulated)
+# The node boundary of --network emulated, bytes/s each way per node: the token exchange then takes over a
+# third of a balanced (uniform) step here, as the all-to-all leads EP's step in the paper (Fig. 11), and a
+# replica still crosses within an attention window (t >= 1); docs/bench_step_network.md.
+EMULATED_INTER_NODE_BW = 25e6
+# The model and batch of --network emulated, where not given: 2 nodes x 2 ranks x 8 sequences is the
+# loopback default's global batch (2 ranks x 16); d_ffn / d_model = 0.5 (the paper's models: 0.29-4) puts
+# token rows, expert bytes and attention windows in proportions like the paper's (docs/bench_step_network.md).
+EMULATED_DEFAULTS = {"batch": 8, "d_model": 256, "d_ffn": 128}
+# The process group's collective deadline of the emulated ranks (the whole run gets 60 s more).
+_EMULATED_TIMEOUT_S = 1800.0
+
+
+def _add_network_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network")
+    g.add_argument("--network", choices=("loopback", "emulated"), default="loopback",
+                   help="loopback: the ranks of one machine (torchrun, --nproc); emulated: --nodes x "
+                        "--devices-per-node ranks in Linux network namespaces whose node boundary is shaped to "
+                        "--inter-node-bw (needs root; changes this host's network while it runs; without the "
+                        "privileges it prints why and exits 0)")
+    g.add_argument("--inter-node-bw", type=float, default=EMULATED_INTER_NODE_BW,
+                   help=f"--network emulated: bytes/s of every node boundary, each way "
+                        f"(default {EMULATED_INTER_NODE_BW / 1e6:g} MB/s)")
+    g.add_argument("--nodes", type=int, default=2, help="--network emulated: nodes (>= 2)")
+    g.add_argument("--devices-per-node", type=int, default=2, help="--network emulated: ranks per node")
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _network_defaults(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> None:
+    """Check the network options; under --network emulated the world is --nodes x --devices-per-node and
+    `EMULATED_DEFAULTS` replace the loopback defaults of the options not given (not with --quick)."""
+    if args.network != "emulated":
+        return
+    if args.nodes < 2 or args.devices_per_node < 1:
+        p.error(f"--network emulated needs --nodes >= 2 and --devices-per-node >= 1 (a node boundary), got "
+                f"{args.nodes} and {args.devices_per_node}")
+    if not args.inter_node_bw > 0:
+        p.error(f"--inter-node-bw must be > 0 bytes/s, got {args.inter_node_bw}")
+    argv = sys.argv[1:] if argv is None else argv
+    for name, value in ({} if args.quick else EMULATED_DEFAULTS).items():
+        if not _given(argv, "--" + name.replace("_", "-")):
+            setattr(args, name, value)
+    args.nproc = args.nodes * args.devices_per_node
+
+
+def _emulated_rank(rank: int, world: int, args: argparse.Namespace) -> dict | None:
+    """One rank of ``--network emulated`` (inside its node's namespace, group made by the harness).
+
+    Pseudo-code:
+        bw = ping-pong bandwidth of one intra-node pair and one pair across the boundary (every rank the same)
+        the planner's topology takes bw (what a user states for the cluster, ThemisConfig.*_node_bw)
+        run every policy as on loopback (_worker); rank 0 adds the network settings to the JSON
+    """
+    from themis_compile.planner.topology import Topology
+    from themis_compile.runtime.profiling import measure_bandwidth
+
+    topology = Topology.from_env(world)
+    bw = measure_bandwidth(topology=topology, nbytes=4 << 20, iters=3)
+    args.themis_config = {"intra_node_bw": bw["intra"], "inter_node_bw": bw["inter"]}
+    out = _worker(args)
+    if out is not None:
+        out["network"] = _network_settings(args, measured=bw)
+    return out
+
+
+def _network_settings(args: argparse.Namespace, measured: dict[str, float] | None = None) -> dict:
+    settings = {"mode": "emulated", "nodes": args.nodes, "devices_per_node": args.devices_per_node,
+                "inter_node_bw": args.inter_node_bw, "measured_intra_pair_bw": None,
+                "measured_inter_pair_bw": None, "intra_over_inter": None}
+    if measured:
+        settings.update(measured_intra_pair_bw=measured["intra"], measured_inter_pair_bw=measured["inter"],
+                        intra_over_inter=measured["intra"] / measured["inter"])
+    return settings
+
+
+def format_network(out: dict) -> str:
+    """One line on the emulated network of a ``--network emulated`` result."""
+    net = out["network"]
+    line = (f"network: emulated, {net['nodes']} nodes x {net['devices_per_node']} ranks, node boundary "
+            f"{net['inter_node_bw'] / 1e6:g} MB/s each way")
+    if out.get("unavailable"):
+        return line + f": not run: {out['unavailable']}"
+    return line + (f" (measured pairs: intra-node {net['measured_intra_pair_bw'] / 1e6:.0f} MB/s, across the "
+                   f"boundary {net['measured_inter_pair_bw'] / 1e6:.1f} MB/s, ratio {net['intra_over_inter']:.1f})")
+
+
+def _main_emulated(args: argparse.Namespace) -> dict:
+    """``bench step --network emulated``: every policy side by side on emulated nodes.
+
+    Contract:
+        - the ranks are this process's own (`run_multirank`), ``args.nproc`` = nodes x devices per node,
+          each node's ranks in a network namespace (`EmulatedNodes`) whose boundary carries
+          ``--inter-node-bw`` bytes/s each way; inside a node they talk over its own loopback;
+        - the JSON is the loopback one (same keys, same table) plus ``network`` (the settings and the
+          measured pair bandwidths); the cost-model profile is measured on this network (a fresh cache);
+        - where namespaces cannot be built here (`EmulatedNodes.unavailable_reason`), nothing runs: the
+          JSON has ``unavailable`` (the reason), empty ``policies``/``ratios``, and this returns normally
+          (exit code 0); a failure after building started raises.
+    """
+    from themis_compile.testing import run_multirank
+    from themis_compile.testing.netns import EmulatedNodes
+
+    if "RANK" in os.environ:
+        raise SystemExit("bench step --network emulated launches its own ranks inside network namespaces: "
+                         "run it without torchrun")
+    reason = EmulatedNodes.unavailable_reason()
+    if reason is not None:
+        out = {"benchmark": "step", "world_size": args.nproc, "config": dict(vars(args)),
+               "network": _network_settings(args), "unavailable": reason, "policies": {}, "ratios": {}}
+        sys.stderr.write(format_network(out) + "\n")
+    else:
+        with tempfile.TemporaryDirectory(prefix="themis-step-") as cache, \
+                EmulatedNodes(args.nodes, args.inter_node_bw) as net:
+            out = run_multirank(_emulated_rank, args.nproc, args=(args,), devices_per_node=args.devices_per_node,
+                                network=net, timeout_s=_EMULATED_TIMEOUT_S, env={"THEMIS_CACHE_DIR": cache})[0]
+        sys.stderr.write(format_network(out) + "\n\n" + format_table(out) + "\n")
+    text = json.dumps(out)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.network == "emulated":
+        return _main_emulated(args)
     if "RANK" not in os.environ:
         # Not under torchrun: launch ourselves with it and relay rank 0's JSON.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
