@@ -87,7 +87,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
-                                          replay_mismatch, restored_attributes)
+                                          output_tensors, replay_mismatch, restored_attributes)
 from themis_compile.runtime.experts import (ExpertBank, declared_num_experts, expert_modules, loop_combine,
                                             stacked_layout, wrapped_expert_list)
 
@@ -1103,17 +1103,12 @@ class RuntimeReference(nn.Module):
 
 
 def _outputs_close(a: Any, b: Any) -> bool:
-    flat_a, flat_b = [], []
-    tree_map(lambda v: flat_a.append(v), a)
-    tree_map(lambda v: flat_b.append(v), b)
+    flat_a, flat_b = output_tensors(a), output_tensors(b)
     if len(flat_a) != len(flat_b):
         return False
     for u, v in zip(flat_a, flat_b):
-        if isinstance(u, torch.Tensor) != isinstance(v, torch.Tensor):
+        if u.shape != v.shape or not torch.allclose(u.float(), v.float(), rtol=1e-4, atol=1e-5):
             return False
-        if isinstance(u, torch.Tensor):
-            if u.shape != v.shape or not torch.allclose(u.float(), v.float(), rtol=1e-4, atol=1e-5):
-                return False
     return True
 
 

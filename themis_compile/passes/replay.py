@@ -292,10 +292,26 @@ def isolated(module: nn.Module, skip: nn.Module | None = None) -> Iterator[None]
         yield
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def output_tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor of a block's output, in order: through nested tuples, lists and dicts (pytrees) and
+    through dataclasses, which pytree takes for one opaque leaf (a block returning
+    ``MoEOutput(hidden_states, aux_loss)``): a probe comparison that flattened only the pytree would
+    compare nothing in such an output and pass."""
     flat: list[torch.Tensor] = []
-    tree_map(lambda v: flat.append(v) if isinstance(v, torch.Tensor) else None, value)
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            flat.append(v)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            for field in dataclasses.fields(v):
+                tree_map(visit, getattr(v, field.name))
+
+    tree_map(visit, value)
     return flat
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return output_tensors(value)
 
 
 def _clone_tensors(value: Any) -> Any:
@@ -544,9 +560,10 @@ def gradient_mismatch(original: nn.Module, rewritten: nn.Module, x: torch.Tensor
                 try:
                     torch.manual_seed(seed)
                     x_in = x.clone().requires_grad_(True)
-                    flat: list[torch.Tensor] = []
-                    tree_map(lambda v: flat.append(v) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                             else None, m(x_in.clone()))   # a forward may update its input in place
+                    # A forward may update its input in place: it gets a clone.
+                    flat = [v for v in output_tensors(m(x_in.clone())) if v.is_floating_point()]
+                    if not flat:
+                        return "the block's output holds no floating-point tensor to compare gradients through"
                     g = torch.Generator().manual_seed(seed)
                     loss = sum((v * torch.randn(v.shape, generator=g).to(v)).sum() for v in flat)
                     grads.append(torch.autograd.grad(loss, [x_in] + params, allow_unused=True))
