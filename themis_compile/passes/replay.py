@@ -202,6 +202,13 @@ def dict_layout(experts: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(experts.keys()), tuple(k for k, m in experts.items() if any(True for _ in m.parameters()))
 
 
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """(device type, enabled, dtype) of autocast where an expert is called: the block may run its experts
+    inside its own ``torch.autocast`` region, and the runtime's one call, made outside it, must run them
+    the same way."""
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
 def _view(run: _Pass, num_experts: int, keys: tuple[str, ...], expert_keys: tuple[str, ...],
           others: dict[str, nn.Module]) -> ExpertsView:
     """The view of the experts container for one pass: a ModuleDict's when ``keys``, else a ModuleList's."""
@@ -215,10 +222,12 @@ class _Capture(_Pass):
         self.num_experts, self.stop_at_last = num_experts, stop_at_last
         self.ids: list[int] = []
         self.rows: list[torch.Tensor] = []
+        self.autocast: set[tuple[str, bool, torch.dtype]] = set()   # autocast state at each call
 
     def call(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         self.ids.append(e)
         self.rows.append(rows)
+        self.autocast.add(autocast_state(rows.device.type))
         if self.stop_at_last and len(self.ids) == self.num_experts and len(set(self.ids)) == self.num_experts:
             raise _CaptureDone
         return torch.zeros_like(rows, requires_grad=False)
@@ -373,7 +382,13 @@ def _capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: R
     ids_N1 = torch.repeat_interleave(torch.tensor(capture.ids, dtype=torch.long),
                                      torch.tensor(sizes, dtype=torch.long)).view(-1, 1).to(rows_NH.device)
     ones_N1 = torch.ones(ids_N1.shape, dtype=rows_NH.dtype, device=rows_NH.device)
-    y_NH = experts(rows_NH, ids_N1, ones_N1)
+    if len(capture.autocast) > 1:
+        raise ReplayError(f"MoE layer {layer!r}: the forward calls its experts under different autocast states "
+                          f"{sorted(capture.autocast, key=str)}; one experts call runs them all in one: call "
+                          "every expert inside the same torch.autocast region (or all outside one)")
+    device_type, enabled, dtype = next(iter(capture.autocast), autocast_state(rows_NH.device.type))
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled):   # the experts' autocast, as called
+        y_NH = experts(rows_NH, ids_N1, ones_N1)
     outputs = [y.view(r.shape) for y, r in zip(y_NH.split(sizes), capture.rows)]
     # Step 4 (pass B): the forward as written, each expert call answered by its slice of the result.
     replay = _Replay(capture.ids, outputs, layer)
