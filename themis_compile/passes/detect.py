@@ -75,6 +75,7 @@ import functools
 import inspect
 import itertools
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
@@ -984,6 +985,7 @@ class _CallRecorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.ks: list[int] = []       # k of every top-k and of every sort cut to k (record_sort_cut)
+        self.topk_inputs: list[tuple[tuple[int, ...], int]] = []   # (input shape, dim) of every top-k
         self.scores: list[str] = []
         self.selections: list[str] = []
         self.top1 = 0                 # top-1 selections (max / argmax along a dimension)
@@ -998,6 +1000,10 @@ class _CallRecorder(TorchFunctionMode):
         if func in _TOPK:
             k = args[1] if len(args) > 1 else kwargs.get("k")
             self.ks.append(int(k))
+            scores = args[0] if args else kwargs.get("input")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            if isinstance(scores, torch.Tensor) and isinstance(dim, int) and scores.dim():
+                self.topk_inputs.append((tuple(scores.shape), dim % scores.dim()))
             self.selections.append(f"topk(k={int(k)})")
         elif func in _SOFTMAX:
             self.scores.append("softmax")
@@ -1008,6 +1014,22 @@ class _CallRecorder(TorchFunctionMode):
             if func in _TOP1 and _has_dim(args, kwargs):
                 self.top1 += 1
         return func(*args, **kwargs)
+
+
+def expert_choice_reason(scores_shape: tuple[int, ...], dim: int, num_experts: int, num_tokens: int) -> str | None:
+    """Why a top-k over ``scores_shape`` along ``dim`` is experts choosing tokens (expert-choice routing,
+    Zhou et al. 2022: ``topk(scores_TE.t(), capacity)``), not tokens choosing experts; None otherwise.
+    It is when the selected dimension holds the tokens and the others hold the experts (on a probe whose
+    token count differs from the number of experts)."""
+    if num_tokens == num_experts or scores_shape[dim] != num_tokens:
+        return None
+    rest = math.prod(n for i, n in enumerate(scores_shape) if i != dim)
+    if rest != num_experts:
+        return None
+    return (f"expert-choice routing: its top-k selects along the {num_tokens} tokens of a probe for each of its "
+            f"{num_experts} experts (scores {list(scores_shape)}, dim {dim}), so the number of experts per token "
+            "varies and depends on the whole batch; FSSDP needs every token routed to exactly k experts: select "
+            "with a top-k over the experts dimension of [T, E] scores to shard it (left data-parallel)")
 
 
 def record_sort_cut(rec: _CallRecorder, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -2287,6 +2309,12 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
             raise _Reject(f"the traced forward does not run on a probe: {exc}")
         topk = topks[-1]
         top_k = selection_k(topk, traced.meta)
+        scores_meta = traced.meta.get(topk.args[0]) if is_topk(topk) and topk.args else None
+        dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+        if isinstance(scores_meta, TensorMeta) and isinstance(dim, int) and scores_meta.shape and (
+                why := expert_choice_reason(scores_meta.shape, dim % len(scores_meta.shape), E,
+                                            x.numel() // x.shape[-1])):
+            raise _Reject(why)
         router_path, width, H_router = router
         values, indices = selection_outputs(topk)
         before = {_score_kind(n) for n in _ancestors(topk)} - {None}
@@ -2308,6 +2336,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
                           "probe; select with torch.topk (max / argmax for top-1), or call the experts once as "
                           "experts(x, ids, weights)")
         top_k = ks[-1]
+        if rec.topk_inputs and rec.selections[-1].startswith("topk(") and (
+                why := expert_choice_reason(*rec.topk_inputs[-1], E, x.numel() // x.shape[-1])):
+            raise _Reject(why)
         router_path, width, H_router = next((r for r in routers if r[1] == E), None) or (None, None, H)
         if router_path is None:
             widths = sorted({w for _, w, _ in routers})
