@@ -597,21 +597,30 @@ def gradient_mismatch(original: nn.Module, rewritten: nn.Module, x: torch.Tensor
 
 # --- What the machinery cannot serve ------------------------------------------------------------------
 
+_TOP1_SELECTIONS = (torch.max, torch.Tensor.max, torch.argmax, torch.Tensor.argmax)
+
+
 class _TopkSeen(TorchFunctionMode):
+    """Whether a forward selects experts: a top-k, or a top-1 by ``max`` / ``argmax`` along a dimension
+    (the GShard / Switch routers: ``argmax(gates, dim=1)``)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.seen = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in (torch.topk, torch.Tensor.topk):
             self.seen = True
-        return func(*args, **(kwargs or {}))
+        elif func in _TOP1_SELECTIONS and ("dim" in kwargs or (len(args) > 1 and type(args[1]) is int)):
+            self.seen = True
+        return func(*args, **kwargs)
 
 
 def inline_expert_weights_reason(module: nn.Module) -> str | None:
     """Why a block whose experts are flat or stacked parameters of its own (MegaBlocks dMoE: ``w1 [E*F, H]``
     sliced per expert in the forward; Tutel / Grok: ``w [E, H, F]`` applied to all experts' slots at once), next
-    to a router of E experts and with a top-k on a probe, cannot be
+    to a router of E experts and with a top-k (or a top-1 ``max`` / ``argmax``) on a probe, cannot be
     sharded; None for any other module. Capture and replay intercepts expert *calls*: inline slices of
     the block's own weights have no call whose input and output rows could be captured, and no experts
     module for the runtime to replace."""
