@@ -8,6 +8,8 @@
   autocast made the probe check fail (the runtime's experts call ran outside the block's autocast);
 - ``ExpertChoiceMoE`` (Zhou et al. 2022, experts pick their top-C tokens): was found as "top-E" and
   dispatched every token to every expert; now rejected with the reason and left data-parallel;
+- ``ParallelListsMoE`` (each expert entry e of parallel ModuleLists ``up`` / ``down``): was neither found
+  nor rejected, so ``explain`` said nothing of it; now rejected with the reason;
 - ``GShardMoE`` (top-2 by argmax with a capacity and token dropping by position, stacked ``wi`` / ``wo``
   of the block itself, einsum dispatch / combine): was rejected with no reason in ``explain``.
 
@@ -130,7 +132,33 @@ class GShardMoE(nn.Module):
         return torch.einsum("sec,ecm->sm", combine_SEC, torch.einsum("ech,ehm->ecm", h_ECF, self.wo)).view(shape)
 
 
+class ParallelListsMoE(nn.Module):
+    """Step / Hunyuan-like: each expert is entry e of parallel ModuleLists of single Linears (with biases),
+    dropout between them, a loop over the experts with ``nonzero`` and ``index_add_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.up = nn.ModuleList(nn.Linear(H, FFN) for _ in range(E))
+        self.down = nn.ModuleList(nn.Linear(FFN, H) for _ in range(E))
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, H)
+        w_TK, ids_TK = self.router(x).softmax(-1).topk(K, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = (ids_TK == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            h = self.dropout(F.gelu(self.up[e](x[tok])))
+            out.index_add_(0, tok, w_TK[tok, slot, None] * self.down[e](h))
+        return out.view(shape)
+
+
 BLOCKS = {
+    "parallel_lists": ParallelListsMoE,
     "research_dataclass": ResearchMoE,
     "research_autocast": lambda: ResearchMoE(autocast=True),
     "expert_choice": ExpertChoiceMoE,
@@ -264,7 +292,9 @@ def _in_sync(rank: int, world_size: int, style: str) -> tuple[list[str], bool]:
     return sorted(runtime.layers if runtime is not None else {}), all(torch.equal(g, flat) for g in gathered)
 
 
-TRAINED = [("research_dataclass", "themis"), ("research_dataclass", "ep"), ("gshard", "themis")]
+TRAINED = [("research_dataclass", "themis"), ("research_dataclass", "ep"), ("gshard", "themis"),
+           ("parallel_lists", "themis")]
+DATA_PARALLEL = ("gshard", "parallel_lists")     # rejected: trained data-parallel
 
 
 def _ranks(rank: int, world_size: int):
@@ -313,9 +343,16 @@ def test_gshard_inline_stacked_weights_are_rejected_with_the_reason():
     assert "wi [4, 32, 32], wo [4, 32, 32]" in text
 
 
+def test_parallel_expert_lists_are_rejected_with_the_reason():
+    text = themis_compile.explain(_model("parallel_lists"))
+    assert text.startswith("0 MoE layer(s) found"), text
+    assert ("rejected layers.1.moe: its 4 experts (scored by 'router') are spread over parallel ModuleLists "
+            "'up' (4 x Linear), 'down' (4 x Linear)") in text, text
+
+
 def test_trial_blocks_train_like_one_process_on_2_ranks():
-    """One process group: the dataclass block sharded (themis, ep) and the GShard block left data-parallel
-    train like one process on the whole batch; the expert-choice block is left data-parallel (its routing
+    """One process group: the dataclass block sharded (themis, ep) and the GShard and parallel-lists blocks
+    left data-parallel train like one process on the whole batch; the expert-choice block is left data-parallel (its routing
     depends on the whole batch, so only that is checked: the ranks stay in sync)."""
     from themis_compile.testing.multirank import run_multirank
 
@@ -323,7 +360,7 @@ def test_trial_blocks_train_like_one_process_on_2_ranks():
     results = run_multirank(_ranks, 2, timeout_s=120)
     for i, (style, policy) in enumerate(TRAINED):
         per_rank = [r[0][i] for r in results]
-        expected_layers = [] if style == "gshard" else ["layers.0.moe", "layers.1.moe"]
+        expected_layers = [] if style in DATA_PARALLEL else ["layers.0.moe", "layers.1.moe"]
         assert all(r[3] == expected_layers for r in per_rank), (style, policy, per_rank[0][3])
         try:
             assert_equivalent(references[style], per_rank)
