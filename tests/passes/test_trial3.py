@@ -298,8 +298,8 @@ DATA_PARALLEL = ("gshard", "parallel_lists")     # rejected: trained data-parall
 
 
 def _ranks(rank: int, world_size: int):
-    return [_train(rank, world_size, style, policy) for style, policy in TRAINED], _in_sync(rank, world_size,
-                                                                                             "expert_choice")
+    trained = [_train(rank, world_size, style, policy) for style, policy in TRAINED]
+    return trained, _in_sync(rank, world_size, "expert_choice")
 
 
 def test_output_tensors_sees_inside_dataclasses():
@@ -352,8 +352,8 @@ def test_parallel_expert_lists_are_rejected_with_the_reason():
 
 def test_trial_blocks_train_like_one_process_on_2_ranks():
     """One process group: the dataclass block sharded (themis, ep) and the GShard and parallel-lists blocks
-    left data-parallel train like one process on the whole batch; the expert-choice block is left data-parallel (its routing
-    depends on the whole batch, so only that is checked: the ranks stay in sync)."""
+    left data-parallel train like one process on the whole batch; the expert-choice block is left
+    data-parallel (its routing depends on the whole batch, so only that is checked: the ranks stay in sync)."""
     from themis_compile.testing.multirank import run_multirank
 
     references = {style: _reference(style) for style, _ in TRAINED}

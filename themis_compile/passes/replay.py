@@ -319,10 +319,6 @@ def output_tensors(value: Any) -> list[torch.Tensor]:
     return flat
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return output_tensors(value)
-
-
 def _clone_tensors(value: Any) -> Any:
     """Pass A's inputs: clones (differentiable), since a forward may update its input in place (jitter)."""
     return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
@@ -374,7 +370,7 @@ def _capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: R
         H = capture.rows[0].shape[-1]
         rows_NH = torch.cat([r.reshape(-1, H) for r in capture.rows])
     else:
-        like = next((t for t in _tensors((args, kwargs)) if t.is_floating_point()), None)
+        like = next((t for t in output_tensors((args, kwargs)) if t.is_floating_point()), None)
         like = like if like is not None else next(module.parameters())
         rows_NH = like.new_zeros((0, plan.hidden_size or like.shape[-1]))
     H = rows_NH.shape[-1]

@@ -743,7 +743,7 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
 
 
 def _mismatch(a: Any, b: Any, rtol: float = 1e-4, atol: float = 1e-5) -> str | None:
-    """Why two outputs (nested tuples of tensors) differ beyond fp32 tolerance, or None when they agree."""
+    """Why two outputs (tensors in nested tuples, dicts, dataclasses) differ beyond fp32 tolerance, or None when they agree."""
     flat_a, flat_b = output_tensors(a), output_tensors(b)
     if len(flat_a) != len(flat_b):
         return f"{len(flat_a)} tensor outputs vs {len(flat_b)}"
