@@ -80,6 +80,7 @@ import functools
 import inspect
 import itertools
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
@@ -94,7 +95,7 @@ from torch.utils._pytree import tree_map
 from themis_compile.passes.joined import (JoinedPlan, describe_between, free_attribute, record_between,
                                           row_mixing_reason)
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
-                                          replay_mismatch, restored_attributes)
+                                          output_tensors, replay_mismatch, restored_attributes)
 from themis_compile.runtime.experts import (ExpertBank, declared_num_experts, expert_modules, loop_combine,
                                             stacked_layout, wrapped_expert_list, zero_expert_rows)
 
@@ -1002,6 +1003,7 @@ class _CallRecorder(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.ks: list[int] = []       # k of every top-k and of every sort cut to k (record_sort_cut)
+        self.topk_inputs: list[tuple[tuple[int, ...], int]] = []   # (input shape, dim) of every top-k
         self.scores: list[str] = []
         self.selections: list[str] = []
         self.top1 = 0                 # top-1 selections (max / argmax along a dimension)
@@ -1016,6 +1018,10 @@ class _CallRecorder(TorchFunctionMode):
         if func in _TOPK:
             k = args[1] if len(args) > 1 else kwargs.get("k")
             self.ks.append(int(k))
+            scores = args[0] if args else kwargs.get("input")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            if isinstance(scores, torch.Tensor) and isinstance(dim, int) and scores.dim():
+                self.topk_inputs.append((tuple(scores.shape), dim % scores.dim()))
             self.selections.append(f"topk(k={int(k)})")
         elif func in _SOFTMAX:
             self.scores.append("softmax")
@@ -1026,6 +1032,22 @@ class _CallRecorder(TorchFunctionMode):
             if func in _TOP1 and _has_dim(args, kwargs):
                 self.top1 += 1
         return func(*args, **kwargs)
+
+
+def expert_choice_reason(scores_shape: tuple[int, ...], dim: int, num_experts: int, num_tokens: int) -> str | None:
+    """Why a top-k over ``scores_shape`` along ``dim`` is experts choosing tokens (expert-choice routing,
+    Zhou et al. 2022: ``topk(scores_TE.t(), capacity)``), not tokens choosing experts; None otherwise.
+    It is when the selected dimension holds the tokens and the others hold the experts (on a probe whose
+    token count differs from the number of experts)."""
+    if num_tokens == num_experts or scores_shape[dim] != num_tokens:
+        return None
+    rest = math.prod(n for i, n in enumerate(scores_shape) if i != dim)
+    if rest != num_experts:
+        return None
+    return (f"expert-choice routing: its top-k selects along the {num_tokens} tokens of a probe for each of its "
+            f"{num_experts} experts (scores {list(scores_shape)}, dim {dim}), so the number of experts per token "
+            "varies and depends on the whole batch; FSSDP needs every token routed to exactly k experts: select "
+            "with a top-k over the experts dimension of [T, E] scores to shard it (left data-parallel)")
 
 
 def record_sort_cut(rec: _CallRecorder, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -1121,17 +1143,12 @@ class RuntimeReference(nn.Module):
 
 
 def _outputs_close(a: Any, b: Any) -> bool:
-    flat_a, flat_b = [], []
-    tree_map(lambda v: flat_a.append(v), a)
-    tree_map(lambda v: flat_b.append(v), b)
+    flat_a, flat_b = output_tensors(a), output_tensors(b)
     if len(flat_a) != len(flat_b):
         return False
     for u, v in zip(flat_a, flat_b):
-        if isinstance(u, torch.Tensor) != isinstance(v, torch.Tensor):
+        if u.shape != v.shape or not torch.allclose(u.float(), v.float(), rtol=1e-4, atol=1e-5):
             return False
-        if isinstance(u, torch.Tensor):
-            if u.shape != v.shape or not torch.allclose(u.float(), v.float(), rtol=1e-4, atol=1e-5):
-                return False
     return True
 
 
@@ -1553,7 +1570,39 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         raise reject
     if (why := inline_expert_weights_reason(module)) is not None:
         raise _Reject(why)
+    if (why := parallel_expert_lists_reason(module)) is not None:
+        raise _Reject(why)
     return None
+
+
+def parallel_expert_lists_reason(module: nn.Module) -> str | None:
+    """Why a block whose experts are spread over parallel ModuleLists of single layers (``up[e]``,
+    ``down[e]``: expert e is one entry of each) cannot be sharded; None for any other module. It is when
+    two or more such lists of E >= 2 entries sit next to a router of E experts and a forward on a probe
+    selects (a top-k, a sort cut to k, a top-1 ``max`` / ``argmax``). The runtime shards, gathers and
+    runs whole expert modules; here no module is an expert."""
+    lists = [(attr, child) for attr, child in module.named_children()
+             if isinstance(child, nn.ModuleList) and len(child) >= 2 and not _is_mlp_like(child[0])
+             and all(type(c) is type(child[0]) and any(True for _ in c.parameters()) for c in child)]
+    sizes = {len(child) for _, child in lists}
+    if len(lists) < 2 or len(sizes) != 1:
+        return None
+    E = sizes.pop()
+    router = next(((n, c) for n, c in module.named_children() if isinstance(c, nn.Linear) and c.out_features == E),
+                  None)
+    if router is None:
+        return None
+    try:
+        rec = record_calls(module, probe_input(module, router[1].in_features))
+    except Exception:  # noqa: BLE001 - not a block run on hidden states: not this case
+        return None
+    if not (rec.ks or rec.top1):
+        return None
+    names = ", ".join(f"'{attr}' ({E} x {type(child[0]).__name__})" for attr, child in lists)
+    return (f"its {E} experts (scored by '{router[0]}') are spread over parallel ModuleLists {names}, expert e "
+            "being entry e of each: the runtime shards whole expert modules; hold each expert as one module "
+            "(an nn.ModuleList of MLPs called as experts[e](rows)) or as stacked [E, ...] weights called as "
+            "experts(x, ids, weights)")
 
 
 def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
@@ -2429,6 +2478,12 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
             raise _Reject(f"the traced forward does not run on a probe: {exc}")
         topk = topks[-1]
         top_k = selection_k(topk, traced.meta)
+        scores_meta = traced.meta.get(topk.args[0]) if is_topk(topk) and topk.args else None
+        dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+        if isinstance(scores_meta, TensorMeta) and isinstance(dim, int) and scores_meta.shape and (
+                why := expert_choice_reason(scores_meta.shape, dim % len(scores_meta.shape), E,
+                                            x.numel() // x.shape[-1])):
+            raise _Reject(why)
         router_path, width, H_router = router
         values, indices = selection_outputs(topk)
         before = {_score_kind(n) for n in _ancestors(topk)} - {None}
@@ -2450,6 +2505,9 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
                           "probe; select with torch.topk (max / argmax for top-1), or call the experts once as "
                           "experts(x, ids, weights)")
         top_k = ks[-1]
+        if rec.topk_inputs and rec.selections[-1].startswith("topk(") and (
+                why := expert_choice_reason(*rec.topk_inputs[-1], E, x.numel() // x.shape[-1])):
+            raise _Reject(why)
         router_path, width, H_router = next((r for r in routers if r[1] == E), None) or (None, None, H)
         if router_path is None:
             widths = sorted({w for _, w, _ in routers})

@@ -202,6 +202,13 @@ def dict_layout(experts: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(experts.keys()), tuple(k for k, m in experts.items() if any(True for _ in m.parameters()))
 
 
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """(device type, enabled, dtype) of autocast where an expert is called: the block may run its experts
+    inside its own ``torch.autocast`` region, and the runtime's one call, made outside it, must run them
+    the same way."""
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
 def _view(run: _Pass, num_experts: int, keys: tuple[str, ...], expert_keys: tuple[str, ...],
           others: dict[str, nn.Module]) -> ExpertsView:
     """The view of the experts container for one pass: a ModuleDict's when ``keys``, else a ModuleList's."""
@@ -215,10 +222,12 @@ class _Capture(_Pass):
         self.num_experts, self.stop_at_last = num_experts, stop_at_last
         self.ids: list[int] = []
         self.rows: list[torch.Tensor] = []
+        self.autocast: set[tuple[str, bool, torch.dtype]] = set()   # autocast state at each call
 
     def call(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         self.ids.append(e)
         self.rows.append(rows)
+        self.autocast.add(autocast_state(rows.device.type))
         if self.stop_at_last and len(self.ids) == self.num_experts and len(set(self.ids)) == self.num_experts:
             raise _CaptureDone
         return torch.zeros_like(rows, requires_grad=False)
@@ -292,9 +301,21 @@ def isolated(module: nn.Module, skip: nn.Module | None = None) -> Iterator[None]
         yield
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def output_tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor of a block's output, in order: through nested tuples, lists and dicts (pytrees) and
+    through dataclasses, which pytree takes for one opaque leaf (a block returning
+    ``MoEOutput(hidden_states, aux_loss)``): a probe comparison that flattened only the pytree would
+    compare nothing in such an output and pass."""
     flat: list[torch.Tensor] = []
-    tree_map(lambda v: flat.append(v) if isinstance(v, torch.Tensor) else None, value)
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            flat.append(v)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            for field in dataclasses.fields(v):
+                tree_map(visit, getattr(v, field.name))
+
+    tree_map(visit, value)
     return flat
 
 
@@ -349,7 +370,7 @@ def _capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: R
         H = capture.rows[0].shape[-1]
         rows_NH = torch.cat([r.reshape(-1, H) for r in capture.rows])
     else:
-        like = next((t for t in _tensors((args, kwargs)) if t.is_floating_point()), None)
+        like = next((t for t in output_tensors((args, kwargs)) if t.is_floating_point()), None)
         like = like if like is not None else next(module.parameters())
         rows_NH = like.new_zeros((0, plan.hidden_size or like.shape[-1]))
     H = rows_NH.shape[-1]
@@ -357,7 +378,13 @@ def _capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: R
     ids_N1 = torch.repeat_interleave(torch.tensor(capture.ids, dtype=torch.long),
                                      torch.tensor(sizes, dtype=torch.long)).view(-1, 1).to(rows_NH.device)
     ones_N1 = torch.ones(ids_N1.shape, dtype=rows_NH.dtype, device=rows_NH.device)
-    y_NH = experts(rows_NH, ids_N1, ones_N1)
+    if len(capture.autocast) > 1:
+        raise ReplayError(f"MoE layer {layer!r}: the forward calls its experts under different autocast states "
+                          f"{sorted(capture.autocast, key=str)}; one experts call runs them all in one: call "
+                          "every expert inside the same torch.autocast region (or all outside one)")
+    device_type, enabled, dtype = next(iter(capture.autocast), autocast_state(rows_NH.device.type))
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled):   # the experts' autocast, as called
+        y_NH = experts(rows_NH, ids_N1, ones_N1)
     outputs = [y.view(r.shape) for y, r in zip(y_NH.split(sizes), capture.rows)]
     # Step 4 (pass B): the forward as written, each expert call answered by its slice of the result.
     replay = _Replay(capture.ids, outputs, layer)
@@ -544,9 +571,10 @@ def gradient_mismatch(original: nn.Module, rewritten: nn.Module, x: torch.Tensor
                 try:
                     torch.manual_seed(seed)
                     x_in = x.clone().requires_grad_(True)
-                    flat: list[torch.Tensor] = []
-                    tree_map(lambda v: flat.append(v) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                             else None, m(x_in.clone()))   # a forward may update its input in place
+                    # A forward may update its input in place: it gets a clone.
+                    flat = [v for v in output_tensors(m(x_in.clone())) if v.is_floating_point()]
+                    if not flat:
+                        return "the block's output holds no floating-point tensor to compare gradients through"
                     g = torch.Generator().manual_seed(seed)
                     loss = sum((v * torch.randn(v.shape, generator=g).to(v)).sum() for v in flat)
                     grads.append(torch.autograd.grad(loss, [x_in] + params, allow_unused=True))
@@ -565,21 +593,30 @@ def gradient_mismatch(original: nn.Module, rewritten: nn.Module, x: torch.Tensor
 
 # --- What the machinery cannot serve ------------------------------------------------------------------
 
+_TOP1_SELECTIONS = (torch.max, torch.Tensor.max, torch.argmax, torch.Tensor.argmax)
+
+
 class _TopkSeen(TorchFunctionMode):
+    """Whether a forward selects experts: a top-k, or a top-1 by ``max`` / ``argmax`` along a dimension
+    (the GShard / Switch routers: ``argmax(gates, dim=1)``)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.seen = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in (torch.topk, torch.Tensor.topk):
             self.seen = True
-        return func(*args, **(kwargs or {}))
+        elif func in _TOP1_SELECTIONS and ("dim" in kwargs or (len(args) > 1 and type(args[1]) is int)):
+            self.seen = True
+        return func(*args, **kwargs)
 
 
 def inline_expert_weights_reason(module: nn.Module) -> str | None:
     """Why a block whose experts are flat or stacked parameters of its own (MegaBlocks dMoE: ``w1 [E*F, H]``
     sliced per expert in the forward; Tutel / Grok: ``w [E, H, F]`` applied to all experts' slots at once), next
-    to a router of E experts and with a top-k on a probe, cannot be
+    to a router of E experts and with a top-k (or a top-1 ``max`` / ``argmax``) on a probe, cannot be
     sharded; None for any other module. Capture and replay intercepts expert *calls*: inline slices of
     the block's own weights have no call whose input and output rows could be captured, and no experts
     module for the runtime to replace."""

@@ -58,7 +58,6 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from themis_compile.passes.detect import (
     AllRowsPlan,
@@ -100,7 +99,7 @@ from themis_compile.passes.detect import (
     trace_block_with_method_leaves,
 )
 from themis_compile.passes.joined import apply_joined
-from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch
+from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch, output_tensors
 from themis_compile.runtime.experts import loop_combine, with_zero_rows_gradient, wrapped_expert_list
 
 logger = logging.getLogger(__name__)
@@ -788,20 +787,15 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
 
 
 def _mismatch(a: Any, b: Any, rtol: float = 1e-4, atol: float = 1e-5) -> str | None:
-    """Why two outputs (nested tuples of tensors) differ beyond fp32 tolerance, or None when they agree."""
-    flat_a, flat_b = [], []
-    tree_map(flat_a.append, a)
-    tree_map(flat_b.append, b)
+    """Why two outputs (tensors in nested tuples, dicts, dataclasses) differ beyond fp32 tolerance, or None when they agree."""
+    flat_a, flat_b = output_tensors(a), output_tensors(b)
     if len(flat_a) != len(flat_b):
-        return f"{len(flat_a)} outputs vs {len(flat_b)}"
+        return f"{len(flat_a)} tensor outputs vs {len(flat_b)}"
     for u, v in zip(flat_a, flat_b):
-        if isinstance(u, torch.Tensor) != isinstance(v, torch.Tensor):
-            return "a tensor output vs a non-tensor"
-        if isinstance(u, torch.Tensor):
-            if u.shape != v.shape:
-                return f"shapes {list(u.shape)} vs {list(v.shape)}"
-            if not torch.allclose(u.double(), v.double(), rtol=rtol, atol=atol, equal_nan=True):
-                return f"values differ by up to {float((u.double() - v.double()).abs().max()):.3g}"
+        if u.shape != v.shape:
+            return f"shapes {list(u.shape)} vs {list(v.shape)}"
+        if not torch.allclose(u.double(), v.double(), rtol=rtol, atol=atol, equal_nan=True):
+            return f"values differ by up to {float((u.double() - v.double()).abs().max()):.3g}"
     return None
 
 
@@ -835,9 +829,7 @@ def verify_rewrite_gradients(original: nn.Module, rewritten: nn.Module, probe: t
             module.train(True)
             try:
                 torch.manual_seed(PROBE_SEED)
-                flat: list[torch.Tensor] = []
-                tree_map(lambda v: flat.append(v) if isinstance(v, torch.Tensor) and v.requires_grad else None,
-                         module(x))
+                flat = [v for v in output_tensors(module(x)) if v.requires_grad]
                 if not flat:
                     return   # nothing differentiable comes out (a frozen block)
                 gen = torch.Generator().manual_seed(PROBE_SEED)
