@@ -11,7 +11,11 @@
 - ``ParallelListsMoE`` (each expert entry e of parallel ModuleLists ``up`` / ``down``): was neither found
   nor rejected, so ``explain`` said nothing of it; now rejected with the reason;
 - ``GShardMoE`` (top-2 by argmax with a capacity and token dropping by position, stacked ``wi`` / ``wo``
-  of the block itself, einsum dispatch / combine): was rejected with no reason in ``explain``.
+  of the block itself, einsum dispatch / combine): was rejected with no reason in ``explain``;
+- ``TitanGroupedMMMoE`` (torchtitan's ``MoE`` as it is now: ``torch.histc`` counts, a float vector,
+  handed to ``GroupedExperts`` running ``torch._grouped_mm`` with cumulative offsets; a shared expert):
+  the float counts were not read as counts, so the layer was rejected ("called as experts(Tensor[16, 32],
+  Tensor[4])") and trained data-parallel.
 
 Shape suffixes: T tokens, H hidden, F ffn, E experts, K top-k, C capacity, S tokens (GShard).
 """
@@ -157,6 +161,47 @@ class ParallelListsMoE(nn.Module):
         return out.view(shape)
 
 
+class TitanGroupedExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, H, FFN) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(E, FFN, H) * 0.1)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets).type_as(x)
+
+
+class TitanGroupedMMMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = TitanGroupedExperts()
+        self.shared_expert = nn.Sequential(nn.Linear(H, FFN, bias=False), nn.SiLU(), nn.Linear(FFN, H, bias=False))
+        self.register_buffer("expert_bias", torch.zeros(E))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = torch.sigmoid(self.router(x).to(torch.float32))
+        _, selected_experts_indices = torch.topk(scores + self.expert_bias, k=K, dim=1)
+        top_scores = scores.gather(dim=1, index=selected_experts_indices)
+        num_tokens_per_expert = torch.histc(selected_experts_indices.view(-1).float(), bins=E, min=0, max=E)
+        token_indices_experts_sorted = torch.argsort(selected_experts_indices.view(-1), stable=True)
+        top_scores_experts_sorted = top_scores.view(-1)[token_indices_experts_sorted]
+        token_indices_experts_sorted = token_indices_experts_sorted // K
+        token_indices_experts_sorted = token_indices_experts_sorted.reshape(-1, 1).expand(-1, dim)
+        routed_input = torch.gather(x, dim=0, index=token_indices_experts_sorted)
+        routed_input = (routed_input.to(torch.float32) * top_scores_experts_sorted.reshape(-1, 1)).to(x.dtype)
+        routed_output = self.experts(routed_input, num_tokens_per_expert)
+        out = self.shared_expert(x)
+        out = out.scatter_add(dim=0, index=token_indices_experts_sorted, src=routed_output)
+        return out.reshape(bs, slen, dim)
+
+
 BLOCKS = {
     "parallel_lists": ParallelListsMoE,
     "research_dataclass": ResearchMoE,
@@ -164,6 +209,7 @@ BLOCKS = {
     "expert_choice": ExpertChoiceMoE,
     "expert_choice_fixed": lambda: ExpertChoiceMoE(capacity=4),
     "gshard": GShardMoE,
+    "titan_grouped_mm": TitanGroupedMMMoE,
 }
 
 
@@ -293,7 +339,7 @@ def _in_sync(rank: int, world_size: int, style: str) -> tuple[list[str], bool]:
 
 
 TRAINED = [("research_dataclass", "themis"), ("research_dataclass", "ep"), ("gshard", "themis"),
-           ("parallel_lists", "themis")]
+           ("parallel_lists", "themis"), ("titan_grouped_mm", "themis")]
 DATA_PARALLEL = ("gshard", "parallel_lists")     # rejected: trained data-parallel
 
 
@@ -350,8 +396,14 @@ def test_parallel_expert_lists_are_rejected_with_the_reason():
             "'up' (4 x Linear), 'down' (4 x Linear)") in text, text
 
 
+def test_grouped_mm_experts_with_histc_counts_are_found():
+    text = themis_compile.explain(_model("titan_grouped_mm"))
+    assert text.startswith("2 MoE layer(s) found"), text
+    assert "rows sorted by expert with counts at the experts call" in text, text
+
+
 def test_trial_blocks_train_like_one_process_on_2_ranks():
-    """One process group: the dataclass block sharded (themis, ep) and the GShard and parallel-lists blocks
+    """One process group: the dataclass and torchtitan grouped-mm blocks sharded (themis, ep) and the GShard and parallel-lists blocks
     left data-parallel train like one process on the whole batch; the expert-choice block is left
     data-parallel (its routing depends on the whole batch, so only that is checked: the ranks stay in sync)."""
     from themis_compile.testing.multirank import run_multirank

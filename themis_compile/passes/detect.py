@@ -1627,8 +1627,10 @@ def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
 
 
 def _counts(v: Any) -> list[int] | None:
-    """Rows per expert when ``v`` is one (an integer vector or a list of ints), else None."""
-    if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dim() == 1:
+    """Rows per expert when ``v`` is one (an integer vector, a list of ints, or a floating vector of whole
+    numbers: torchtitan counts with ``torch.histc``), else None."""
+    if isinstance(v, torch.Tensor) and v.dim() == 1 and (not v.is_floating_point() or bool(
+            torch.isfinite(v).all() and (v >= 0).all() and (v == v.round()).all())):
         return [int(c) for c in v]
     if isinstance(v, (list, tuple)) and v and all(isinstance(c, int) for c in v):
         return list(v)
