@@ -16,22 +16,23 @@ os.environ.setdefault("THEMIS_CACHE_DIR", tempfile.mkdtemp(prefix="themis-test-c
 # same kernels on one thread as the ranks they are compared with.
 torch.set_num_threads(1)
 
-# The files that take longest, longest first (`pytest --durations`, summed per file). Under
+# The files that take longest, longest first (a full run's `--durations`, summed per file). Under
 # `--dist loadfile` pytest-xdist hands whole files to its workers in the order of the collection, by
 # default after sorting the files by their number of tests, most first: that puts these (a few long
 # multi-rank tests each) last, and one worker ends the run alone on the last of them while the other
-# idles. They go first instead, longest first, and the many short files fill in behind them.
+# idles. They go first instead, longest first, and the many short files fill in behind them. A file not
+# listed keeps its place in the collection, after these.
 LONGEST_FIRST = (
     "tests/runtime/test_fssdp.py",
     "tests/runtime/test_train_matrix.py",
-    "tests/runtime/test_frozen.py",
     "tests/passes/test_zoo_training.py",
     "tests/runtime/test_ep.py",
-    "tests/runtime/test_checkpoint.py",
     "tests/passes/test_hf_families.py",
+    "tests/runtime/test_checkpoint.py",
+    "tests/runtime/test_frozen.py",
     "tests/test_train_example.py",
-    "tests/passes/test_backend.py",
     "tests/runtime/test_crash_resume.py",
+    "tests/passes/test_backend.py",
     "tests/bench/test_step_bench.py",
     "tests/runtime/test_fallback.py",
     "tests/runtime/test_activation_checkpoint.py",
