@@ -10,6 +10,8 @@ the same steps: a whole layer, single experts and single tensors of an expert, f
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -55,12 +57,22 @@ SCHEDULES = {
 }
 
 
+_UNMODIFIED_CHUNKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _chunks(model) -> dict[tuple[int, int], list[torch.Tensor]]:
     """(layer, expert) -> the expert's parameters in this process: after ``optimize`` the owned ones; on
-    the unmodified model all of them (stacked weights: the stacked parameters, shared by every expert)."""
+    the unmodified model all of them (stacked weights: the stacked parameters, shared by every expert),
+    found once per model (detection probes the layers; freezing changes no module or parameter)."""
     if getattr(model, "_themis_runtime", None) is not None:
         layers = themis_compile.api.runtime_of(model).layers.values()
         return {(li, e): c for li, layer in enumerate(layers) for e, c in layer.local_chunks().items()}
+    if model not in _UNMODIFIED_CHUNKS:
+        _UNMODIFIED_CHUNKS[model] = _unmodified_chunks(model)
+    return _UNMODIFIED_CHUNKS[model]
+
+
+def _unmodified_chunks(model) -> dict[tuple[int, int], list[torch.Tensor]]:
     out = {}
     for li, info in enumerate(find_moe_layers(model)[0]):
         experts = getattr(info.module, info.experts_attr)

@@ -8,10 +8,11 @@
     results = run_multirank(check, 4, args=(2.0,))       # [result of rank 0, ..., rank 3]
 
 Guarantees:
-- every rank runs in its own process (forked from a server that imported torch once,
-  `themis_compile.testing._rank_preload`; the rank sees the caller's environment as of the call) with one
-  CPU thread and a gloo process group whose collectives time out after ``timeout_s`` (so a collective that
-  never completes raises instead of hanging);
+- every rank runs in its own process (forked from a server that imported torch and the library once,
+  `themis_compile.testing._rank_preload`; the rank sees the caller's environment as of the call, except
+  what those modules read when they were imported) with one CPU thread and a gloo process group whose
+  collectives time out after ``timeout_s`` (so a collective that never completes raises instead of
+  hanging);
 - the rendezvous store is created by the parent on a free port (no port races between tests);
 - the first failing rank's traceback is re-raised in the caller as :class:`RankError`;
 - the whole run has a deadline: ranks still alive after it are killed and :class:`TimeoutError` names them;
