@@ -2567,7 +2567,7 @@ def find_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = Non
     needy = [name for name, why in rejected if isinstance(why, _ProbeFailed)]
     rejected = [(name, str(why)) for name, why in rejected]
     if not needy:
-        return found, rejected
+        return _untied(found, rejected)
     modules = dict(model.named_modules())
     targets = {name: modules["" if name == "<root>" else name] for name in needy}
     calls, failure = record_inputs(model, list(targets.values()), example_inputs)
@@ -2586,7 +2586,28 @@ def find_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = Non
     rejected = [(name, reasons.get(name, why)) for name, why in rejected if name not in found_names]
     order = {name or "<root>": i for i, name in enumerate(modules)}
     found = sorted(found + again, key=lambda info: order.get(info.name, 0))
-    return found, _outside_found_experts(found, rejected)
+    return _untied(found, _outside_found_experts(found, rejected))
+
+
+def _untied(found: list[MoELayerInfo], rejected: list[tuple[str, str]]
+            ) -> tuple[list[MoELayerInfo], list[tuple[str, str]]]:
+    """The found layers less those whose experts share a parameter with another found layer's (tied
+    weights, as DiffusionGemma's encoder and decoder layers): each sharded layer holds its own copy of its
+    experts, so tied experts would train apart. Those layers are rejected and stay data-parallel."""
+    owner: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for info in found:
+        for p in getattr(info.module, info.experts_attr).parameters():
+            other = owner.setdefault(id(p), info.name)
+            if other != info.name:
+                tied.setdefault(info.name, other)
+                tied.setdefault(other, info.name)
+    if not tied:
+        return found, rejected
+    reasons = [(info.name, f"its experts share parameters with those of MoE layer {tied[info.name]!r} (tied "
+                           "weights): a sharded layer holds its own copy of its experts, so the two would train "
+                           "apart; untie them to shard them") for info in found if info.name in tied]
+    return [info for info in found if info.name not in tied], rejected + reasons
 
 
 def _find_in(model: nn.Module, names: set[str] | None = None, outside: list[MoELayerInfo] = ()
