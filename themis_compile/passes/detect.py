@@ -45,7 +45,9 @@ Contract:
     before v5) (the loop stays as written, served by :mod:`themis_compile.passes.replay`).
     Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
     their forward, or an experts child called otherwise) but fail a check are returned as
-    ``(name, reason)``, the reason saying what would make the layer work.
+    ``(name, reason)``, the reason saying what would make the layer work. Layers whose experts share
+    a parameter with another found layer's (tied weights) are returned so too: a sharded layer holds
+    its own copy of its experts, so tied experts would train apart (:func:`_untied`).
 
 Pseudo-code:
     for module in model.named_modules():
@@ -63,6 +65,7 @@ Pseudo-code:
     if a candidate's forward fails on probe hidden states: record the (args, kwargs) it gets in one
     forward of the model on example_inputs (or synthesized token ids) and inspect it again, each
     probe's hidden states in place of the recorded ones                              # recorded inputs
+    reject every layer found whose experts share a parameter with another's          # tied experts
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """
