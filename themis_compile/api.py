@@ -92,27 +92,34 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         state = _fssdp_state(config, group, rank, world_size)
         runtime.fssdp = state
     sharded = []
-    for index, info in enumerate(infos):
+    for info in infos:
         block = info.module
-        original = getattr(block, info.experts_attr)
-        if world_size > 1:
-            _broadcast_experts(original, group, deadline.setup_timeout(config.collective_timeout_s))
-        bank = ExpertBank(original, layer=info.name, num_experts=info.num_experts)
-        shard = Placement.contiguous(bank.num_experts, world_size)
-        if fssdp:
-            experts = _fssdp_experts(bank, original, shard, state, index, info, config)
+        if info.tied_to:
+            # Tied weights: these experts are an earlier layer's, whose sharded experts serve both calls
+            # (their gradients accumulate into the one owner's chunk, as into one parameter in one process).
+            experts = runtime.layers[info.tied_to]
         else:
-            experts = ShardedExperts(bank, original, shard, rank=rank, world_size=world_size, group=group,
-                                     layer=info.name, uniform_routing=config.policy == "uniform",
-                                     timeout_s=config.collective_timeout_s,
-                                     skips_empty_experts=info.skips_empty_experts)
-        experts.kernels_backend = config.kernels    # the dispatch/combine kernels of this model
+            original = getattr(block, info.experts_attr)
+            if world_size > 1:
+                _broadcast_experts(original, group, deadline.setup_timeout(config.collective_timeout_s))
+            bank = ExpertBank(original, layer=info.name, num_experts=info.num_experts)
+            shard = Placement.contiguous(bank.num_experts, world_size)
+            if fssdp:
+                experts = _fssdp_experts(bank, original, shard, state, len(sharded), info, config)
+            else:
+                experts = ShardedExperts(bank, original, shard, rank=rank, world_size=world_size, group=group,
+                                         layer=info.name, uniform_routing=config.policy == "uniform",
+                                         timeout_s=config.collective_timeout_s,
+                                         skips_empty_experts=info.skips_empty_experts)
+            experts.kernels_backend = config.kernels    # the dispatch/combine kernels of this model
         setattr(block, info.experts_attr, experts)
         if world_size > 1 and hasattr(block, "global_tokens_per_expert"):
             block.global_tokens_per_expert = _make_count_reducer(group, info.name, config.collective_timeout_s)
         if config.policy == "uniform" and callable(getattr(block, "route", None)):
             # So that the block's own counts and aux loss see the uniform assignment too.
-            block.route = _make_uniform_route(block.route, bank.num_experts)
+            block.route = _make_uniform_route(block.route, experts.num_experts)
+        if info.tied_to:
+            continue
         runtime.layers[info.name] = experts
         runtime.layer_infos[info.name] = info
         sharded.append(experts)

@@ -76,6 +76,17 @@ _FAMILY = {
     "step3p7": {"sliding_window": 16},
     "switch_transformers": {"decoder_start_token_id": 0},
     "muse_spark": {"moe_hidden_size": 32},    # the experts' own width (default 4096)
+    # The full-attention layers' head_dim is `global_head_dim` (512 by default, not a config field once
+    # built); the canvas is the second half of a test sequence; the (unused) vision tower made small.
+    "diffusion_gemma": {"canvas_length": 4, "text_config": {"global_head_dim": 8},
+                        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 32,
+                                          "num_hidden_layers": 1, "num_attention_heads": 4,
+                                          "num_key_value_heads": 4, "head_dim": 8, "position_embedding_size": 64}},
+}
+
+# Families whose text model with a loss is none of the class names `_model_class` looks for.
+_CLASS = {
+    "diffusion_gemma": "DiffusionGemmaForBlockDiffusion",   # kind "block-diffusion", see family_loss
 }
 
 
@@ -150,14 +161,16 @@ def _shrunk(config_class, extra: dict | None = None):
             over[k] = 1024 if isinstance(v, int) else 1024.0   # no token dropped on any split of the batch
     if "num_key_value_heads" in over and d.get("num_key_value_heads") is None:
         over.pop("num_key_value_heads")
-    over.update(extra or {})
+    for k, v in (extra or {}).items():    # a sub-config's extras are merged into its shrunk sizes
+        over[k] = {**over[k], **v} if isinstance(v, dict) and isinstance(over.get(k), dict) else v
     return config_class(**over)
 
 
 def tiny_model(family: str, seed: int = 0):
-    """(model, kind) for ``family``: kind "causal-lm", "seq2seq" or "base" (how :func:`family_loss` calls it)."""
+    """The tiny model of ``family``, its kind ("causal-lm", "seq2seq", "block-diffusion" or "base": how
+    :func:`family_loss` calls it) in ``model._themis_test_kind``."""
     module = importlib.import_module(moe_families()[family])
-    cls = _model_class(module)
+    cls = getattr(module, _CLASS[family]) if family in _CLASS else _model_class(module)
     if cls is None:
         raise LookupError(f"{family}: no text model class in {module.__name__}")
     config = _shrunk(cls.config_class, _FAMILY.get(family))
@@ -165,20 +178,50 @@ def tiny_model(family: str, seed: int = 0):
     model = cls(config)
     name = cls.__name__
     kind = "causal-lm" if name.endswith("ForCausalLM") else "seq2seq" if name.endswith(
-        "ForConditionalGeneration") else "base"
+        "ForConditionalGeneration") else "block-diffusion" if name.endswith("ForBlockDiffusion") else "base"
     model._themis_test_kind = kind
     return model
 
 
 def family_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """A per-token mean loss: the LM loss for language models, the mean square of the last hidden state
-    for a bare text model."""
+    """A per-token mean loss: the LM loss for language models, the denoising loss of a block-diffusion
+    model (:func:`_block_diffusion_loss`), the mean square of the last hidden state for a bare text model."""
     kind = model._themis_test_kind
     if kind in ("causal-lm", "seq2seq"):
         return model(input_ids=tokens, labels=tokens, use_cache=False).loss
+    if kind == "block-diffusion":
+        return _block_diffusion_loss(model, tokens)
     kwargs = {"decoder_input_ids": tokens} if "decoder_input_ids" in inspect.signature(model.forward).parameters \
         else {}
     return model(input_ids=tokens, use_cache=False, **kwargs).last_hidden_state.float().pow(2).mean()
+
+
+def noised_block(clean_BC: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Each row of ``clean_BC`` with a fraction t ~ U(0, 1) of its tokens replaced by uniform random ones
+    (the uniform-noise forward process DiffusionGemma's canvas starts from), drawn from a generator seeded
+    by the row itself: the noise belongs to the example, so any split of the batch sees the same canvas."""
+    out = clean_BC.clone()
+    for b, row in enumerate(clean_BC):
+        g = torch.Generator().manual_seed(int((row * torch.arange(1, row.numel() + 1)).sum()))
+        t = torch.rand((), generator=g)
+        noise = torch.randint(0, vocab_size, row.shape, generator=g)
+        out[b] = torch.where(torch.rand(row.shape, generator=g) < t, noise, row)
+    return out
+
+
+def _block_diffusion_loss(model, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """The first half of each sequence is the prompt (the encoder's prefix), the second half the block:
+    its noised copy is the decoder's canvas, and the loss is the cross-entropy of the logits against the
+    clean block, a mean over every block token.
+
+    The canvas is passed, not left to the model: without ``decoder_input_ids`` DiffusionGemmaModel draws
+    it with ``torch.randint`` from the global generator inside its forward, so each rank would draw its
+    own numbers for its own rows, not those one process draws for the same rows of the whole batch."""
+    half = tokens_BS.shape[1] // 2
+    prompt_BP, clean_BC = tokens_BS[:, :half], tokens_BS[:, half:]
+    canvas_BC = noised_block(clean_BC, model.config.text_config.vocab_size)
+    logits_BCV = model(input_ids=prompt_BP, decoder_input_ids=canvas_BC, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits_BCV.flatten(0, 1).float(), clean_BC.flatten())
 
 
 def expected_moe_modules(model) -> list[str]:

@@ -26,8 +26,6 @@ pytest.importorskip("transformers")
 # parallel), each for a property of the family's code documented in docs/detection.md. None: the family
 # has no module the detector can probe (no text model, or no experts child).
 NOT_SHARDED = {
-    # The decoder alone cannot run: it reads the encoder's prefix from a cache (pass example_inputs with one).
-    "diffusion_gemma": "fails before it is called (ValueError: The decoder reads the encoder prefix from `cache`",
     # The attention experts (MoA) run through JetMoeMoA.map / .reduce, never called; the MLP's experts, two
     # ParallelExperts halves with the block's code between them, are joined and sharded (PARTLY_SHARDED).
     "jetmoe": "runs the experts in 'experts' (JetMoeMoA) one by one itself",
@@ -98,6 +96,9 @@ def test_explain_lists_or_rejects_families_of_each_kind():
         expected, found, report = _detect(family)
         assert expected and set(expected) <= set(found), report
     assert "4 experts + 2 zero (identity) experts" in report, report
+    # Encoder and decoder layer i share their experts (tied weights): one sharded experts module serves both.
+    expected, found, report = _detect("diffusion_gemma")
+    assert set(expected) <= set(found) and report.count("experts tied to") == 2, report
 
 
 # --- training equivalence, one process group for every family ----------------------------------------
@@ -204,3 +205,4 @@ def test_every_found_family_trains_like_one_process():
     equal = [f for f, v in verdict.items() if v == "equal"]
     print(f"{len(equal)} of {len(families)} families train equal to one process")
     assert not [f for f, v in verdict.items() if v != "equal"], {f: v for f, v in verdict.items() if v != "equal"}
+

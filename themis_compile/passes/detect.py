@@ -49,7 +49,10 @@ Contract:
     before v5) (the loop stays as written, served by :mod:`themis_compile.passes.replay`).
     Modules that look MoE-like (an experts-like child next to a router of that width, or a top-k in
     their forward, or an experts child called otherwise) but fail a check are returned as
-    ``(name, reason)``, the reason saying what would make the layer work.
+    ``(name, reason)``, the reason saying what would make the layer work. A layer whose experts are
+    an earlier found layer's (the same parameters: tied weights) records it in ``tied_to``, and the
+    runtime serves both with one sharded experts module; layers whose experts share only some
+    parameters with another's are rejected (:func:`_tied_experts`).
 
 Pseudo-code:
     for module in model.named_modules():
@@ -67,6 +70,7 @@ Pseudo-code:
     if a candidate's forward fails on probe hidden states: record the (args, kwargs) it gets in one
     forward of the model on example_inputs (or synthesized token ids) and inspect it again, each
     probe's hidden states in place of the recorded ones                              # recorded inputs
+    experts the same parameters as an earlier layer's: tied_to it; some shared: reject  # tied experts
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k.
 """
@@ -135,6 +139,8 @@ class MoELayerInfo:
     zero_experts: int = 0                      # Z identity experts with ids [E, E + Z) (zero-experts rewrite)
     call_tail: int = 0                         # sorted-rows: Nones the experts call returns after its rows
                                                # (Megatron-Core's (output, output_bias) without bias: 1)
+    tied_to: str = ""                          # the earlier layer whose experts these are (tied weights):
+                                               # served by that layer's sharded experts
     plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
                                                                  # (passes.replay.ReplayPlan for "replay",
                                                                  # AllRowsPlan for "all-rows",
@@ -186,6 +192,8 @@ class MoELayerInfo:
                 f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
         if self.aux_losses:
             text += f"; auxiliary: {'; '.join(self.aux_losses)}"
+        if self.tied_to:
+            text += f"; experts tied to {self.tied_to!r}'s (served by its sharded experts)"
         return text
 
 
@@ -2764,7 +2772,7 @@ def find_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = Non
     needy = [name for name, why in rejected if isinstance(why, _ProbeFailed)]
     rejected = [(name, str(why)) for name, why in rejected]
     if not needy:
-        return found, rejected
+        return _tied_experts(found, rejected)
     modules = dict(model.named_modules())
     targets = {name: modules["" if name == "<root>" else name] for name in needy}
     calls, failure = record_inputs(model, list(targets.values()), example_inputs)
@@ -2783,7 +2791,42 @@ def find_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = Non
     rejected = [(name, reasons.get(name, why)) for name, why in rejected if name not in found_names]
     order = {name or "<root>": i for i, name in enumerate(modules)}
     found = sorted(found + again, key=lambda info: order.get(info.name, 0))
-    return found, _outside_found_experts(found, rejected)
+    return _tied_experts(found, _outside_found_experts(found, rejected))
+
+
+def _tied_experts(found: list[MoELayerInfo], rejected: list[tuple[str, str]]
+                  ) -> tuple[list[MoELayerInfo], list[tuple[str, str]]]:
+    """Tied weights among the found layers' experts (DiffusionGemma's encoder and decoder layer i share
+    theirs). A layer whose experts hold exactly the parameters of an earlier layer's (and are of its
+    type) gets ``tied_to`` that layer: one sharded experts module serves both, so their gradients
+    accumulate into one owner's chunk as they do into one parameter in one process. Layers whose experts
+    share only some parameters with another's cannot be served so (each sharded layer holds its own copy
+    of its experts, which would train apart): they are rejected and stay data-parallel."""
+    first: dict[tuple, str] = {}        # (experts type, parameter ids) -> the first layer holding them
+    owners: dict[int, set[str]] = {}    # parameter id -> first layers of the experts holding it
+    for info in found:
+        experts = getattr(info.module, info.experts_attr)
+        key = (type(experts), tuple(id(p) for p in experts.parameters()))
+        info.tied_to = "" if first.setdefault(key, info.name) == info.name else first[key]
+        for p in experts.parameters():
+            owners.setdefault(id(p), set()).add(first[key])
+    partial: dict[str, str] = {}
+    for names in owners.values():
+        for name in names:
+            partial.update({name: other for other in sorted(names - {name})})
+    if not partial:
+        return found, rejected
+    kept, reasons = [], []
+    for info in found:
+        root = info.tied_to or info.name
+        if root not in partial:
+            kept.append(info)
+            continue
+        reasons.append((info.name, f"its experts share some parameters with those of MoE layer "
+                                   f"{partial[root]!r} (tied weights): a sharded layer holds its own copy of its "
+                                   "experts, so the two would train apart; tie all of the experts' parameters "
+                                   "(one experts module serves both layers) or none"))
+    return kept, rejected + reasons
 
 
 def _find_in(model: nn.Module, names: set[str] | None = None, outside: list[MoELayerInfo] = ()
