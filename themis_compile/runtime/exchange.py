@@ -62,8 +62,9 @@ def exchange_counts(counts_WE: torch.Tensor, group, world_size: int, *, layer: s
     if world_size == 1:
         return counts_WE
     out = torch.empty_like(counts_WE)
-    deadline.all_to_all_single(out, counts_WE.contiguous(), group=group, timeout_s=timeout_s,
-                               purpose="count exchange", layer=layer)
+    with record_function("themis::count_exchange"):
+        deadline.all_to_all_single(out, counts_WE.contiguous(), group=group, timeout_s=timeout_s,
+                                   purpose="count exchange", layer=layer)
     return out
 
 
