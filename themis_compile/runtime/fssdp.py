@@ -14,7 +14,7 @@ Backward of layer l:
   8. gradients of every copy land in per-iteration leaf tensors; once all are computed, start
      SpRS(P'_l, P_l), which sums each expert's copies into its owner
   9. at the end of the backward pass wait for every SpRS and accumulate into the owned parameters' .grad
-     (scaled by 1/world size, like EP; dense parameters are averaged by DDP)
+     (scaled by 1/world size, like EP, once on the owner after the sum; dense parameters are averaged by DDP)
 Frozen expert tensors (``requires_grad=False`` on the owner, agreed by every rank through the count
 all-gather of step 3) get no gradient: their copies are no autograd leaves, the SpRS carries only
 trainable tensors, and an expert frozen whole has no replica in it (P restricted to it).
@@ -581,12 +581,13 @@ class FSSDPExperts(ShardedExperts):
             it = iter(grads)
             per_expert = {}
             for e in experts:
-                per_expert[e] = [(g if g is not None else torch.zeros_like(held[e][i])) * scale
+                per_expert[e] = [g if g is not None else torch.zeros_like(held[e][i])
                                  for i, g in zip(trainable_E[e], it)]
             with record_function("themis::sprs"):
+                # Scaled by 1/world size on the owner, once, after the sum: the copies travel unscaled.
                 handle = sparse_reduce_scatter(per_expert, placement, self.shard_placement, state.topology,
                                                state.comm_group, spec=spec, layer=self.layer,
-                                               timeout_s=state.timeout_s)
+                                               timeout_s=state.timeout_s, scale=scale)
             state.pending.append((self, _TrainableReduction(handle, trainable_E, owned, n)))
             state.queue_finish()
             self._prefetch_previous_layer()
