@@ -27,9 +27,11 @@ every expert of the layer, or a mapping expert -> spec); when omitted it is deri
 spec and that a receiving rank holds at least one chunk.
 
 Numerics of SpRS: the owner's result is ``own + Σ_n partial_n`` (then times ``scale``, once) with each
-node's partial sum formed in a fixed order (ascending device id) — bitwise reproducible across runs for a fixed plan. Against a sum in
-another order it differs by rounding only: |result - exact| ≤ (k-1)·eps·Σ_i |g_i| elementwise for k
-holders (standard recursive-summation bound; fp32 eps = 2^-23); integer-valued fp32 gradients sum exactly.
+node's partial sum formed in a fixed order (ascending device id) — bitwise reproducible across runs for a
+fixed plan. Against a sum in another order it differs by rounding only: |result - exact| ≤
+(k-1)·eps·Σ_i |g_i| elementwise for k holders (standard recursive-summation bound; fp32 eps = 2^-23);
+integer-valued fp32 gradients sum exactly. A power-of-two ``scale`` (1/W for W = 2, 4, ...) is exact, so
+scaling the sum equals summing the scaled copies bit for bit (barring subnormals).
 
 Legend: E experts, D devices (ranks of the group), N nodes.
 """
