@@ -51,7 +51,8 @@ class ThemisConfig:
             broadcast, the first cost-model exchanges) wait at least 300 s, since ranks reach them after
             rank-local work of any length. Keep the process group's ``timeout`` (``init_process_group``)
             at least this long, or its error (wrapped with the same names) comes first.
-        check_plans: cross-check a digest of every plan across ranks (debugging; one extra all-gather).
+        check_plans: cross-check a digest of every plan across ranks, and the token counts each rank
+            reads off its Alg. 3 plan against a count all-to-all (debugging; two extra collectives).
         schedule: place SpAG/SpRS into the preceding attention's compute window (the scheduling pass).
         profile_path: JSON cache of profiled cost-model inputs (T_attn, bw); ``None`` uses the default
             cache location.

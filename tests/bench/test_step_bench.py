@@ -55,6 +55,9 @@ def test_step_benchmark_reports_every_policy_with_trace(tmp_path):
                  "all_to_all_backward", "sprs", "sprs_wait"):
         assert f"themis::{name}" in themis_phases, name
     assert {"themis::dispatch", "themis::experts", "themis::combine"} <= set(pol["ep"]["phase_ms_per_step"])
+    # EP exchanges its token counts before the dispatch; Themis reads them off its Alg. 3 plan instead.
+    assert "themis::count_exchange" in pol["ep"]["phase_ms_per_step"]
+    assert "themis::count_exchange" not in themis_phases
     assert "themis::spag_rematerialize" in pol["themis-rm"]["phase_ms_per_step"]
     assert "FSDP::all_gather" in pol["fsdp2"]["phase_ms_per_step"]
     assert all(v >= 0 for p in pol.values() for v in p["phase_ms_per_step"].values())

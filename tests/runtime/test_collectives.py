@@ -145,6 +145,16 @@ def _check_float_sums(rank: int, world: int, topology: Topology) -> list[int]:
             assert ((t.double() - ref).abs() <= bound).all(), f"expert {e}"
         for a, b in zip(tensors, second[e]):
             assert torch.equal(_bits(a), _bits(b)), "SpRS must be bitwise reproducible"
+    # scale: applied once to the owner's sum (a power of two: exactly the scaled sum), new tensors also for
+    # experts without replicas, the given gradients untouched.
+    before = {e: [g.clone() for g in gs] for e, gs in grads.items()}
+    scaled = sparse_reduce_scatter(grads, placement, shard, topology, layer="fp32", scale=0.25).wait()
+    assert sorted(scaled) == sorted(first)
+    for e, tensors in first.items():
+        for a, b, g in zip(tensors, scaled[e], grads[e]):
+            assert b is not g
+            assert torch.equal(_bits(a * 0.25), _bits(b)), f"scaled SpRS of expert {e}"
+    assert all(torch.equal(_bits(a), _bits(b)) for e in grads for a, b in zip(grads[e], before[e]))
     return sorted(first)
 
 

@@ -26,10 +26,12 @@ every expert of the layer, or a mapping expert -> spec); when omitted it is deri
 (SpAG: an owned chunk; SpRS: any local gradient), which requires that all experts of the layer share one
 spec and that a receiving rank holds at least one chunk.
 
-Numerics of SpRS: the owner's result is ``own + Σ_n partial_n`` with each node's partial sum formed in a
-fixed order (ascending device id) — bitwise reproducible across runs for a fixed plan. Against a sum in
-another order it differs by rounding only: |result - exact| ≤ (k-1)·eps·Σ_i |g_i| elementwise for k
-holders (standard recursive-summation bound; fp32 eps = 2^-23); integer-valued fp32 gradients sum exactly.
+Numerics of SpRS: the owner's result is ``own + Σ_n partial_n`` (then times ``scale``, once) with each
+node's partial sum formed in a fixed order (ascending device id) — bitwise reproducible across runs for a
+fixed plan. Against a sum in another order it differs by rounding only: |result - exact| ≤
+(k-1)·eps·Σ_i |g_i| elementwise for k holders (standard recursive-summation bound; fp32 eps = 2^-23);
+integer-valued fp32 gradients sum exactly. A power-of-two ``scale`` (1/W for W = 2, 4, ...) is exact, so
+scaling the sum equals summing the scaled copies bit for bit (barring subnormals).
 
 Legend: E experts, D devices (ranks of the group), N nodes.
 """
@@ -618,7 +620,7 @@ class SpRSHandle(SparseCollectiveHandle):
 
 def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement: Placement, shard: Placement,
                           topology: Topology | None = None, group: Any = None, *, spec: ChunkSpec | None = None,
-                          layer: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> SpRSHandle:
+                          layer: str = "", timeout_s: float = DEFAULT_TIMEOUT_S, scale: float = 1.0) -> SpRSHandle:
     """Start SpRS(P'=placement, P=shard) (§3.2): sum every expert's gradient into its owner.
 
     Args:
@@ -628,12 +630,16 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
         placement, shard: P' ⊇ P and the shard placement P.
         topology, group, spec, layer, timeout_s: as in `sparse_all_gather` (the layout defaults to that of a
             local gradient).
+        scale: every owner's result is multiplied by it, once, after the sum (the holders send their
+            gradients unscaled): ``scale * (own + Σ partial sums)``, e.g. 1/world size for the gradient of a
+            mean loss at the cost of one pass over the owner's sums instead of one over every copy.
 
     Returns:
         A handle whose ``wait()`` returns, for every expert this rank owns that appears in ``grads``, the
-        sum of its gradient over all holders in P' **including the owner's own gradient** (for replicated
-        experts new tensors, views into one buffer per expert as in `sparse_all_gather`; the given tensors
-        themselves for experts without replicas). Non-owners get {}.
+        sum of its gradient over all holders in P' **including the owner's own gradient**, times ``scale``
+        (for replicated experts new tensors, views into one buffer per expert as in `sparse_all_gather`;
+        for experts without replicas the given tensors themselves when ``scale`` is 1, else new tensors,
+        ``g * scale``). Non-owners get {}.
     """
     topology, rank, local = _common(shard, placement, topology, group, SPRS)
     owners_E, holds_E, owned_rep_E, replica_E = local.owners_E, local.holds_E, local.replicated_E, local.added_E
@@ -659,12 +665,13 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
     handle = SpRSHandle(SPRS, layer, plan, rank, timeout_s, layout_known)
 
     # Owned experts without replicas are already complete.
-    result: dict[int, list[torch.Tensor]] = {int(e): list(g) for e, g in grads.items()
+    result: dict[int, list[torch.Tensor]] = {int(e): [t * scale for t in g] if scale != 1.0 else list(g)
+                                              for e, g in grads.items()
                                               if owners_E[int(e)] == rank and int(e) not in owned_rep_E}
     schedule = rank_schedule(plan, layouts, rank)
     if not schedule.posts:
         for e in owned_rep_E:               # zero-size chunks: nothing to add
-            result[e] = [g.clone() for g in grads[e]]
+            result[e] = [g * scale if scale != 1.0 else g.clone() for g in grads[e]]
         handle._result = result
         handle._done.set()
         return handle
@@ -713,6 +720,9 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
         for e in list(unfilled):             # an owner that received nothing for e (zero-size pieces)
             fill(e)
         for e in owned_rep_E:
+            if scale != 1.0:
+                for a in acc[e]:
+                    a.mul_(scale)
             result[e] = acc[e]
         return result
 

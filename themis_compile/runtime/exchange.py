@@ -62,8 +62,9 @@ def exchange_counts(counts_WE: torch.Tensor, group, world_size: int, *, layer: s
     if world_size == 1:
         return counts_WE
     out = torch.empty_like(counts_WE)
-    deadline.all_to_all_single(out, counts_WE.contiguous(), group=group, timeout_s=timeout_s,
-                               purpose="count exchange", layer=layer)
+    with record_function("themis::count_exchange"):
+        deadline.all_to_all_single(out, counts_WE.contiguous(), group=group, timeout_s=timeout_s,
+                                   purpose="count exchange", layer=layer)
     return out
 
 
@@ -102,6 +103,7 @@ def dispatch_compute_combine(
     layer: str = "",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     kernels_backend: str | None = None,
+    recv_counts_SE: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Serve every (token, k) pair on rank ``dest_TK`` and return the weighted combine ``[T, H]``.
 
@@ -110,12 +112,18 @@ def dispatch_compute_combine(
     in errors; every exchange fails after ``timeout_s`` when a rank does not take part.
     ``kernels_backend`` is the dispatch/combine kernels' implementation (``ThemisConfig.kernels``:
     ``"auto"``, ``"torch"``, ``"triton"``; None: the process default, `kernels.set_backend`).
+    ``recv_counts_SE``: ``[S, E]`` rows of every expert that every source rank sends to this one, when the
+    caller knows them (Themis: every rank computes the same Alg. 3 plan); the count all-to-all is then
+    skipped. They must equal what the sources' ``dest_TK`` send, or the exchange fails.
     """
     with record_function("themis::dispatch"):
         counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size,
                                                             backend=kernels_backend)
         send_NH = kernels.permute(x_TH, dst_row_TK, backend=kernels_backend)
-        recv_counts_SE = exchange_counts(counts_WE, group, world_size, layer=layer, timeout_s=timeout_s)
+        if recv_counts_SE is None:
+            recv_counts_SE = exchange_counts(counts_WE, group, world_size, layer=layer, timeout_s=timeout_s)
+        else:
+            recv_counts_SE = recv_counts_SE.to(counts_WE.device)
         if world_size > 1:
             send_splits = counts_WE.sum(1).tolist()
             recv_splits = recv_counts_SE.sum(1).tolist()

@@ -6,14 +6,15 @@ Forward of layer l, iteration i:
                                                                      pass may call it before attention l)
   3. router -> top-k -> local counts, all-gathered into T[e, d]    (every rank holds the same T)
   4. (calibration) re-plan on the actual loads with the remaining budget; gather the extra replicas
-  5. wait SpAG; R = Alg3(P'_l, T); every pair gets a destination holding its expert
+  5. wait SpAG; R = Alg3(P'_l, T); every pair gets a destination holding its expert (and every rank reads
+     off R what it receives: the token exchange needs no count all-to-all)
   6. permute -> all-to-all -> experts (owned + materialized) -> all-to-all -> combine
   7. record the actual loads for the predictor and the load statistics
 Backward of layer l:
   8. gradients of every copy land in per-iteration leaf tensors; once all are computed, start
      SpRS(P'_l, P_l), which sums each expert's copies into its owner
   9. at the end of the backward pass wait for every SpRS and accumulate into the owned parameters' .grad
-     (scaled by 1/world size, like EP; dense parameters are averaged by DDP)
+     (scaled by 1/world size, like EP, once on the owner after the sum; dense parameters are averaged by DDP)
 Frozen expert tensors (``requires_grad=False`` on the owner, agreed by every rank through the count
 all-gather of step 3) get no gradient: their copies are no autograd leaves, the SpRS carries only
 trainable tensors, and an expert frozen whole has no replica in it (P restricted to it).
@@ -64,11 +65,12 @@ from themis_compile.planner import (
     dispatch_device_load,
     dispatch_rows,
     sparse_materialization,
+    topology_aware_dispatch,
 )
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
 from themis_compile.runtime.ep import ShardedExperts
-from themis_compile.runtime.exchange import dispatch_compute_combine
+from themis_compile.runtime.exchange import dispatch_compute_combine, exchange_counts
 from themis_compile.runtime.experts import ExpertBank
 
 logger = logging.getLogger(__name__)
@@ -128,6 +130,9 @@ class FSSDPState:
 
 
 _MAX_PENDING_FORWARDS = 64
+# Up to this many entries E·D·D, every rank computes the whole Alg. 3 plan R[e, d, d'] and reads off what
+# it receives (no count all-to-all); beyond, it computes only its own rows and exchanges the counts.
+_FULL_PLAN_MAX_ENTRIES = 1 << 16
 
 
 @dataclass(eq=False)
@@ -247,6 +252,7 @@ class _ForwardRecord:
     placement: Placement
     tokens_ED: np.ndarray
     splits_ED: torch.Tensor
+    recv_counts_SE: torch.Tensor | None
     held: dict[int, list[torch.Tensor]]
     released: _Released | None = None       # themis-rm: the replicas' storage to gather again first
 
@@ -403,9 +409,7 @@ class FSSDPExperts(ShardedExperts):
         if self.state.check_plans:
             self._check_plan_digest(placement)
         with record_function("themis::dispatch_plan"):
-            # Alg. 3, only this rank's rows: R[:, rank, :] (every rank computes its own from the same T).
-            splits_ED = torch.from_numpy(np.ascontiguousarray(
-                dispatch_rows(placement, tokens_ED, self.state.topology, self.rank)))
+            splits_ED, recv_counts_SE = self._dispatch_plan(placement, tokens_ED, ids_TK.device)
         dest_TK = kernels.assign_destinations(ids_TK, splits_ED.to(ids_TK.device), backend=self.kernels_backend)
 
         owned = self.local_chunks()
@@ -423,7 +427,7 @@ class FSSDPExperts(ShardedExperts):
             x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
             lambda rows, counts: self.run_experts(held, rows, counts),
             group=self.group, world_size=self.world_size, layer=self.layer, timeout_s=self.timeout_s,
-            kernels_backend=self.kernels_backend,
+            kernels_backend=self.kernels_backend, recv_counts_SE=recv_counts_SE,
         )
         # Global condition (ΔP is the same on every rank), so that every rank issues the re-gather. The
         # last layer keeps its replicas: its backward starts right away, so releasing them would only put
@@ -433,7 +437,7 @@ class FSSDPExperts(ShardedExperts):
         if track and self.state.rematerialize and placement != self.shard_placement and not last:
             released = self._release_replicas(held, replicas, placement, out_TH)
         if ckpt.mode == "forward":
-            self._remember(ckpt, _ForwardRecord(placement, tokens_ED, splits_ED, held, released))
+            self._remember(ckpt, _ForwardRecord(placement, tokens_ED, splits_ED, recv_counts_SE, held, released))
         # Only training forwards feed the load predictor (evaluation must not steer the next plans).
         self._record(tokens_ED, load_E if track else None, placement, calibrated)
         self.iteration += 1
@@ -498,7 +502,36 @@ class FSSDPExperts(ShardedExperts):
             x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
             lambda rows, counts: self.run_experts(held, rows, counts),
             group=self.group, world_size=self.world_size, kernels_backend=self.kernels_backend,
+            recv_counts_SE=record.recv_counts_SE,
         )
+
+    def _dispatch_plan(self, placement: Placement, tokens_ED: np.ndarray,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Alg. 3 for this rank: ``(splits_ED, recv_counts_SE)``.
+
+        ``splits_ED`` = R[:, rank, :], where this rank's pairs of every expert go. ``recv_counts_SE`` =
+        R[:, :, rank]ᵀ, what every source sends this rank: every rank computes the same plan R from the
+        same T, so the token exchange needs no count all-to-all (one blocking collective less per layer
+        forward). The whole [E, D, D] plan is computed for it only while it is small
+        (``_FULL_PLAN_MAX_ENTRIES``); beyond that only the rank's own rows, and ``recv_counts_SE`` is None:
+        the exchange then all-to-alls the counts. With ``check_plans`` the derived counts are checked
+        against that all-to-all.
+        """
+        topology, rank, D = self.state.topology, self.rank, self.world_size
+        if self.num_experts * D * D > _FULL_PLAN_MAX_ENTRIES:
+            return torch.from_numpy(np.ascontiguousarray(dispatch_rows(placement, tokens_ED, topology, rank))), None
+        R_EDD = topology_aware_dispatch(placement, tokens_ED, topology)
+        splits_ED = torch.from_numpy(np.ascontiguousarray(R_EDD[:, rank, :]))
+        recv_counts_SE = torch.from_numpy(np.ascontiguousarray(R_EDD[:, :, rank].T))
+        if self.state.check_plans:
+            # (On the group's device: NCCL needs CUDA tensors.)
+            exchanged_SE = exchange_counts(splits_ED.t().contiguous().to(device), self.group, D, layer=self.layer,
+                                           timeout_s=self.timeout_s).cpu()
+            if not torch.equal(exchanged_SE, recv_counts_SE):
+                raise RuntimeError(f"MoE layer {self.layer!r}: the rows rank {rank} receives under the plan "
+                                   f"({recv_counts_SE.tolist()}) differ from what the ranks send "
+                                   f"({exchanged_SE.tolist()})")
+        return splits_ED, recv_counts_SE
 
     def _check_plan_digest(self, placement: Placement) -> None:
         digests = deadline.all_gather_object(placement.digest(), group=self.group, timeout_s=self.timeout_s,
@@ -548,12 +581,13 @@ class FSSDPExperts(ShardedExperts):
             it = iter(grads)
             per_expert = {}
             for e in experts:
-                per_expert[e] = [(g if g is not None else torch.zeros_like(held[e][i])) * scale
+                per_expert[e] = [g if g is not None else torch.zeros_like(held[e][i])
                                  for i, g in zip(trainable_E[e], it)]
             with record_function("themis::sprs"):
+                # Scaled by 1/world size on the owner, once, after the sum: the copies travel unscaled.
                 handle = sparse_reduce_scatter(per_expert, placement, self.shard_placement, state.topology,
                                                state.comm_group, spec=spec, layer=self.layer,
-                                               timeout_s=state.timeout_s)
+                                               timeout_s=state.timeout_s, scale=scale)
             state.pending.append((self, _TrainableReduction(handle, trainable_E, owned, n)))
             state.queue_finish()
             self._prefetch_previous_layer()
@@ -563,10 +597,12 @@ class FSSDPExperts(ShardedExperts):
     def accumulate_reduced(self, handle) -> None:
         with record_function("themis::sprs_wait"):
             reduced = handle.wait()
+        # Every reduced tensor is this layer's own (the scaled gradient of an unreplicated expert, a fresh
+        # accumulator of a replicated one): it becomes .grad without a copy.
         for e, params in self.local_chunks().items():
             for p, g in zip(params, reduced[e]):
                 if g is not None:
-                    p.grad = g.clone() if p.grad is None else p.grad + g
+                    p.grad = g if p.grad is None else p.grad + g
 
     def wait_reduction(self) -> None:
         """Wait for this layer's pending SpRS now (a scheduling pass may call this early)."""
