@@ -2805,7 +2805,7 @@ def _tied_experts(found: list[MoELayerInfo], rejected: list[tuple[str, str]]
     first: dict[tuple, str] = {}        # (experts type, parameter ids) -> the first layer holding them
     owners: dict[int, set[str]] = {}    # parameter id -> first layers of the experts holding it
     for info in found:
-        experts = getattr(info.module, info.experts_attr)
+        experts = info.experts      # a joined layer's experts are built from its two halves
         key = (type(experts), tuple(id(p) for p in experts.parameters()))
         info.tied_to = "" if first.setdefault(key, info.name) == info.name else first[key]
         for p in experts.parameters():
