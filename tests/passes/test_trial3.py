@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import themis_compile
+from tests.passes import zoo_models as zoo
 from tests.runtime.equivalence import assert_equivalent
 
-H, FFN, E, K, VOCAB, HEADS = 32, 32, 4, 2, 64, 4
+H, FFN, E, K, VOCAB = zoo.H, zoo.FFN, zoo.E, zoo.K, zoo.VOCAB     # the zoo's small transformer
 STEPS, BATCH, SEQ, LR = 5, 8, 8, 1e-2
 CONFIG = dict(overlap_degree=8, materialization_budget=2)
 
@@ -213,44 +214,10 @@ BLOCKS = {
 }
 
 
-class Layer(nn.Module):
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(H), nn.LayerNorm(H)
-        self.qkv, self.proj = nn.Linear(H, 3 * H), nn.Linear(H, H)
-        self.moe = block
-
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x_BSH.shape
-        q, k, v = self.qkv(self.norm1(x_BSH)).view(B, S, 3, HEADS, H // HEADS).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, H)
-        x_BSH = x_BSH + self.proj(a)
-        out = self.moe(self.norm2(x_BSH))
-        return x_BSH + (out.hidden_states if isinstance(out, MoEOutput) else out)
-
-
-class TrialLM(nn.Module):
-    def __init__(self, style: str) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, H)
-        self.layers = nn.ModuleList(Layer(BLOCKS[style]()) for _ in range(2))
-        self.head = nn.Linear(H, VOCAB, bias=False)
-
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens_BS)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-    def loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        # Through __call__: FSDP2 (the dense parallelism) gathers its parameters in forward hooks.
-        logits = self(tokens_BS)
-        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens_BS[:, 1:].reshape(-1))
-
-
-def _model(style: str) -> TrialLM:
+def _model(style: str) -> zoo.ZooLM:
+    """The block of ``style`` in the zoo's small transformer (two attention + MoE layers), seeded."""
     torch.manual_seed(0)
-    return TrialLM(style)
+    return zoo.ZooLM(style, blocks=BLOCKS)
 
 
 def _batches() -> list[torch.Tensor]:
@@ -281,14 +248,7 @@ def _reference(style: str):
 
     model = _model(style)
     infos, _ = find_moe_layers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for tokens in _batches():
-        loss = model.loss(tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = zoo.train_losses(model, 0, 1, STEPS, BATCH, SEQ)
     experts = {}
     for info in infos:
         module = getattr(info.module, info.experts_attr)
@@ -302,17 +262,7 @@ def _train(rank: int, world_size: int, style: str, policy: str):
     """(global losses, dense params, owned experts, sharded layer names) of STEPS AdamW steps."""
     model = themis_compile.optimize(_model(style), themis_compile.ThemisConfig(policy=policy, **CONFIG))
     runtime = themis_compile.api.runtime_of(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    local = BATCH // world_size
-    losses = []
-    for tokens in _batches():
-        loss = model.loss(tokens[rank * local:(rank + 1) * local])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world_size)
+    losses = zoo.train_losses(model, rank, world_size, STEPS, BATCH, SEQ)
     layers = runtime.layers if runtime is not None else {}
     owned = {(name, e): [t.detach().clone() for t in chunk]
              for name, experts in layers.items() for e, chunk in experts.local_chunks().items()}

@@ -733,7 +733,11 @@ BLOCKS = {
 
 
 def _moe_output(out):
-    return out[0] if isinstance(out, tuple) else out
+    """The hidden states of what a block returns: a tensor, a tuple led by them (``(out, router_logits)``),
+    or an output object holding them (a dataclass with ``hidden_states``)."""
+    if isinstance(out, tuple):
+        return out[0]
+    return getattr(out, "hidden_states", out)
 
 
 class Layer(nn.Module):
@@ -754,10 +758,10 @@ class Layer(nn.Module):
 class ZooLM(nn.Module):
     """Embedding, two (attention + MoE block) layers, LM head: a small transformer around a block."""
 
-    def __init__(self, style: str, layers: int = 2) -> None:
+    def __init__(self, style: str, layers: int = 2, blocks: dict | None = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, H)
-        self.layers = nn.ModuleList(Layer(BLOCKS[style]()) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer((BLOCKS if blocks is None else blocks)[style]()) for _ in range(layers))
         self.head = nn.Linear(H, VOCAB, bias=False)
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
