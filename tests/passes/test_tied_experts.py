@@ -8,12 +8,13 @@ tests/passes/test_hf_families.py; this file holds the single-process part and a 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import themis_compile
 import themis_compile.api
 from themis_compile.models import build_model, lm_loss
 from themis_compile.passes.detect import find_moe_layers
+
+from tests.runtime.equivalence import global_losses
 
 
 def _tied(tie: str = "module"):
@@ -50,22 +51,12 @@ def test_experts_sharing_some_parameters_are_rejected_naming_the_other():
 STEPS, BATCH, SEQ = 3, 4, 8
 
 
-def _losses(model, rank: int = 0, world_size: int = 1) -> list[float]:
+def _losses(model) -> list[float]:
+    """Global losses of STEPS AdamW steps on seeded batches, each rank on its slice (one process: all)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
-    local = BATCH // world_size
-    losses = []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=g)[rank * local:(rank + 1) * local]
-        loss = lm_loss(model(tokens), tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        if world_size > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world_size)
-    return losses
+    batches = [torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    return global_losses(model, opt, batches, lambda m, tokens: lm_loss(m(tokens), tokens))
 
 
 def _rank(rank: int, world_size: int, policies: dict[str, dict]) -> dict[str, tuple[int, list[float]]]:
@@ -74,7 +65,7 @@ def _rank(rank: int, world_size: int, policies: dict[str, dict]) -> dict[str, tu
         model = _tied()
         themis_compile.optimize(model, themis_compile.ThemisConfig(policy=policy, **options))
         assert model.blocks[2].moe.experts is model.blocks[0].moe.experts
-        out[policy] = (len(themis_compile.api.runtime_of(model).layers), _losses(model, rank, world_size))
+        out[policy] = (len(themis_compile.api.runtime_of(model).layers), _losses(model))
     return out
 
 
