@@ -29,19 +29,22 @@ def _train(rank, world_size, cache_dir, steps):
         budgets.append([(layer.overlap_degree, layer.materialization_budget) for layer in runtime.layers.values()])
     controller = runtime.fssdp.budget_controller
     source = controller.profile.source if controller.profile is not None else None
-    return budgets, source, {n: b.t_attn_s for n, b in controller.budgets.items()}
+    profiled = [controller.budgets[name].overlap_degree for name in runtime.layers]
+    return budgets, source, {n: b.t_attn_s for n, b in controller.budgets.items()}, profiled
 
 
 def test_profiled_budgets_replace_defaults_and_are_cached(tmp_path):
     first = run_multirank(_train, 2, args=(str(tmp_path), 7), timeout_s=60)
-    budgets, source, t_attn = first[0]
+    budgets, source, t_attn, profiled = first[0]
     assert all(t == 1 for t, _ in budgets[0])        # conservative default until measured
-    assert any(t > 1 for t, _ in budgets[-1])         # then t = floor(T_attn * bw / Psi)
+    # Then every layer runs with its profiled t = floor(T_attn * bw / Psi). Its value follows the measured
+    # timings (1 itself on a loaded machine), so the test checks that it is applied, not how large it is.
+    assert [t for t, _ in budgets[-1]] == profiled and all(t >= 1 for t in profiled)
     assert source == "measured" and all(v is not None and v > 0 for v in t_attn.values())
     # Every rank plans with rank 0's profile.
     # (m follows the free memory at the time, so only t is compared.)
     assert [t for t, _ in first[1][0][-1]] == [t for t, _ in budgets[-1]] and first[1][2] == t_attn
     assert (tmp_path / "profiles.json").exists()
     second = run_multirank(_train, 2, args=(str(tmp_path), 1), timeout_s=60)
-    assert second[0][1] == "cache" and second[0][2] == t_attn
+    assert second[0][1] == "cache" and second[0][2] == t_attn and second[0][3] == profiled
     assert [t for t, _ in second[0][0][0]] == [t for t, _ in budgets[-1]]   # cached t from the first step
