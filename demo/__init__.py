@@ -3,7 +3,7 @@
 A program built on the library, outside its package and its import graph (nothing in ``themis_compile``
 imports it); run from the repository root:
 
-    python -m demo [--steps 150] [--policies ep,themis] [--out runs/demo] [--nproc 2]
+    python -m demo [--steps 100] [--policies ep,fsdp2,themis] [--out runs/demo] [--nproc 2] [--profile-steps 3]
                                   [--seq-len 128] [--batch 16] [--d-ffn 1024] [--router-skew 2.0]
 
 What happens:
@@ -13,12 +13,13 @@ What happens:
    left out) and saved as ``corpus.bin`` under the output folder. It exists offline on every machine.
 2. ``torchrun --standalone --nproc-per-node N`` (``python -m torch.distributed.run``) starts N gloo ranks
    on CPU, one thread each, running this module with ``--worker``. Every policy in ``--policies`` trains
-   the same model from the same seed on the same global batches, one policy after the other in the same
-   process group, for ``--steps`` AdamW steps. Rank 0 shows a progress bar (loss, tokens/s, per-layer
-   load imbalance) and writes, per policy, a routing trace ``trace_<policy>.jsonl`` and the per-step
-   metrics ``metrics_<policy>.json``.
+   the same model from the same seed on the same global batches for ``--steps`` AdamW steps, the
+   policies' steps interleaved (step i of every policy before step i + 1 of any), then
+   ``--profile-steps`` more under ``torch.profiler`` for the per-phase breakdown (not timed). Rank 0
+   shows a progress bar (loss, tokens/s, per-layer load imbalance) and writes, per policy, a routing
+   trace ``trace_<policy>.jsonl`` and the per-step metrics ``metrics_<policy>.json``.
 3. The launcher reads those files back and writes ``summary.json``, the PNG plots (``loss.png``,
-   ``imbalance.png``, ``delta_p.png``) and prints a short text summary.
+   ``imbalance.png``, ``delta_p.png``, ``breakdown.png``) and prints a short text summary.
 
 Routing trace format (the simulator reads it, ``themis_compile.sim.traces``): a header line
 ``{"header": {"num_experts": E, "top_k": k, "world_size": D, "model": name, "policy": p}}``, then one
@@ -38,6 +39,7 @@ Shape suffixes: B batch, S sequence, E experts, D devices (ranks), L MoE layers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -52,6 +54,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from themis_compile.models.data import build_corpus, sample_batch, stdlib_sources
+from themis_compile.runtime.profiling import OTHER_PHASE, PHASES
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +135,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m demo",
         description="Train a tiny GPT-MoE on the Python stdlib sources on N CPU ranks, policies side by side.",
     )
-    p.add_argument("--steps", type=int, default=150, help="AdamW steps per policy (default 150)")
+    p.add_argument("--steps", type=int, default=100, help="AdamW steps per policy (default 100)")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps per policy after the timed ones, run under torch.profiler for the per-phase "
+                        "breakdown (not in the timings or loss curves; default 3, 0: none)")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated ThemisConfig policies or fsdp2 (plain FSDP2), trained side by side, "
                         f"their steps interleaved (default {','.join(DEFAULT_POLICIES)})")
@@ -174,6 +180,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "nproc", "seq_len", "batch", "corpus_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.profile_steps < 0:
+        raise ValueError(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if args.seq_len < 2:
         raise ValueError("--seq-len must be >= 2 (next-byte prediction needs two tokens)")
     if args.timeout <= 0:
@@ -199,6 +207,23 @@ def _local_counts_recorder(block: Any) -> dict[str, Any]:
     return record
 
 
+STEP_RANGE = "demo::step"
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null: the profiler's C++ side prints a line at every start and stop."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 class _Skip(Exception):
     """This policy cannot run on the current runtime; the message says why."""
 
@@ -215,6 +240,7 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
     from themis_compile.api import runtime_of
     from themis_compile.models import build_model, lm_loss
     from themis_compile.runtime.ep import ShardedExperts
+    from themis_compile.runtime.profiling import phase_breakdown
 
     torch.manual_seed(args.seed)
     model = build_model(args.model, router_skew=args.router_skew,
@@ -261,20 +287,34 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
                    position=position)
     metrics: dict[str, list] = {"loss": [], "lm_loss": [], "step_time_s": [], "expert_imbalance": [],
                                 "device_imbalance": [], "delta_p": []}
+    phases: list[dict[str, float]] = []
     tokens_per_step = B * S * world
     yield
     try:
-        for step in range(args.steps):
+        for step in range(args.steps + args.profile_steps):
             if world > 1:
                 dist.barrier()    # the previous policy's step has ended on every rank
             tokens_BS = torch.from_numpy(sample_batch(corpus, step, B * world, S, args.seed)[rank * B:(rank + 1) * B])
+            prof = None
+            if step >= args.steps:
+                # The breakdown's steps: after the timed ones, under the profiler (which slows them).
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                with _quiet_stderr():
+                    prof.start()
             t0 = time.perf_counter()
-            logits = model(tokens_BS)
-            lm = lm_loss(logits, tokens_BS)
-            loss = lm + model.aux_loss()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with torch.profiler.record_function(STEP_RANGE):
+                logits = model(tokens_BS)
+                lm = lm_loss(logits, tokens_BS)
+                loss = lm + model.aux_loss()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if prof is not None:
+                with _quiet_stderr():
+                    prof.stop()
+                phases.append(phase_breakdown(prof.events(), 1, STEP_RANGE))
+                yield
+                continue
             # One all-gather carries both losses and this rank's per-layer routing counts.
             local_LE = torch.stack([r["counts_E"] if r["counts_E"] is not None else torch.zeros(E, dtype=torch.int64)
                                     for r in recorders]).to(torch.float64)
@@ -329,8 +369,12 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
             bar.close()
         if trace is not None:
             trace.close()
+    # Rank 0's phases, averaged over the profiled steps.
+    phase_ms = {name: float(np.mean([p.get(name, 0.0) for p in phases])) for name in dict.fromkeys(
+        name for p in phases for name in p)}
     return {"policy": policy, "world_size": world, "num_layers": L, "num_experts": E, "top_k": cfg.top_k,
-            "model": cfg.name, "tokens_per_step": tokens_per_step, "trace": trace_path.name, **metrics}
+            "model": cfg.name, "tokens_per_step": tokens_per_step, "trace": trace_path.name,
+            "phase_ms_per_step": phase_ms, **metrics}
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -401,6 +445,7 @@ def summarize(out: Path, policies: Sequence[str], warmup: int = 2) -> dict[str, 
             "final_lm_loss": run["lm_loss"][-1],
             "mean_delta_p": float(np.mean(deltas)) if deltas else None,
             "trace": run["trace"],
+            "phase_ms_per_step": run.get("phase_ms_per_step", {}),
         }
         summary.setdefault("world_size", run["world_size"])
         summary.setdefault("model", run["model"])
@@ -486,7 +531,33 @@ def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
     fig.savefig(out / "delta_p.png", dpi=100)
     plt.close(fig)
     written.append("delta_p.png")
+
+    profiled = {policy: run["phase_ms_per_step"] for policy, run in runs.items() if run.get("phase_ms_per_step")}
+    if profiled:
+        phases = _phase_order(profiled.values())
+        fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * len(profiled)))
+        colors = plt.get_cmap("tab10").colors
+        left = np.zeros(len(profiled))
+        for phase in phases:
+            ms = np.array([p.get(phase, 0.0) for p in profiled.values()])
+            # A phase keeps its colour whichever phases a run has.
+            color = "lightgray" if phase == OTHER_PHASE else colors[[n for n, _ in PHASES].index(phase) % len(colors)]
+            ax.barh(list(profiled), ms, left=left, label=phase, color=color)
+            left += ms
+        ax.invert_yaxis()
+        ax.set(xlabel="ms per step (rank 0, profiled steps)", title="Where a step goes, per policy")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4)
+        fig.tight_layout()
+        fig.savefig(out / "breakdown.png", dpi=100)
+        plt.close(fig)
+        written.append("breakdown.png")
     return written
+
+
+def _phase_order(breakdowns) -> list[str]:
+    """Every phase that any policy reports, in the order of a step (`PHASES`), the rest of the step last."""
+    seen = {name for b in breakdowns for name in b}
+    return [name for name, _ in PHASES if name in seen] + [OTHER_PHASE]
 
 
 def format_summary(summary: dict[str, Any], out: Path) -> str:
@@ -506,6 +577,13 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
                      f"{dp:>6} {s['final_loss']:10.4f} {vs_ep:>6} {vs_fsdp2:>8}")
     for policy, why in summary["skipped"].items():
         lines.append(f"{policy:>10} skipped: {why}")
+    profiled = {p: s["phase_ms_per_step"] for p, s in summary["policies"].items() if s.get("phase_ms_per_step")}
+    if profiled:
+        lines.append("breakdown, ms per step (rank 0, profiled steps; breakdown.png):")
+        lines.append(f"{'phase':>22} " + " ".join(f"{p:>9}" for p in profiled))
+        for phase in _phase_order(profiled.values()):
+            lines.append(f"{phase:>22} " + " ".join(f"{b[phase]:9.1f}" if phase in b else f"{'-':>9}"
+                                                    for b in profiled.values()))
     for policy, diff in summary.get("loss_max_rel_diff", {}).items():
         verdict = "coincide" if summary["loss_coincide"][policy] else "DIFFER"
         lines.append(f"loss curves {policy} vs {summary['loss_baseline']}: max relative difference {diff:.2e} "

@@ -99,6 +99,7 @@ def _metrics(policy: str, losses: list[float], delta_p=None) -> dict:
 def test_summary_compares_exact_policies_and_plots(tmp_path):
     (tmp_path / "metrics_ep.json").write_text(json.dumps(_metrics("ep", [4.0, 3.0, 2.0, 1.0])))
     themis = _metrics("themis", [4.0, 3.0, 2.0, 1.00001], delta_p=[3, 2, 2, 1])
+    themis["phase_ms_per_step"] = {"plan + SpAG": 2.0, "experts (forward)": 30.0, "rest of the step": 50.0}
     (tmp_path / "metrics_themis.json").write_text(json.dumps(themis))
     (tmp_path / "metrics_uniform.json").write_text(json.dumps(_metrics("uniform", [4.0, 2.5, 2.0, 1.5])))
     (tmp_path / "metrics_themis-rm.json").write_text(json.dumps({"policy": "themis-rm", "skipped": "why"}))
@@ -113,10 +114,16 @@ def test_summary_compares_exact_policies_and_plots(tmp_path):
     assert s["loss_max_rel_diff"]["themis"] == pytest.approx(1e-5)
     assert s["loss_coincide"] == {"themis": True}
     assert s["skipped"] == {"themis-rm": "why"}
-    for name in ("loss.png", "imbalance.png", "delta_p.png"):
+    for name in ("loss.png", "imbalance.png", "delta_p.png", "breakdown.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert s["policies"]["themis"]["phase_ms_per_step"]["experts (forward)"] == 30.0
+    assert s["policies"]["ep"]["phase_ms_per_step"] == {}
     text = demo.format_summary(s, tmp_path)
     assert "coincide" in text and "themis-rm skipped: why" in text
+    # The breakdown table: one column per profiled policy, the rest of the step last.
+    rows = text.split("breakdown, ms per step")[1].splitlines()[1:]
+    assert rows[0].split() == ["phase", "themis"]
+    assert rows[3].split() == ["rest", "of", "the", "step", "50.0"]
 
 
 def test_summary_missing_run_is_an_error(tmp_path):
@@ -129,7 +136,8 @@ def test_demo_runs_under_torchrun(tmp_path, capsys):
     steps, seq, batch = 3, 16, 2
     out = tmp_path / "demo"
     demo.main(["--steps", str(steps), "--seq-len", str(seq), "--batch", str(batch), "--out", str(out),
-               "--policies", "ep,uniform,fsdp2,themis", "--no-progress", "--corpus-bytes", "65536", "--timeout", "60"])
+               "--policies", "ep,uniform,fsdp2,themis", "--no-progress", "--corpus-bytes", "65536", "--timeout", "60",
+               "--profile-steps", "1"])
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     ran = set(summary["policies"])
@@ -158,8 +166,15 @@ def test_demo_runs_under_torchrun(tmp_path, capsys):
     assert summary["policies"]["ep"]["mean_delta_p"] == 0.0
     assert summary["policies"]["uniform"]["mean_expert_imbalance"] == [1.0, 1.0]
     assert summary["policies"]["ep"]["mean_expert_imbalance"][0] > 1.0
-    for name in ("loss.png", "imbalance.png", "delta_p.png"):
+    for name in ("loss.png", "imbalance.png", "delta_p.png", "breakdown.png"):
         assert (out / name).stat().st_size > 0
+    # The profiled step's breakdown: each policy's own phases (the profiled step is not a timed one).
+    phases = {p: set(summary["policies"][p]["phase_ms_per_step"]) for p in ran}
+    assert {"dispatch", "experts (forward)", "combine", "rest of the step"} <= phases["ep"]
+    if "fsdp2" in ran:
+        assert "dense FSDP2" in phases["fsdp2"] and "experts (forward)" not in phases["fsdp2"]
+    if "themis" in ran:
+        assert {"plan + SpAG", "SpRS", "experts (forward)"} <= phases["themis"]
     assert "tokens/s" in printed and "ep" in printed
     if "themis" in ran:
         # Same model, seed and data: Themis trains exactly what EP trains.

@@ -112,6 +112,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
                                          timeout_s=config.collective_timeout_s,
                                          skips_empty_experts=info.skips_empty_experts)
             experts.kernels_backend = config.kernels    # the dispatch/combine kernels of this model
+            experts.expert_row_block = config.expert_row_block
         setattr(block, info.experts_attr, experts)
         if world_size > 1 and hasattr(block, "global_tokens_per_expert"):
             block.global_tokens_per_expert = _make_count_reducer(group, info.name, config.collective_timeout_s)

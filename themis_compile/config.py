@@ -56,6 +56,13 @@ class ThemisConfig:
         schedule: place SpAG/SpRS into the preceding attention's compute window (the scheduling pass).
         profile_path: JSON cache of profiled cost-model inputs (T_attn, bw); ``None`` uses the default
             cache location.
+        expert_row_block: the most rows of one expert that one call of its code computes; more are split
+            into blocks (each a call) and concatenated. ``"auto"``: on CPU, blocks whose intermediate
+            activations fit in about 24 MiB of last-level cache (at least 256 rows; 1,024 for a SwiGLU
+            expert with H=128, F=2048), since a hot expert's rows in one GEMM spill the cache and take up to
+            twice as long; on GPU no blocks (large GEMMs are what it wants). ``None``: no blocks. Experts are
+            row-wise, so the results are the same; only the weight gradient's sum over rows is taken in
+            another order (``runtime/experts.py``, `row_block`).
     """
 
     policy: str = "themis"
@@ -74,6 +81,7 @@ class ThemisConfig:
     check_plans: bool = False
     schedule: bool = True
     profile_path: str | None = None
+    expert_row_block: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -92,6 +100,9 @@ class ThemisConfig:
             raise ValueError(f"ThemisConfig.dense_parallel must be 'ddp' or 'fsdp2', got {self.dense_parallel!r}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"ThemisConfig.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
+        block = self.expert_row_block
+        if block != "auto" and block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise ValueError(f"ThemisConfig.expert_row_block must be 'auto', None or an int >= 1, got {block!r}")
         if self.collective_timeout_s <= 0:
             raise ValueError("ThemisConfig.collective_timeout_s must be > 0")
 

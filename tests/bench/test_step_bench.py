@@ -62,6 +62,12 @@ def test_step_benchmark_reports_every_policy_with_trace(tmp_path):
     assert "FSDP::all_gather" in pol["fsdp2"]["phase_ms_per_step"]
     assert all(v >= 0 for p in pol.values() for v in p["phase_ms_per_step"].values())
     assert pol["themis"]["phase_ms_per_step"]["bench::step"] > pol["themis"]["phase_ms_per_step"]["themis::experts"]
+    # The phases count each range once: they add up to the profiled step.
+    for policy, v in pol.items():
+        phases = v["phases_ms_per_step"]
+        assert math.isclose(sum(phases.values()), v["phase_ms_per_step"]["bench::step"], rel_tol=1e-6), policy
+    assert {"plan + SpAG", "SpRS", "experts (forward)"} <= set(pol["themis"]["phases_ms_per_step"])
+    assert "dense FSDP2" in pol["fsdp2"]["phases_ms_per_step"]
 
 
 def test_step_benchmark_rejects_unknown_skew():

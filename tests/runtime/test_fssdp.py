@@ -43,6 +43,30 @@ def _cases():
 
 
 SGD_CASE = ("ref-loop", "themis-rm")
+# Experts computed in blocks of at most ROW_BLOCK rows (ThemisConfig.expert_row_block), each a call of the
+# user's expert code: trained with SGD, which shows a wrong or lost gradient that AdamW would hide.
+ROW_BLOCK, ROW_BLOCK_POLICIES = 3, ("themis", "ep")
+
+
+def _row_blocked(rank, world_size, policy):
+    """The ref-loop model trained with expert_row_block=ROW_BLOCK; also the most rows of one expert call."""
+    from themis_compile.runtime.experts import ExpertBank
+
+    rows = []
+    run = ExpertBank.run
+
+    def counted(self, params, x_NH, shared=None):
+        rows.append(int(x_NH.shape[0]))
+        return run(self, params, x_NH, shared)
+
+    ExpertBank.run = counted
+    try:
+        result = train_distributed(rank, world_size, MODELS["ref-loop"],
+                                   {"policy": policy, "expert_row_block": ROW_BLOCK, "overlap_degree": 8,
+                                    "materialization_budget": 2}, 6, BATCH, SEQ, optimizer="sgd")
+    finally:
+        ExpertBank.run = run
+    return result, max(rows), len(rows)
 
 
 def _run(rank, world_size, cases):
@@ -60,6 +84,7 @@ def _run(rank, world_size, cases):
     out.append(train_distributed(rank, world_size, MODELS["ref-stacked"],
                                  {"policy": "themis", "dense_parallel": "ddp", "reshard_interval": 3,
                                   "overlap_degree": 8, "materialization_budget": 2}, 6, BATCH, SEQ))
+    out.extend(_row_blocked(rank, world_size, policy) for policy in ROW_BLOCK_POLICIES)
     return out
 
 
@@ -88,5 +113,12 @@ def test_fssdp_matches_single_process(world_size, devices_per_node):
         assert sum(rec[2] for rec in records) > 0, f"{name}/{policy}: no replicas were materialized"
     # SGD exposes a wrong gradient scale on replicas reduced by SpRS, which AdamW would hide.
     name, _ = SGD_CASE
-    assert_equivalent(train_reference(MODELS[name], 6, BATCH, SEQ, "sgd"), [r[-2] for r in results], atol=1e-5)
-    assert_equivalent(train_reference(MODELS["ref-stacked"], 6, BATCH, SEQ), [r[-1] for r in results])
+    n = len(ROW_BLOCK_POLICIES)
+    assert_equivalent(train_reference(MODELS[name], 6, BATCH, SEQ, "sgd"), [r[-2 - n] for r in results], atol=1e-5)
+    assert_equivalent(train_reference(MODELS["ref-stacked"], 6, BATCH, SEQ), [r[-1 - n] for r in results])
+    sgd_reference = train_reference(MODELS["ref-loop"], 6, BATCH, SEQ, "sgd")
+    for i, policy in enumerate(ROW_BLOCK_POLICIES):
+        blocked = [r[len(results[0]) - n + i] for r in results]
+        # Without blocks one call gets all of an expert's rows on a rank: about 64 * 2 / 6 = 21 here.
+        assert max(most for _, most, _ in blocked) <= ROW_BLOCK, f"{policy}: an expert call got more rows"
+        assert_equivalent(sgd_reference, [res for res, _, _ in blocked], atol=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from themis_compile.cost_model import profile as P
@@ -97,3 +98,38 @@ def test_apply_budgets_sets_t_and_m_on_the_layers_that_take_them():
     assert apply_budgets({"l0": layer, "x": object()}, b) == ["l0"]
     assert (layer.overlap_degree, layer.materialization_budget) == (b["l0"].overlap_degree,
                                                                      b["l0"].materialization_budget)
+
+
+def test_phase_breakdown_counts_each_range_once_where_outermost():
+    """Nested ranges count towards the outer phase; what no phase covers is the rest of the step; the
+    phases add up to the step. (Lower bounds only: a busy loop takes at least its time, on a loaded
+    machine more.)"""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def busy(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            with record_function("step"):
+                with record_function("themis::spag_start"):
+                    with record_function("themis::plan"):        # nested: plan + SpAG counted once
+                        busy(0.010)
+                    busy(0.010)
+                with record_function("themis::experts"):
+                    with record_function("themis::dispatch"):    # nested in another phase: not counted
+                        busy(0.005)
+                    busy(0.015)
+                with record_function("themis::sprs"):
+                    busy(0.005)
+                busy(0.020)                                        # no phase range: the rest
+    got = profiling.phase_breakdown(prof.events(), 2, "step")
+    assert set(got) == {"plan + SpAG", "experts (forward)", "SpRS", profiling.OTHER_PHASE}
+    assert got["plan + SpAG"] >= 20.0 and got["experts (forward)"] >= 20.0 and got["SpRS"] >= 5.0
+    assert got[profiling.OTHER_PHASE] >= 20.0
+    step_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.name == "step") / 1e3 / 2
+    assert sum(got.values()) == pytest.approx(step_ms)

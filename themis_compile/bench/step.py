@@ -33,7 +33,9 @@ of themis, themis-rm over ep and of themis, themis-rm, ep over fsdp2. ``--trace 
 ``--trace-steps`` more steps of each policy, writes one chrome trace per policy and rank, and adds the mean
 milliseconds per step of every ``themis::`` profiler range (and FSDP2's ``FSDP::`` ones; rank 0) as
 ``phase_ms_per_step``: ranges nest (``themis::spag_start`` holds ``themis::plan``), so they do not add up
-to ``bench::step``. A table of
+to ``bench::step``; ``phases_ms_per_step`` groups them into the phases of a step (plan + SpAG, routing,
+dispatch, experts, combine, all-to-all backward, SpRS, re-shard, dense FSDP2, the rest), each range counted
+once, where it is outermost, so that those do add up (`runtime.profiling.phase_breakdown`). A table of
 the results goes to stderr.
 """
 
@@ -374,10 +376,14 @@ class _PolicyRun:
         return {"overlap_degree": [int(layer.overlap_degree) for layer in layers],
                 "materialization_budget": [int(layer.materialization_budget) for layer in layers]}
 
-    def profile(self, first_step: int, trace_dir: str) -> dict[str, float]:
-        """Profile ``--trace-steps`` more steps; write the chrome trace, return ms per step per range."""
+    def profile(self, first_step: int, trace_dir: str) -> tuple[dict[str, float], dict[str, float]]:
+        """Profile ``--trace-steps`` more steps; write the chrome trace, return ms per step per range and
+        per phase (`runtime.profiling.phase_breakdown`: each range counted once, the phases adding up to
+        the step)."""
         import torch
         from torch.profiler import ProfilerActivity, profile
+
+        from themis_compile.runtime.profiling import phase_breakdown
 
         n = self.args.trace_steps
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -386,9 +392,10 @@ class _PolicyRun:
         prof.export_chrome_trace(os.path.join(trace_dir, f"step_{self.policy}_rank{self.rank}.json"))
         torch.distributed.barrier()
         # Our ranges, and FSDP2's own per-phase ranges (not their per-module copies "FSDP::x (blocks.0)").
-        return {e.key: e.cpu_time_total / 1e3 / n for e in prof.key_averages()
-                if e.key.startswith(("themis::", "bench::"))
-                or (e.key.startswith("FSDP::") and "(" not in e.key and " for " not in e.key)}
+        ranges = {e.key: e.cpu_time_total / 1e3 / n for e in prof.key_averages()
+                  if e.key.startswith(("themis::", "bench::"))
+                  or (e.key.startswith("FSDP::") and "(" not in e.key and " for " not in e.key)}
+        return ranges, phase_breakdown(prof.events(), n, "bench::step")
 
 
 def _worker(args: argparse.Namespace) -> dict | None:
@@ -417,7 +424,9 @@ def _worker(args: argparse.Namespace) -> dict | None:
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         for run in runs:
-            results[run.policy]["phase_ms_per_step"] = run.profile(args.warmup + args.steps, args.trace)
+            ranges, phases = run.profile(args.warmup + args.steps, args.trace)
+            results[run.policy]["phase_ms_per_step"] = ranges
+            results[run.policy]["phases_ms_per_step"] = phases
     results = {"policies": results, "peak_rss_bytes": _peak_rss_bytes()}
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, results)
@@ -447,8 +456,9 @@ def _worker(args: argparse.Namespace) -> dict | None:
                                               + m["replica_buffers_peak"] + m["unsharded_buffers_peak"]
                                               for m in mem),
         }
-        if "phase_ms_per_step" in r0:
-            out["policies"][policy]["phase_ms_per_step"] = r0["phase_ms_per_step"]
+        for key in ("phase_ms_per_step", "phases_ms_per_step"):
+            if key in r0:
+                out["policies"][policy][key] = r0[key]
     pol = out["policies"]
     stds = [v["load_share_std"] for v in pol.values() if v["load_share_std"] is not None]
     out["load_share_std"] = statistics.mean(stds) if stds else None
@@ -510,6 +520,16 @@ def format_table(out: dict) -> str:
     if out["ratios"]:
         lines += ["", "| ratio | value |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in out["ratios"].items()]
+    breakdowns = {p: v["phases_ms_per_step"] for p, v in pol.items() if v.get("phases_ms_per_step")}
+    if breakdowns:
+        from themis_compile.runtime.profiling import OTHER_PHASE, PHASES
+
+        names = list(breakdowns)
+        lines += ["", "| phase (ms/step, rank 0) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for phase in [name for name, _ in PHASES] + [OTHER_PHASE, "step"]:
+            cells = [sum(b.values()) if phase == "step" else b.get(phase) for b in breakdowns.values()]
+            if any(c is not None for c in cells):
+                lines.append(f"| {phase} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
     phases = sorted({k for v in pol.values() for k in v.get("phase_ms_per_step", {})})
     if phases:
         names = list(pol)

@@ -36,8 +36,8 @@ from torch.profiler import record_function
 from themis_compile.planner.placement import Placement
 from themis_compile.runtime import deadline
 from themis_compile.runtime.exchange import dispatch_compute_combine
-from themis_compile.runtime.experts import (ZERO_ROWS_CHILD, ExpertBank, ZeroExpertRows, zero_rows_of,
-                                            zero_rows_span)
+from themis_compile.runtime.experts import (ZERO_ROWS_CHILD, ExpertBank, ZeroExpertRows, row_block,
+                                            zero_rows_of, zero_rows_span)
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +329,9 @@ class ShardedExperts(nn.Module):
     """Stands in for a layer's experts module: ``(x_TH, ids_TK, weights_TK) -> out_TH``.
 
     ``kernels_backend``: the dispatch/combine kernels this layer runs (``ThemisConfig.kernels``, set by
-    ``optimize``; None: the process default of `kernels.set_backend`).
+    ``optimize``; None: the process default of `kernels.set_backend`). ``expert_row_block``: the most rows
+    one call of an expert's code computes (``ThemisConfig.expert_row_block``, set by ``optimize``; None:
+    all of an expert's rows in one call); more rows are split into blocks, each a call, and concatenated.
 
     Holds only the experts this rank owns, each as a child module named by its global expert id
     (``self.<e>``, as in the user's ``nn.ModuleList``), so that an optimizer built from
@@ -353,6 +355,8 @@ class ShardedExperts(nn.Module):
     """
 
     kernels_backend: str | None = None
+    # ThemisConfig.expert_row_block, set by ``optimize``: the most rows of one expert per call of its code.
+    expert_row_block: int | str | None = None
 
     def __init__(
         self,
@@ -485,6 +489,9 @@ class ShardedExperts(nn.Module):
         outputs = []
         # Read now, not at construction: the dense wrapper may have swapped them (FSDP2's unsharded ones).
         shared = self.bank.shared_tensors(self) if self.bank.shared_names else None
+        # Experts are row-wise (their rows are split over ranks anyway), so a block of rows computes what
+        # the whole would: only the weight gradient's sum over rows is taken in another order.
+        block = row_block(self.expert_row_block, self.bank.chunk_bytes, rows_NH)
         for e, part in enumerate(torch.split(rows_NH, list(counts_E))):
             params = chunks.get(e)
             if params is None:
@@ -494,7 +501,10 @@ class ShardedExperts(nn.Module):
                 continue
             if skip_empty and not counts_E[e]:
                 continue
-            outputs.append(self.bank.run(params, part, shared))
+            if block is not None and part.shape[0] > block:
+                outputs.extend(self.bank.run(params, piece, shared) for piece in part.split(block))
+            else:
+                outputs.append(self.bank.run(params, part, shared))
         if not outputs:
             # No expert here (and so no rows): an empty result that stays in the autograd graph, so that
             # this rank joins the all-to-all of the backward pass like every other rank.

@@ -9,6 +9,8 @@
 - `annotate_attention` marks attention with `ATTENTION_RANGE` for the profiler; `export_chrome_trace`
   writes the chrome trace of one step, in which the runtime's `SPAG_RANGE` / `SPRS_RANGE` ranges show the
   overlap.
+- `phase_breakdown` turns a profile of training steps into milliseconds per step and phase (plan + SpAG,
+  dispatch, experts, combine, ...), each range counted once, where it is outermost.
 
 `runtime/budgets.py` drives them and turns their result into t and m (`cost_model.profile.budgets`).
 """
@@ -34,7 +36,8 @@ from themis_compile.runtime import deadline
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionProfiler", "annotate_attention", "export_chrome_trace", "measure_bandwidth"]
+__all__ = ["AttentionProfiler", "PHASES", "annotate_attention", "export_chrome_trace", "measure_bandwidth",
+           "phase_breakdown"]
 
 
 # ----------------------------------------------------------------------------------------- T_attn
@@ -308,3 +311,55 @@ def export_chrome_trace(step: Callable[[], Any], path: str | os.PathLike, *, wit
         step()
     prof.export_chrome_trace(str(path))
     return path
+
+
+# ----------------------------------------------------------------------------------------- phases
+# The phases of a step, each a set of profiler ranges (by name prefix): the runtime's themis:: ranges and
+# FSDP2's own. Ranges nest (themis::spag_start holds themis::plan, FSDP::pre_forward its all-gather), so a
+# range counts towards the phase of its outermost phase range only; what no phase range covers is the
+# model's own compute outside the experts (attention, the backward of everything, the optimizer step).
+PHASES = (
+    ("plan + SpAG", ("themis::spag", "themis::plan", "themis::rematerialize_for_recompute")),
+    ("routing", ("themis::token_counts", "themis::calibrate", "themis::dispatch_plan", "themis::check_routing",
+                 "themis::count_exchange", "themis::assign_destinations")),
+    ("dispatch", ("themis::dispatch", "themis::routing_metadata", "themis::permute")),     # + its backward
+    ("experts (forward)", ("themis::experts",)),
+    ("combine", ("themis::combine", "themis::unpermute_combine")),                      # + its backward
+    ("all-to-all (backward)", ("themis::all_to_all_backward",)),
+    ("SpRS", ("themis::sprs",)),
+    ("re-shard", ("themis::reshard",)),
+    ("dense FSDP2", ("FSDP::",)),
+)
+OTHER_PHASE = "rest of the step"
+
+
+def _phase_of(name: str) -> str | None:
+    for phase, prefixes in PHASES:
+        if name.startswith(prefixes):
+            return phase
+    return None
+
+
+def phase_breakdown(events, steps: int, step_range: str) -> dict[str, float]:
+    """Milliseconds per step of every phase of `PHASES` in ``events`` (``torch.profiler.profile(...).events()``
+    of ``steps`` steps, each inside a ``step_range`` range), plus `OTHER_PHASE`: the step ranges' time no
+    phase covers. A range nested in another phase range counts towards the outer one only, so the phases
+    add up to the step's time."""
+    totals = {phase: 0.0 for phase, _ in PHASES}
+    step_us = 0.0
+    for event in events:
+        if event.name == step_range:
+            step_us += event.time_range.elapsed_us()
+            continue
+        phase = _phase_of(event.name)
+        if phase is None:
+            continue
+        parent, nested = event.cpu_parent, False
+        while parent is not None and not nested:
+            nested = _phase_of(parent.name) is not None
+            parent = parent.cpu_parent
+        if not nested:
+            totals[phase] += event.time_range.elapsed_us()
+    out = {phase: us / 1e3 / steps for phase, us in totals.items() if us > 0}
+    out[OTHER_PHASE] = max(step_us / 1e3 / steps - sum(out.values()), 0.0)
+    return out
