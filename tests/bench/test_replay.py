@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from themis_compile.bench import step
+from themis_compile.bench.models import build_bench_model
 from themis_compile.bench.replay import TraceReplay, fit_router_bias, target_counts
-from themis_compile.models import build_model
 from themis_compile.sim.traces import synthetic_trace
 
 DEMO_TRACE = Path(__file__).resolve().parents[1] / "sim" / "data" / "demo_trace.jsonl"
@@ -44,32 +44,31 @@ def test_fitted_bias_realizes_the_target_counts_exactly():
         fit_router_bias(z_TE, torch.tensor([600, 424, 0, 0, 0, 0, 0, 0]), top_k=2)   # 600 > T
 
 
-@pytest.mark.parametrize("source", ["demo", "synthetic"])
-def test_replayed_loads_follow_the_trace_step_by_step(source, tmp_path):
+@pytest.mark.parametrize("source, kind", [("demo", "tiny-moe"), ("synthetic", "tiny-moe"), ("demo", "hf-mixtral")])
+def test_replayed_loads_follow_the_trace_step_by_step(source, kind, tmp_path):
     # A training model (its routers' inputs change every step) replays a recorded trace (the demo's,
-    # extreme) and a paper-like synthetic one (load-share Std 0.04): the realized shares of every step and layer equal the trace's
-    # up to rounding to this rank's T·K assignments.
-    torch.manual_seed(0)
-    model = build_model("tiny-moe", d_model=32, d_ffn=64, num_experts=8, top_k=2, n_layers=2, seq_len=32,
-                        n_heads=4)
+    # extreme) and a paper-like synthetic one (load-share Std 0.04): the realized shares of every step and
+    # layer equal the trace's up to rounding to this rank's T·K assignments; HF Mixtral's biased router too.
+    bench = build_bench_model(kind, d_model=32, d_ffn=64, num_experts=8, top_k=2, n_layers=2, seq_len=32,
+                              router_skew=0.0)
+    model = bench.model
     path = DEMO_TRACE
     if source == "synthetic":
         path = tmp_path / "trace.jsonl"
         synthetic_trace(2, 8, 2, 128, 2, 6, cv=8 * 0.04, seed=3).write_jsonl(path)
     replay = TraceReplay.load(path, num_experts=8, top_k=2, rank=0, world=1)
-    replay.install(model)
+    replay.install(bench.routers)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(1)
     got, want = [], []
     for s in range(4):
         replay.set_step(s)
         tokens = torch.randint(0, 256, (8, 32), generator=gen)
-        logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+        bench.loss(tokens).backward()
         opt.step()
         opt.zero_grad()
-        for layer, m in enumerate(model.moe_layers()):
-            counts_E = m.last_tokens_per_expert.to(torch.float64)
+        for layer, r in enumerate(bench.routers):
+            counts_E = r.last_global_counts().to(torch.float64)
             got.append((counts_E / counts_E.sum()).numpy())
             want.append(replay.target_shares(s, layer, local=False))
     got_N, want_N = np.concatenate(got), np.concatenate(want)
@@ -79,9 +78,9 @@ def test_replayed_loads_follow_the_trace_step_by_step(source, tmp_path):
     assert np.abs(want[0] - want[-2]).max() > 0.002 and np.abs(got[0] - got[-2]).max() > 0.002
     assert replay.fit_seconds > 0
     replay.remove()
-    bias_E = model.moe_layers()[0].router_bias.clone()
-    model(tokens)
-    assert torch.equal(model.moe_layers()[0].router_bias, bias_E)     # removed: the bias stays put
+    bias_E = bench.routers[0].router_bias.clone()
+    bench.loss(tokens)
+    assert torch.equal(bench.routers[0].router_bias, bias_E)     # removed: the bias stays put
 
 
 def test_skew_trace_option_parses_and_rejects_a_missing_file():

@@ -5,8 +5,11 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from themis_compile.bench import step
+from themis_compile.bench.models import build_bench_model, router_skew_bias
+from themis_compile.testing import run_multirank
 
 DEMO_TRACE = Path(__file__).resolve().parents[1] / "sim" / "data" / "demo_trace.jsonl"
 
@@ -88,3 +91,73 @@ def test_calibrated_router_skew_reproduces_the_target_std_on_its_batch():
         assert abs(realized - target) < 0.2 * target, (target, skew, realized)
         skews[target] = skew
     assert 0.0 < skews[0.04] < skews[0.08]
+
+
+def _step_rank(rank: int, world: int, args) -> dict | None:
+    return step._worker(args)
+
+
+def test_hf_mixtral_step_benchmark_trains_alike_under_every_policy():
+    # HF MixtralForCausalLM under every policy on 2 ranks (forked from the preloaded harness: no torchrun
+    # launch), the hottest two experts of both layers on rank 1 at --skew extreme.
+    args = step._parse(["--quick", "--model", "hf-mixtral", "--skew", "extreme"])
+    out = run_multirank(_step_rank, 2, args=(args,), timeout_s=120)[0]
+    pol = out["policies"]
+    assert set(pol) == set(step.POLICIES) and out["config"]["model"] == "hf-mixtral"
+    assert out["router_skew"] == 4.0 and out["load_share_std"] > 0.15       # the biased router's skew
+    assert pol["ep"]["imbalance_max_over_mean"] > 1.5
+    assert pol["themis"]["mean_delta_p_per_layer"] > 0 and pol["themis-rm"]["mean_delta_p_per_layer"] > 0
+    assert pol["themis"]["imbalance_max_over_mean"] < pol["ep"]["imbalance_max_over_mean"]
+    assert pol["themis"]["memory_bytes_per_rank"][0]["replica_buffers_peak"] > 0
+    assert pol["uniform"]["imbalance_max_over_mean"] == 1.0
+    # No auxiliary loss: every policy but uniform (which changes the routing) trains the same global loss.
+    assert len(pol["fsdp2"]["loss_per_step"]) == 3
+    for policy in ("ep", "themis", "themis-rm"):
+        for a, b in zip(pol["fsdp2"]["loss_per_step"], pol[policy]["loss_per_step"]):
+            assert math.isclose(a, b, rel_tol=1e-5), (policy, a, b)
+    for key in ("themis_speedup_over_ep", "themis_speedup_over_fsdp2", "themis-rm_speedup_over_ep",
+                "themis_over_uniform", "ep_over_uniform", "themis_memory_over_ep", "themis_memory_over_fsdp2"):
+        assert out["ratios"][key] > 0, key
+
+
+def test_biased_mixtral_router_is_the_routers_own_at_bias_zero_and_follows_the_bias():
+    # One process: the hook on HF's MixtralTopKRouter returns exactly what the router computes at bias 0,
+    # a large bias sends every token to the biased expert (gradients still reach the router's weight), and
+    # themis_compile.optimize detects and shards every MoE block with the hook in place.
+    import themis_compile
+    from themis_compile.api import runtime_of
+
+    bench = build_bench_model("hf-mixtral", d_model=32, d_ffn=64, num_experts=8, top_k=2, n_layers=2,
+                              seq_len=16, router_skew=0.0)
+    router = bench.routers[0]
+    assert type(router.gate).__name__ == "MixtralTopKRouter"
+    x_TH = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    want = router.gate.forward(x_TH)                         # the router itself, without its hooks
+    got = router.gate(x_TH)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert torch.equal(router.route(x_TH), want[2]) and torch.equal(router.logits(x_TH), want[0])
+    assert torch.equal(router.last_global_counts(), torch.bincount(want[2].reshape(-1), minlength=8))
+    router.router_bias[5] = 30.0
+    _, scores_TK, ids_TK = router.gate(x_TH)
+    assert (ids_TK == 5).any(-1).all() and int(router.last_global_counts()[5]) == 64
+    assert torch.allclose(scores_TK.sum(-1), torch.ones(64))
+    scores_TK[:, 1].sum().backward()
+    assert router.gate.weight.grad.abs().sum() > 0
+    # Both models start their skew from the reference model's seeded direction.
+    ref = build_bench_model("tiny-moe", d_model=32, d_ffn=64, num_experts=8, top_k=2, n_layers=2, seq_len=16,
+                            router_skew=4.0)
+    skewed = build_bench_model("hf-mixtral", d_model=32, d_ffn=64, num_experts=8, top_k=2, n_layers=2,
+                               seq_len=16, router_skew=4.0)
+    for layer, (a, b) in enumerate(zip(ref.routers, skewed.routers)):
+        assert torch.equal(a.router_bias, b.router_bias)
+        assert torch.equal(a.router_bias, router_skew_bias(8, layer, 4.0))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = skewed.loss(tokens)
+        model = themis_compile.optimize(skewed.model)          # one process: world size 1
+        after = skewed.loss(tokens)
+    assert len(runtime_of(model).layers) == 2 and "2 MoE layer" in themis_compile.explain(model)
+    assert torch.allclose(before, after, rtol=1e-5)
+    hot = [int(e) for e in torch.argsort(skewed.routers[1].router_bias, descending=True)[:2]]
+    assert int(skewed.routers[1].last_global_counts()[hot].sum()) > 0.9 * 2 * 32

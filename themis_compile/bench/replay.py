@@ -6,7 +6,9 @@ model's routers reproduce those loads: before every MoE block's forward it sets 
 ``router_bias`` to the bias at which the block's own top-k over ``gate(x) + bias`` assigns this rank's
 tokens to the experts in the trace's proportions (this rank's row of the trace's per-device split when
 the trace was recorded at the same world size, else the global shares). The routing stays the model's
-own code and is differentiable as usual; only the bias, a non-trainable buffer, follows the trace.
+own code and is differentiable as usual; only the bias, a non-trainable tensor, follows the trace. The
+routers are `themis_compile.bench.models.BenchRouter` s (the reference model's ``MoEFeedForward`` and HF
+Mixtral's biased ``MixtralTopKRouter`` alike): ``block``, ``logits(x)``, ``router_bias``.
 
 Bench step ``s`` replays the trace's ``s``-th recorded step (cyclically), bench MoE layer ``l`` its
 layer ``l mod L_trace``. Shape suffixes: T tokens (of this rank), E experts, K top-k, D ranks.
@@ -104,7 +106,7 @@ class TraceReplay:
     Usage::
 
         replay = TraceReplay.load(path, num_experts=E, top_k=K, rank=r, world=D)
-        replay.install(model)          # forward pre-hooks on model.moe_layers()
+        replay.install(routers)        # forward pre-hooks on their MoE blocks (bench.models.BenchRouter)
         for step in ...:
             replay.set_step(step)      # before the step's forward
             ...
@@ -148,25 +150,26 @@ class TraceReplay:
     def set_step(self, step: int) -> None:
         self.step = step
 
-    def install(self, model) -> None:
-        """Register the bias-fitting pre-hook on every MoE block of ``model`` (``model.moe_layers()``)."""
-        for layer, block in enumerate(model.moe_layers()):
-            self._handles.append(block.register_forward_pre_hook(self._hook(layer)))
+    def install(self, routers) -> None:
+        """Register the bias-fitting pre-hook on the MoE block of every router (``BenchRouter``: MoE layer
+        ``l`` is ``routers[l]``)."""
+        for layer, router in enumerate(routers):
+            self._handles.append(router.block.register_forward_pre_hook(self._hook(layer, router)))
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
 
-    def _hook(self, layer: int):
+    def _hook(self, layer: int, router):
         def fit(block, args) -> None:
             t0 = time.perf_counter()
             x_TH = args[0].detach().reshape(-1, args[0].shape[-1])
             T = x_TH.shape[0]
             counts_E = target_counts(self.target_shares(self.step, layer, local=True), T * self.top_k, T)
             with torch.no_grad():
-                bias_E = fit_router_bias(block.gate(x_TH), counts_E, self.top_k)
-                block.router_bias.copy_(bias_E.to(block.router_bias.dtype))
+                bias_E = fit_router_bias(router.logits(x_TH), counts_E, self.top_k)
+                router.router_bias.copy_(bias_E.to(router.router_bias.dtype))
             self.fit_seconds += time.perf_counter() - t0
 
         return fit

@@ -1,6 +1,7 @@
 """Training-step benchmark: the same model and data under ep, themis, themis-rm, uniform and plain FSDP2.
 
-    torchrun --nproc-per-node 2 -m themis_compile.bench step [--skew paper|extreme|trace[:PATH]|R] [--trace DIR]
+    torchrun --nproc-per-node 2 -m themis_compile.bench step [--model tiny-moe|hf-mixtral]
+        [--skew paper|extreme|trace[:PATH]|R] [--trace DIR]
     python -m themis_compile.bench step ...                 # without torchrun: it relaunches itself
     python -m themis_compile.bench step --network emulated [--inter-node-bw B]   # 2 emulated nodes x 2 ranks
 
@@ -13,7 +14,17 @@ peer a user would try first: the unmodified model under plain FSDP2 (``fully_sha
 the root, no expert parallelism: every rank gathers every expert); its MoE blocks all-reduce their token
 counts like the other policies' do, so that all of them train the same global-batch objective.
 
-``--skew`` sets the reference model's router bias (``router_skew``): ``paper`` calibrates it on the first
+``--model`` picks what trains: ``tiny-moe`` (the default) is the reference model
+(`themis_compile.models.GPTMoE`, with its load-balancing aux loss); ``hf-mixtral`` is transformers'
+``MixtralForCausalLM`` built from a random-init ``MixtralConfig`` of the same sizes (hidden ``--d-model``,
+intermediate ``--d-ffn``, ``--experts``, ``--top-k``, ``--layers``, 4 attention and 2 key-value heads,
+vocabulary 256), trained on the language-model loss alone (``output_router_logits`` off: no aux loss). Both
+are driven through `themis_compile.bench.models`: the reference model's routers have a ``router_bias``
+buffer; each HF ``MixtralTopKRouter`` gets one through a forward hook that recomputes its softmax, top-k and
+renormalization from the biased logits (transformers is not edited; ``optimize`` detects and shards the
+blocks as usual), so that every ``--skew`` below works alike for both.
+
+``--skew`` sets the model's router bias (``router_skew``): ``paper`` calibrates it on the first
 global batch so that the Std over experts of the load shares (tokens per expert / all assignments, the
 shares summing to 1) is 0.04, the paper's measured range being 0.034-0.046; ``extreme`` is 4.0 (the
 hottest expert receives nearly every token); a number is used as it is. ``trace[:PATH]`` replays a
@@ -54,6 +65,7 @@ import time
 logger = logging.getLogger(__name__)
 
 POLICIES = ("ep", "themis", "themis-rm", "uniform", "fsdp2")
+MODELS = ("tiny-moe", "hf-mixtral")     # bench.models.MODELS (imported there with torch)
 # Named router skews; "paper" is calibrated to this Std of the expert load shares (paper §5.4: 0.034-0.046).
 SKEWS = {"extreme": 4.0}
 PAPER_LOAD_SHARE_STD = 0.04
@@ -63,6 +75,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m themis_compile.bench step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--model", choices=MODELS, default="tiny-moe",
+                   help="tiny-moe: the reference model; hf-mixtral: transformers' MixtralForCausalLM of the same "
+                        "sizes (random init, no auxiliary loss)")
     p.add_argument("--nproc", type=int, default=2, help="ranks when launched without torchrun")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=6,
@@ -104,14 +119,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _build_model(args: argparse.Namespace, router_skew: float):
-    import torch
+    """The ``--model`` benchmark model (`bench.models.BenchModel`), seeded: the same on every rank and for
+    every policy."""
+    from themis_compile.bench.models import build_bench_model
 
-    from themis_compile.models import build_model
-
-    torch.manual_seed(0)
-    return build_model("tiny-moe", d_model=args.d_model, d_ffn=args.d_ffn, num_experts=args.experts,
-                       top_k=args.top_k, n_layers=args.layers, seq_len=args.seq_len,
-                       router_skew=router_skew, n_heads=4)
+    return build_bench_model(args.model, d_model=args.d_model, d_ffn=args.d_ffn, num_experts=args.experts,
+                             top_k=args.top_k, n_layers=args.layers, seq_len=args.seq_len,
+                             router_skew=router_skew, seed=0)
 
 
 def _batch_generator():
@@ -150,32 +164,33 @@ def calibrate_router_skew(args: argparse.Namespace, world: int, target_std: floa
     """
     import torch
 
-    model = _build_model(args, 1.0).eval()
-    blocks = model.moe_layers()
-    unit = [b.router_bias.clone() for b in blocks]          # b_l: router_bias at router_skew 1
+    bench = _build_model(args, 1.0)
+    model = bench.model.eval()
+    routers = bench.routers
+    unit = [r.router_bias.clone() for r in routers]         # b_l: router_bias at router_skew 1
     tokens = _global_batch(args, world, _batch_generator())
     inputs: dict[int, torch.Tensor] = {}
 
     def set_skew(s: float) -> None:
-        for b, b_E in zip(blocks, unit):
-            b.router_bias.copy_(s * b_E)
+        for r, b_E in zip(routers, unit):
+            r.router_bias.copy_(s * b_E)
 
     def realized(s: float) -> float:
         set_skew(s)
         stds = []
         with torch.no_grad():
-            for i, b in enumerate(blocks):
-                _, ids_TK, _ = b.route(inputs[i].reshape(-1, inputs[i].shape[-1]))
-                stds.append(load_share_std(b.tokens_per_expert(ids_TK)))
+            for i, r in enumerate(routers):
+                ids_TK = r.route(inputs[i].reshape(-1, inputs[i].shape[-1]))
+                stds.append(load_share_std(torch.bincount(ids_TK.reshape(-1), minlength=r.num_experts)))
         return statistics.mean(stds)
 
     skew = 1.0
     for _ in range(rounds):
         set_skew(skew)
-        hooks = [b.register_forward_pre_hook(lambda mod, a, i=i: inputs.__setitem__(i, a[0].detach()))
-                 for i, b in enumerate(blocks)]
+        hooks = [r.block.register_forward_pre_hook(lambda mod, a, i=i: inputs.__setitem__(i, a[0].detach()))
+                 for i, r in enumerate(routers)]
         with torch.no_grad():
-            model(tokens)
+            bench.loss(tokens)
         for h in hooks:
             h.remove()
         if realized(0.0) >= target_std:
@@ -220,25 +235,38 @@ def _count_reducer(group=None):
     return global_tokens_per_expert
 
 
-def _plain_fsdp2(model):
-    """The unmodified model under FSDP2: ``fully_shard`` on every block, then the root (torchtitan's
-    recipe without expert parallelism). Returns the model and the bytes FSDP2 holds unsharded at its
-    peak (modeled): the root's own parameters (kept through forward and backward) and two blocks (the
-    running one and the prefetched next)."""
+def _plain_fsdp2(bench):
+    """The unmodified model of ``bench`` (`bench.models.BenchModel`) under FSDP2: ``fully_shard`` on every
+    block, then the root (torchtitan's recipe without expert parallelism). Returns the model and the bytes
+    FSDP2 holds unsharded at its peak (modeled): the root's own parameters (kept through forward and
+    backward) and two blocks (the running one and the prefetched next)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    model = bench.model
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for m in model.moe_layers():
-        # The same global-batch objective as the other policies: aux loss on the global counts.
-        m.global_tokens_per_expert = _count_reducer()
-    block_bytes = [_tensor_bytes(b.parameters()) for b in model.blocks]
+    for r in bench.routers:
+        if hasattr(r.block, "global_tokens_per_expert"):
+            # The same global-batch objective as the other policies: aux loss on the global counts.
+            r.block.global_tokens_per_expert = _count_reducer()
+    block_bytes = [_tensor_bytes(b.parameters()) for b in bench.blocks]
     unsharded_peak = _tensor_bytes(model.parameters()) - sum(block_bytes) + 2 * max(block_bytes)
-    for block in model.blocks:
+    for block in bench.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, unsharded_peak
+
+
+def _uniform_counts(tokens: int, top_k: int, num_experts: int, world: int):
+    """[E] global tokens per expert under the uniform policy: every rank's ``tokens`` x ``top_k`` pairs
+    spread round-robin over the experts (`runtime.ep.uniform_ids`)."""
+    import torch
+
+    from themis_compile.runtime.ep import uniform_ids
+
+    ids_TK = uniform_ids(torch.zeros(tokens, top_k, dtype=torch.int64), num_experts)
+    return world * torch.bincount(ids_TK.reshape(-1), minlength=num_experts)
 
 
 def _tensor_bytes(tensors) -> int:
@@ -256,22 +284,25 @@ class _PolicyRun:
         from themis_compile.api import runtime_of
 
         self.policy, self.args, self.rank, self.world = policy, args, rank, world
-        model = _build_model(args, args.router_skew)
+        self.bench = _build_model(args, args.router_skew)
         self.unsharded_bytes = 0
         if policy == "fsdp2":
-            self.model, self.unsharded_bytes = _plain_fsdp2(model)
+            self.model, self.unsharded_bytes = _plain_fsdp2(self.bench)
             self.runtime = None
         else:
-            self.model = themis_compile.optimize(model, themis_compile.ThemisConfig(
+            self.model = themis_compile.optimize(self.bench.model, themis_compile.ThemisConfig(
                 policy=policy, **getattr(args, "themis_config", {})))
             self.runtime = runtime_of(self.model)
+            if len(self.runtime.layers) != len(self.bench.routers):
+                raise RuntimeError(f"bench step --model {args.model}: {policy} sharded "
+                                   f"{len(self.runtime.layers)} of {len(self.bench.routers)} MoE layers")
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.replay = None
         if args.skew_trace is not None:
             from themis_compile.bench.replay import TraceReplay
 
             self.replay = TraceReplay.load(args.skew_trace, args.experts, args.top_k, rank, world)
-            self.replay.install(self.model)
+            self.replay.install(self.bench.routers)
         self.replay_shares: list[tuple] = []     # (realized, trace) global shares per timed step and layer
         self.gen = _batch_generator()
         self.losses: list = []
@@ -279,13 +310,12 @@ class _PolicyRun:
         self.times: list[float] = []
         self.imbalance: list[float] = []
         self.delta: list[int] = []
+        self.counts: list = []      # [E] global tokens per expert of every MoE layer, the last timed step
         self.replica_bytes = 0
 
     def step(self, step: int, timed: bool) -> None:
         import torch
         import torch.distributed as dist
-
-        from themis_compile.models import lm_loss
 
         args, rank, world = self.args, self.rank, self.world
         tokens = _global_batch(args, world, self.gen)[rank::world]
@@ -296,7 +326,7 @@ class _PolicyRun:
         dist.barrier()
         t0 = time.perf_counter()
         with torch.profiler.record_function("bench::step"):
-            loss = lm_loss(self.model(tokens), tokens) + self.model.aux_loss()
+            loss = self.bench.loss(tokens)
             loss.backward()
             self.opt.step()
             self.opt.zero_grad()
@@ -308,12 +338,16 @@ class _PolicyRun:
             # The replay's bias fitting is the harness's work (the same for every policy): not timed.
             fit_s = 0.0 if self.replay is None else self.replay.fit_seconds - fit_s
             self.times.append(time.perf_counter() - t0 - fit_s)
-            if self.policy != "uniform":     # uniform replaces the router: its shares are flat by design
-                self.share_std.append(statistics.mean(
-                    load_share_std(m.last_tokens_per_expert) for m in self.model.moe_layers()))
+            if self.policy == "uniform":
+                # uniform replaces the router's choice in the experts' dispatch: its loads are flat by design.
+                self.counts = [_uniform_counts(tokens.numel(), r.top_k, r.num_experts, world)
+                               for r in self.bench.routers]
+            else:
+                self.counts = [r.last_global_counts() for r in self.bench.routers]
+                self.share_std.append(statistics.mean(load_share_std(c) for c in self.counts))
                 if self.replay is not None:
-                    for layer, m in enumerate(self.model.moe_layers()):
-                        counts_E = m.last_tokens_per_expert.to(torch.float64)
+                    for layer, counts_E in enumerate(self.counts):
+                        counts_E = counts_E.to(torch.float64)
                         self.replay_shares.append(((counts_E / counts_E.sum()).tolist(),
                                                    self.replay.target_shares(step, layer, local=False).tolist()))
             for s in (self.runtime.stats if self.runtime is not None else ()):
@@ -333,8 +367,8 @@ class _PolicyRun:
             # Plain FSDP2: every rank serves its own batch's T·K pairs with every expert gathered.
             imbalance = [1.0]
         if not imbalance:   # EP / uniform: rows per rank follow the owners
-            for layer, m in zip(self.runtime.layers.values(), self.model.moe_layers()):
-                per_rank = torch.zeros(world, dtype=torch.int64).index_add_(0, layer.owner_E, m.last_tokens_per_expert)
+            for layer, counts_E in zip(self.runtime.layers.values(), self.counts):
+                per_rank = torch.zeros(world, dtype=torch.int64).index_add_(0, layer.owner_E, counts_E)
                 imbalance.append(float(per_rank.max()) / max(float(per_rank.float().mean()), 1.0))
         params = list(self.model.parameters())
         state = [v for st in self.opt.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -508,7 +542,8 @@ def format_table(out: dict) -> str:
     """The results as a Markdown table (policies, then ratios and, with --trace, the phase breakdown)."""
     pol = out["policies"]
     std = out["load_share_std"]
-    lines = [f"router_skew {out['router_skew']:.3f} (--skew {out['config']['skew']}), load-share Std "
+    lines = [f"model {out['config'].get('model', 'tiny-moe')}, "
+             f"router_skew {out['router_skew']:.3f} (--skew {out['config']['skew']}), load-share Std "
              + ("n/a" if std is None else f"{std:.4f}"), "",
              *_replay_lines(out),
              "| policy | step s | tokens/s | imbalance | ΔP/layer | model state MiB (max rank) | loss step 0 |",
