@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from themis_compile.bench import step
-from themis_compile.bench.models import build_bench_model, router_skew_bias
+from themis_compile.bench.models import MODELS, build_bench_model, router_skew_bias
 from themis_compile.testing import run_multirank
 
 DEMO_TRACE = Path(__file__).resolve().parents[1] / "sim" / "data" / "demo_trace.jsonl"
@@ -130,7 +130,7 @@ def test_biased_mixtral_router_is_the_routers_own_at_bias_zero_and_follows_the_b
     bench = build_bench_model("hf-mixtral", d_model=32, d_ffn=64, num_experts=8, top_k=2, n_layers=2,
                               seq_len=16, router_skew=0.0)
     router = bench.routers[0]
-    assert type(router.gate).__name__ == "MixtralTopKRouter"
+    assert type(router.gate).__name__ == "MixtralTopKRouter" and step.MODELS == MODELS
     x_TH = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     want = router.gate.forward(x_TH)                         # the router itself, without its hooks
     got = router.gate(x_TH)

@@ -11,8 +11,9 @@ own model and batch defaults (docs/bench_step_network.md; `_main_emulated`).
 Every policy trains an identical model (same seed, same batches) for ``--warmup`` + ``--steps`` steps,
 the policies interleaved step by step so that a shared, noisy machine loads them alike. ``fsdp2`` is the
 peer a user would try first: the unmodified model under plain FSDP2 (``fully_shard`` on every block and
-the root, no expert parallelism: every rank gathers every expert); its MoE blocks all-reduce their token
-counts like the other policies' do, so that all of them train the same global-batch objective.
+the root, no expert parallelism: every rank gathers every expert); the reference model's MoE blocks
+all-reduce their token counts there like the other policies' do, so that all of them train the same
+global-batch objective (its aux loss on the global counts).
 
 ``--model`` picks what trains: ``tiny-moe`` (the default) is the reference model
 (`themis_compile.models.GPTMoE`, with its load-balancing aux loss); ``hf-mixtral`` is transformers'
