@@ -78,16 +78,17 @@ def test_step_benchmark_rejects_unknown_skew():
         step._parse(["--skew", "mild"])
 
 
-def test_calibrated_router_skew_reproduces_the_target_std_on_its_batch():
+@pytest.mark.parametrize("model", ["tiny-moe", "hf-mixtral"])
+def test_calibrated_router_skew_reproduces_the_target_std_on_its_batch(model):
     # One process: the calibrated model, run on the calibration batch (the first global batch), realizes
     # the requested load-share Std; a larger target needs a larger router_skew.
-    args = step._parse(["--d-model", "32", "--d-ffn", "64", "--batch", "8", "--seq-len", "16"])
+    args = step._parse(["--model", model, "--d-model", "32", "--d-ffn", "64", "--batch", "8", "--seq-len", "16"])
     skews = {}
     for target in (0.04, 0.08):
         skew = step.calibrate_router_skew(args, 2, target)
-        model = step._build_model(args, skew)
-        model(step._global_batch(args, 2, step._batch_generator()))
-        realized = sum(step.load_share_std(m.last_tokens_per_expert) for m in model.moe_layers()) / args.layers
+        bench = step._build_model(args, skew)
+        bench.loss(step._global_batch(args, 2, step._batch_generator()))
+        realized = sum(step.load_share_std(r.last_global_counts()) for r in bench.routers) / args.layers
         assert abs(realized - target) < 0.2 * target, (target, skew, realized)
         skews[target] = skew
     assert 0.0 < skews[0.04] < skews[0.08]
