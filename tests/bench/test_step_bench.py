@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import themis_compile
+from themis_compile.api import runtime_of
 from themis_compile.bench import step
 from themis_compile.bench.models import MODELS, build_bench_model, router_skew_bias
 from themis_compile.testing import run_multirank
@@ -125,9 +127,6 @@ def test_biased_mixtral_router_is_the_routers_own_at_bias_zero_and_follows_the_b
     # One process: the hook on HF's MixtralTopKRouter returns exactly what the router computes at bias 0,
     # a large bias sends every token to the biased expert (gradients still reach the router's weight), and
     # themis_compile.optimize detects and shards every MoE block with the hook in place.
-    import themis_compile
-    from themis_compile.api import runtime_of
-
     bench = build_bench_model("hf-mixtral", d_model=32, d_ffn=64, num_experts=8, top_k=2, n_layers=2,
                               seq_len=16, router_skew=0.0)
     router = bench.routers[0]
