@@ -27,15 +27,12 @@ Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k
 from __future__ import annotations
 
 import abc
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["MODELS", "BenchModel", "BenchRouter", "BiasedTopKRouter", "build_bench_model", "router_skew_bias"]
 
