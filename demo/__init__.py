@@ -251,7 +251,7 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
     if policy == "fsdp2":
         from themis_compile.bench.step import _plain_fsdp2
 
-        model, _ = _plain_fsdp2(model)
+        model, _ = _plain_fsdp2(model, model.blocks, model.moe_layers())
         runtime = None
         names = [f"moe{i}" for i in range(len(model.moe_layers()))]
     else:

@@ -236,24 +236,25 @@ def _count_reducer(group=None):
     return global_tokens_per_expert
 
 
-def _plain_fsdp2(bench):
-    """The unmodified model of ``bench`` (`bench.models.BenchModel`) under FSDP2: ``fully_shard`` on every
-    block, then the root (torchtitan's recipe without expert parallelism). Returns the model and the bytes
-    FSDP2 holds unsharded at its peak (modeled): the root's own parameters (kept through forward and
-    backward) and two blocks (the running one and the prefetched next)."""
+def _plain_fsdp2(model, blocks, moe_blocks):
+    """The unmodified ``model`` under FSDP2: ``fully_shard`` on every one of ``blocks``, then the root
+    (torchtitan's recipe without expert parallelism); ``moe_blocks`` that count their tokens through
+    ``global_tokens_per_expert`` (the reference model's) get a count all-reduce, so that the aux loss is the
+    global batch's as under the other policies. Returns the model and the bytes FSDP2 holds unsharded at its
+    peak (modeled): the root's own parameters (kept through forward and backward) and two blocks (the
+    running one and the prefetched next). `make demo` runs its plain-FSDP2 peer through this too."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = bench.model
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for r in bench.routers:
-        if hasattr(r.block, "global_tokens_per_expert"):
+    for block in moe_blocks:
+        if hasattr(block, "global_tokens_per_expert"):
             # The same global-batch objective as the other policies: aux loss on the global counts.
-            r.block.global_tokens_per_expert = _count_reducer()
-    block_bytes = [_tensor_bytes(b.parameters()) for b in bench.blocks]
+            block.global_tokens_per_expert = _count_reducer()
+    block_bytes = [_tensor_bytes(b.parameters()) for b in blocks]
     unsharded_peak = _tensor_bytes(model.parameters()) - sum(block_bytes) + 2 * max(block_bytes)
-    for block in bench.blocks:
+    for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, unsharded_peak
@@ -288,7 +289,8 @@ class _PolicyRun:
         self.bench = _build_model(args, args.router_skew)
         self.unsharded_bytes = 0
         if policy == "fsdp2":
-            self.model, self.unsharded_bytes = _plain_fsdp2(self.bench)
+            self.model, self.unsharded_bytes = _plain_fsdp2(self.bench.model, self.bench.blocks,
+                                                            [r.block for r in self.bench.routers])
             self.runtime = None
         else:
             self.model = themis_compile.optimize(self.bench.model, themis_compile.ThemisConfig(
