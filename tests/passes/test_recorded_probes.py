@@ -24,6 +24,7 @@ from torch import nn
 
 import themis_compile
 from themis_compile.passes.detect import _ProbeForward, find_moe_layers
+from tests.passes import zoo_models as zoo
 from tests.runtime.equivalence import assert_equivalent
 
 H, FFN, E, K, VOCAB, HEADS, MAX_POS = 32, 32, 4, 2, 64, 4, 16
@@ -194,8 +195,6 @@ def test_rejection_names_a_forward_that_fails_on_the_example_inputs():
 
 
 def test_one_forward_only_when_a_candidate_needs_it():
-    from tests.passes import zoo_models as zoo
-
     def count(model: nn.Module) -> list[int]:
         calls = [0]
         model.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + 1))
@@ -225,22 +224,6 @@ def _experts_of(model: nn.Module) -> dict[tuple[str, int], list[torch.Tensor]]:
     return out
 
 
-def _dense(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters outside the experts, full (FSDP2 shards gathered); the key third of each ``qkv.bias`` is
-    left out (its gradient is exactly zero, so AdamW moves it by rounding noise: see test_zoo_training)."""
-    out = {}
-    for n, p in model.named_parameters():
-        if ".experts." in n:
-            continue
-        p = p.detach()
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p
-        if n.endswith(".qkv.bias"):
-            q_H, _, v_H = p.split(H)
-            p = torch.cat([q_H, v_H])
-        out[n] = p.clone()
-    return out
-
-
 def _reference(kind: str):
     model = _model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -251,7 +234,7 @@ def _reference(kind: str):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, _dense(model), _experts_of(model)
+    return losses, zoo.dense_params(model), _experts_of(model)
 
 
 def _train(rank: int, world_size: int, kind: str, policy: str):
@@ -273,7 +256,7 @@ def _train(rank: int, world_size: int, kind: str, policy: str):
         losses.append(t.item() / world_size)
     owned = {(name, e): [t.detach().clone() for t in chunk]
              for name, experts in runtime.layers.items() for e, chunk in experts.local_chunks().items()}
-    return losses, _dense(model), owned, None
+    return losses, zoo.dense_params(model), owned, None
 
 
 def _ranks(rank: int, world_size: int, cases: list[tuple[str, str]]):

@@ -225,50 +225,34 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _dense(model: nn.Module, experts_prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Parameters outside the experts, full. The key third of ``qkv.bias`` is left out: its gradient is
-    exactly zero, so AdamW turns rounding noise into lr-sized steps (see test_zoo_training)."""
-    out = {}
-    for n, p in model.named_parameters():
-        if n.startswith(experts_prefixes):
-            continue
-        p = p.detach()
-        if hasattr(p, "full_tensor"):
-            p = p.full_tensor()
-        if n.endswith(".qkv.bias"):
-            q_H, _, v_H = p.split(H)
-            p = torch.cat([q_H, v_H])
-        out[n] = p.clone()
-    return out
-
-
 def _reference(style: str):
     from themis_compile.passes.detect import find_moe_layers
     from themis_compile.runtime.experts import ExpertBank
 
     model = _model(style)
     infos, _ = find_moe_layers(model)
-    losses = zoo.train_losses(model, 0, 1, STEPS, BATCH, SEQ)
+    losses = zoo.train_losses(model, STEPS, BATCH, SEQ)
     experts = {}
     for info in infos:
         module = getattr(info.module, info.experts_attr)
         bank = ExpertBank(module)
         for e in range(bank.num_experts):
             experts[(info.name, e)] = [t.detach().clone() for t in bank.chunk(module, e)]
-    return losses, _dense(model, tuple(f"{i.name}.{i.experts_attr}." for i in infos)), experts
+    prefixes = tuple(f"{i.name}.{i.experts_attr}." for i in infos)
+    return losses, zoo.dense_params(model, lambda n: n.startswith(prefixes)), experts
 
 
 def _train(rank: int, world_size: int, style: str, policy: str):
     """(global losses, dense params, owned experts, sharded layer names) of STEPS AdamW steps."""
     model = themis_compile.optimize(_model(style), themis_compile.ThemisConfig(policy=policy, **CONFIG))
     runtime = themis_compile.api.runtime_of(model)
-    losses = zoo.train_losses(model, rank, world_size, STEPS, BATCH, SEQ)
+    losses = zoo.train_losses(model, STEPS, BATCH, SEQ)
     layers = runtime.layers if runtime is not None else {}
     owned = {(name, e): [t.detach().clone() for t in chunk]
              for name, experts in layers.items() for e, chunk in experts.local_chunks().items()}
     infos = runtime.layer_infos if runtime is not None else {}
     prefixes = tuple(f"{n}.{i.experts_attr}." for n, i in infos.items())
-    return losses, _dense(model, prefixes), owned, sorted(layers)
+    return losses, zoo.dense_params(model, lambda n: n.startswith(prefixes)), owned, sorted(layers)
 
 
 def _in_sync(rank: int, world_size: int, style: str) -> tuple[list[str], bool]:

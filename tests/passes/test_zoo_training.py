@@ -86,28 +86,6 @@ def _experts_prefixes(names_attrs) -> tuple[str, ...]:
     return tuple(f"{name}.{attr}." for name, attr in names_attrs)
 
 
-def _dense_params(model: nn.Module, experts_prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Every parameter outside the experts, full (FSDP2 shards are gathered), by name.
-
-    The key third of each attention's ``qkv.bias`` is left out: its gradient is exactly zero (softmax
-    over the keys is invariant to adding ``q . b_k`` to every logit of a query), so what it receives is
-    rounding noise (~1e-9), which AdamW divides by its own RMS into lr-sized steps of random sign in
-    the reference and the distributed run alike. Its query and value thirds are compared.
-    """
-    out = {}
-    for n, p in model.named_parameters():
-        if n.startswith(experts_prefixes):
-            continue
-        p = p.detach()
-        if hasattr(p, "full_tensor"):   # FSDP2 shards dense parameters as DTensors (collective)
-            p = p.full_tensor()
-        if n.endswith(".qkv.bias"):
-            q_H, _, v_H = p.split(zoo.H)
-            p = torch.cat([q_H, v_H])
-        out[n] = p.clone()
-    return out
-
-
 def _reference(style: str):
     """One process, the unmodified model, the whole global batch: (losses, dense params, experts)."""
     from themis_compile.passes.detect import find_moe_layers
@@ -132,7 +110,7 @@ def _reference(style: str):
     # (Experts joined from two halves of the block are the halves in the unmodified model.)
     prefixes = _experts_prefixes([(i.name, a) for i in infos
                                   for a in ((i.plan.first, i.plan.second) if i.rewrite == "joined" else (i.experts_attr,))])
-    return losses, _dense_params(model, prefixes), experts
+    return losses, zoo.dense_params(model, lambda n: n.startswith(prefixes)), experts
 
 
 def _train(rank: int, world_size: int, style: str, policy: str):
@@ -158,7 +136,7 @@ def _train(rank: int, world_size: int, style: str, policy: str):
         for e, chunk in experts.local_chunks().items():
             owned[(name, e)] = [t.detach().clone() for t in chunk]
     prefixes = _experts_prefixes([(n, i.experts_attr) for n, i in runtime.layer_infos.items()])
-    return losses, _dense_params(model, prefixes), owned, delta_p
+    return losses, zoo.dense_params(model, lambda n: n.startswith(prefixes)), owned, delta_p
 
 
 def _ranks(rank: int, world_size: int, cases: list[tuple[str, str]]):

@@ -775,26 +775,39 @@ class ZooLM(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens_BS[:, 1:].reshape(-1))
 
 
-def train_losses(model: nn.Module, rank: int, world_size: int, steps: int, batch: int, seq: int) -> list[float]:
-    """AdamW steps of a ZooLM-like model (``model.loss(tokens)``) on seeded global batches, this rank
-    taking its contiguous slice: the global loss per step (all-reduced over the ranks)."""
-    import torch.distributed as dist
+def dense_params(model: nn.Module, is_expert=lambda name: ".experts." in name) -> dict[str, torch.Tensor]:
+    """Every parameter of a ZooLM-like model that ``is_expert`` (by name) does not claim, full (FSDP2 shards
+    are gathered: a collective), by name.
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    The key third of each attention's ``qkv.bias`` is left out: its gradient is exactly zero (softmax
+    over the keys is invariant to adding ``q . b_k`` to every logit of a query), so what it receives is
+    rounding noise (~1e-9), which AdamW divides by its own RMS into lr-sized steps of random sign in
+    the reference and the distributed run alike. Its query and value thirds are compared.
+    """
+    out = {}
+    for n, p in model.named_parameters():
+        if is_expert(n):
+            continue
+        p = p.detach()
+        if hasattr(p, "full_tensor"):   # FSDP2 shards dense parameters as DTensors (collective)
+            p = p.full_tensor()
+        if n.endswith(".qkv.bias"):
+            q_H, _, v_H = p.chunk(3)
+            p = torch.cat([q_H, v_H])
+        out[n] = p.clone()
+    return out
+
+
+def train_losses(model: nn.Module, steps: int, batch: int, seq: int) -> list[float]:
+    """AdamW steps of a ZooLM-like model (``model.loss(tokens)``) on seeded global batches, each rank of
+    the process group (if any) taking its contiguous slice: the global loss per step (all-reduced over
+    the ranks; `tests.runtime.equivalence.global_losses`)."""
+    from tests.runtime.equivalence import global_losses
+
     g = torch.Generator().manual_seed(0)
-    local = batch // world_size
-    losses = []
-    for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (batch, seq), generator=g)
-        loss = model.loss(tokens[rank * local:(rank + 1) * local])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        if world_size > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world_size)
-    return losses
+    batches = [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(steps)]
+    return global_losses(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                         lambda m, tokens: m.loss(tokens))
 
 
 # --- Experts held in a ModuleList inside a wrapper module (Megatron-Core, DeepSpeed) ----------------------

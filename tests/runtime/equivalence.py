@@ -73,11 +73,13 @@ def model_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
-def global_losses(model, opt, batches, loss_fn, start: int = 0, *, save=None, save_at: int | None = None
-                  ) -> list[float]:
+def global_losses(model, opt, batches, loss_fn, start: int = 0, *, save=None, save_at: int | None = None,
+                  before_step=None) -> list[float]:
     """Global losses of the steps of ``batches`` from ``start`` on: every rank trains on its slice of each
     global batch (``loss_fn(model, tokens)``, AdamW-style ``opt``), and the losses are averaged over the
-    ranks; ``save(model, opt)`` runs before step ``save_at`` (the checkpoint-and-resume tests)."""
+    ranks; ``save(model, opt)`` runs before step ``save_at`` (the checkpoint-and-resume tests), and
+    ``before_step(model, step)`` between backward and the optimizer step (clipping goes there), as in
+    `train_reference`."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     losses = []
     for step, tokens in enumerate(batches):
@@ -88,6 +90,8 @@ def global_losses(model, opt, batches, loss_fn, start: int = 0, *, save=None, sa
         local = tokens.shape[0] // world
         loss = loss_fn(model, tokens[rank * local:(rank + 1) * local])
         loss.backward()
+        if before_step is not None:
+            before_step(model, step)
         opt.step()
         opt.zero_grad()
         t = loss.detach().clone()

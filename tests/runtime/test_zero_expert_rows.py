@@ -32,6 +32,7 @@ from themis_compile.passes.detect import combine_mismatch, find_moe_layers
 from themis_compile.runtime.clip import clip_grad_norm_
 from themis_compile.runtime.experts import ExpertBank, zero_expert_rows, zero_rows_span
 from themis_compile.testing import run_multirank
+from tests.runtime.equivalence import global_losses
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
 
@@ -109,27 +110,13 @@ def _train(model, opt, start: int, *, clip, save=None, norms: list | None = None
     """Global losses of steps ``start..STEPS``: each rank its slice of the global batch, gradients clipped
     to MAX_NORM (``clip``: torch's, or themis' drop-in; the norms before clipping appended to ``norms``),
     ``save(model, opt)`` before step SAVE_AT."""
-    dist = torch.distributed
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    losses = []
-    for step, tokens in enumerate(_tokens()):
-        if step < start:
-            continue
-        if step == SAVE_AT and save is not None:
-            save(model, opt)
-        local = BATCH // world
-        loss = _loss(model, tokens[rank * local:(rank + 1) * local])
-        loss.backward()
+
+    def clip_grads(model, step):
         norm = clip(model.parameters(), MAX_NORM)
         if norms is not None:
             norms.append(float(norm))
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+
+    return global_losses(model, opt, _tokens(), _loss, start, save=save, save_at=SAVE_AT, before_step=clip_grads)
 
 
 def _adamw(model) -> torch.optim.Optimizer:
