@@ -1,7 +1,8 @@
 """What ``optimize`` does not shard is still data-parallel: no silent fallback to per-rank copies.
 
-A model with no MoE layer, and a model where one MoE-like block is rejected (its experts differ in width,
-which FSSDP cannot shard) next to one that is sharded, train on 2 ranks and on 4 (2 nodes x 2) exactly
+A model with no MoE layer, a model where one MoE-like block is rejected (its experts differ in width,
+which FSSDP cannot shard) next to one that is sharded, and a model whose only MoE block holds its experts
+as ParameterLists (nothing to shard; its experts get gradients on some ranks only) train on 2 ranks and on 4 (2 nodes x 2) exactly
 like one process on the whole global batch, under both dense wrappers (FSDP2 and DDP). The warning names
 the rejected block and why; ``strict=True`` refuses instead.
 
@@ -28,6 +29,8 @@ STEPS, BATCH, SEQ = 4, 8, 8
 VOCAB, H = 64, 32
 UNEVEN_WIDTHS = (48,) + (32,) * 7     # expert 0 is wider: not shardable, so rejected
 REJECTED_REASON = "experts are not identical"
+PARAMLIST_REASON = ("its 8 experts (scored by 'router') are spread over parallel ParameterLists 'w_in' "
+                    "(8 x Parameter [32, 32]), 'w_out' (8 x Parameter [32, 32]), expert e being entry e of each")
 
 
 class UnevenMoE(nn.Module):
@@ -59,8 +62,9 @@ class UnevenMoE(nn.Module):
 
 class ParameterListMoE(nn.Module):
     """Experts as ``nn.ParameterList``s of weights, applied with ``F.linear`` per expert, experts without
-    tokens skipped: no module per expert and no stacked tensor, so detection finds no MoE layer here, and
-    the whole model is data-parallel while an expert's weights get a gradient on some ranks only."""
+    tokens skipped: no module per expert and no stacked tensor, so nothing here can be sharded (detection
+    names it and why), and the whole model is data-parallel while an expert's weights get a gradient on
+    some ranks only: the wrappers must expect that, or the ranks enter mismatched reduce-scatters."""
 
     def __init__(self, num_experts: int = 8, ffn: int = 32) -> None:
         super().__init__()
@@ -129,7 +133,7 @@ class TinyLM(nn.Module):
         return sum((m.aux_loss for m in self.ffns(MoEFeedForward)), torch.zeros(()))
 
 
-MODELS = {"dense": ("dense", "dense"), "mixed": ("uneven", "moe"), "unfound": ("paramlist", "dense")}
+MODELS = {"dense": ("dense", "dense"), "mixed": ("uneven", "moe"), "paramlist": ("paramlist", "dense")}
 
 
 def make_tiny(kind: str) -> TinyLM:
@@ -219,8 +223,8 @@ def _cases(rank: int, world_size: int, cases: list[tuple[str, str]]) -> list[dic
     return [train_ranks(rank, world_size, kind, CONFIGS[wrapper]) for kind, wrapper in cases]
 
 
-CASES = {2: [("dense", "fsdp2"), ("dense", "ddp"), ("mixed", "fsdp2"), ("mixed", "ddp"), ("unfound", "fsdp2"),
-             ("unfound", "ddp")],
+CASES = {2: [("dense", "fsdp2"), ("dense", "ddp"), ("mixed", "fsdp2"), ("mixed", "ddp"), ("paramlist", "fsdp2"),
+             ("paramlist", "ddp")],
          4: [("mixed", "fsdp2"), ("dense", "ddp")]}
 
 
@@ -236,11 +240,16 @@ def test_unsharded_modules_train_like_one_process(world_size):
         explained = per_rank[0]["explain"]
         assert f"data-parallel through {wrapper} over {world_size} ranks" in warning
         assert f"data-parallel through {wrapper} over {world_size} ranks" in explained
-        if kind in ("dense", "unfound"):
+        if kind == "dense":
             assert "found no MoE layer in TinyLM" in warning
             assert "0 MoE layer(s) sharded" in explained
-            if kind == "unfound":
-                assert_dynamic_sparsity(per_rank, references[kind])
+            continue
+        if kind == "paramlist":
+            # Named with what was seen, not the generic "found no MoE layer"; the whole model is data-parallel.
+            lines = warning.splitlines()
+            assert len(lines) == 2 and lines[1].startswith("  blocks.0.ffn: ") and PARAMLIST_REASON in lines[1]
+            assert "0 MoE layer(s) sharded" in explained and f"\n    blocks.0.ffn: {PARAMLIST_REASON}" in explained
+            assert_dynamic_sparsity(per_rank, references[kind])
             continue
         # One line per rejected module, with the reason; the sharded block is not among them.
         lines = warning.splitlines()
