@@ -178,11 +178,13 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
                               conditional: list[tuple[str, str]] = ()) -> None:
     """Everything but the sharded experts: torch's DDP (composable ``replicate``) or FSDP2 (``fully_shard``).
 
-    ``conditional`` names modules left dense whose parameters a rank may not use in a step (the experts
-    of a rejected MoE-like module get no gradient on a rank that routed no token to them). Both wrappers
-    are then told so, or ranks would reduce different sets of gradients: FSDP2 reduce-scatters a zero
-    gradient for them (``set_reduce_scatter_unused_params``), DDP finds them in each backward
-    (``find_unused_parameters``).
+    Any dense parameter may go without a gradient on some ranks in a step: the experts of a rejected
+    MoE-like module (``conditional`` names those) or of one detection did not recognise at all (experts in
+    ``ParameterList``s, say) get none on a rank that routed no token to them. Both wrappers are always told
+    so, or ranks would reduce different sets of gradients and the job would die in a mismatched collective:
+    FSDP2 reduce-scatters a zero gradient for them (``set_reduce_scatter_unused_params``; free where every
+    parameter has a gradient), DDP finds them in each backward (``find_unused_parameters``: one traversal of
+    the autograd graph per backward, the price of never entering a mismatched all-reduce).
     """
     if config.dense_parallel == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -202,7 +204,7 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
                              f"that routed no token to an expert would reduce different gradients); use "
                              f"ThemisConfig(dense_parallel='ddp') or a newer torch")
         fully_shard(model, mesh=mesh, ignored_params=expert_params)
-        if conditional:
+        if _fsdp2_reduces_unused_params():
             model.set_reduce_scatter_unused_params(True)
         return
     from torch.distributed._composable.replicate import replicate
@@ -210,7 +212,7 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
     # The owned experts' modules, not the sharded layers: a layer's shared parameters are DDP's.
     owned = [m.expert(e) for m in sharded for e in m.owned_experts()]
     owned += [rows for m in sharded if (rows := zero_rows_of(m)) is not None]   # held by one rank each, too
-    replicate(model, ignored_modules=owned, process_group=group, find_unused_parameters=bool(conditional))
+    replicate(model, ignored_modules=owned, process_group=group, find_unused_parameters=True)
 
 
 def _fsdp2_reduces_unused_params() -> bool:

@@ -1,7 +1,8 @@
 """What ``optimize`` does not shard is still data-parallel: no silent fallback to per-rank copies.
 
-A model with no MoE layer, and a model where one MoE-like block is rejected (its experts differ in width,
-which FSSDP cannot shard) next to one that is sharded, train on 2 ranks and on 4 (2 nodes x 2) exactly
+A model with no MoE layer, a model where one MoE-like block is rejected (its experts differ in width,
+which FSSDP cannot shard) next to one that is sharded, and a model whose only MoE block holds its experts
+as ParameterLists (nothing to shard; its experts get gradients on some ranks only) train on 2 ranks and on 4 (2 nodes x 2) exactly
 like one process on the whole global batch, under both dense wrappers (FSDP2 and DDP). The warning names
 the rejected block and why; ``strict=True`` refuses instead.
 
@@ -28,6 +29,8 @@ STEPS, BATCH, SEQ = 4, 8, 8
 VOCAB, H = 64, 32
 UNEVEN_WIDTHS = (48,) + (32,) * 7     # expert 0 is wider: not shardable, so rejected
 REJECTED_REASON = "experts are not identical"
+PARAMLIST_REASON = ("its 8 experts (scored by 'router') are spread over parallel ParameterLists 'w_in' "
+                    "(8 x Parameter [32, 32]), 'w_out' (8 x Parameter [32, 32]), expert e being entry e of each")
 
 
 class UnevenMoE(nn.Module):
@@ -54,6 +57,33 @@ class UnevenMoE(nn.Module):
                 continue        # this expert gets no gradient on this rank in this step
             y = expert(x_TH[token_idx]) * weights_TK[token_idx, k_idx, None]
             out_TH.index_add_(0, token_idx, y)
+        return out_TH.view_as(x_BSH)
+
+
+class ParameterListMoE(nn.Module):
+    """Experts as ``nn.ParameterList``s of weights, applied with ``F.linear`` per expert, experts without
+    tokens skipped: no module per expert and no stacked tensor, so nothing here can be sharded (detection
+    names it and why), and the whole model is data-parallel while an expert's weights get a gradient on
+    some ranks only: the wrappers must expect that, or the ranks enter mismatched reduce-scatters."""
+
+    def __init__(self, num_experts: int = 8, ffn: int = 32) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, num_experts, bias=False)
+        self.w_in = nn.ParameterList(nn.Parameter(torch.randn(ffn, H) * H ** -0.5) for _ in range(num_experts))
+        self.w_out = nn.ParameterList(nn.Parameter(torch.randn(H, ffn) * ffn ** -0.5) for _ in range(num_experts))
+        self.used_E: list[bool] = []
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
+        weight_T, id_T = F.softmax(self.router(x_TH), dim=-1).max(dim=-1)
+        out_TH = torch.zeros_like(x_TH)
+        self.used_E = []
+        for e, (w_in, w_out) in enumerate(zip(self.w_in, self.w_out)):
+            rows = torch.nonzero(id_T == e).flatten()
+            self.used_E.append(bool(rows.numel()))
+            if rows.numel():
+                y = F.linear(F.gelu(F.linear(x_TH[rows], w_in)), w_out) * weight_T[rows, None]
+                out_TH = out_TH.index_add(0, rows, y)
         return out_TH.view_as(x_BSH)
 
 
@@ -84,7 +114,8 @@ class TinyLM(nn.Module):
         super().__init__()
         self.config = cfg = MoEModelConfig(vocab_size=VOCAB, d_model=H, n_heads=2, d_ffn=H, num_experts=4, top_k=2,
                                            seq_len=SEQ, aux_loss_weight=0.01)
-        make = {"dense": DenseFFN, "uneven": UnevenMoE, "moe": lambda: MoEFeedForward(cfg, 0)}
+        make = {"dense": DenseFFN, "uneven": UnevenMoE, "moe": lambda: MoEFeedForward(cfg, 0),
+                "paramlist": ParameterListMoE}
         self.tok_emb = nn.Embedding(VOCAB, H)
         self.blocks = nn.ModuleList(Block(cfg, make[kind]()) for kind in ffns)
         self.lm_head = nn.Linear(H, VOCAB, bias=False)
@@ -102,7 +133,7 @@ class TinyLM(nn.Module):
         return sum((m.aux_loss for m in self.ffns(MoEFeedForward)), torch.zeros(()))
 
 
-MODELS = {"dense": ("dense", "dense"), "mixed": ("uneven", "moe")}
+MODELS = {"dense": ("dense", "dense"), "mixed": ("uneven", "moe"), "paramlist": ("paramlist", "dense")}
 
 
 def make_tiny(kind: str) -> TinyLM:
@@ -127,7 +158,7 @@ def train_one_process(kind: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        used.append([list(m.used_E) for m in model.ffns(UnevenMoE)])
+        used.append([list(m.used_E) for m in model.ffns((UnevenMoE, ParameterListMoE))])
     prefixes = _sharded_prefixes(model)
     dense = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith(tuple(prefixes))}
     return {"losses": losses, "dense": dense, "experts": _expert_chunks_reference(model), "used": used}
@@ -150,7 +181,7 @@ def train_ranks(rank: int, world_size: int, kind: str, config: dict) -> dict:
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / world_size)
-        used.append([list(m.used_E) for m in model.ffns(UnevenMoE)])
+        used.append([list(m.used_E) for m in model.ffns((UnevenMoE, ParameterListMoE))])
     sharded = {id(p) for m in runtime.layers.values() for p in m.parameters()}
     dense = {}
     for n, p in model.named_parameters():
@@ -192,7 +223,8 @@ def _cases(rank: int, world_size: int, cases: list[tuple[str, str]]) -> list[dic
     return [train_ranks(rank, world_size, kind, CONFIGS[wrapper]) for kind, wrapper in cases]
 
 
-CASES = {2: [("dense", "fsdp2"), ("dense", "ddp"), ("mixed", "fsdp2"), ("mixed", "ddp")],
+CASES = {2: [("dense", "fsdp2"), ("dense", "ddp"), ("mixed", "fsdp2"), ("mixed", "ddp"), ("paramlist", "fsdp2"),
+             ("paramlist", "ddp")],
          4: [("mixed", "fsdp2"), ("dense", "ddp")]}
 
 
@@ -212,6 +244,13 @@ def test_unsharded_modules_train_like_one_process(world_size):
             assert "found no MoE layer in TinyLM" in warning
             assert "0 MoE layer(s) sharded" in explained
             continue
+        if kind == "paramlist":
+            # Named with what was seen, not the generic "found no MoE layer"; the whole model is data-parallel.
+            lines = warning.splitlines()
+            assert len(lines) == 2 and lines[1].startswith("  blocks.0.ffn: ") and PARAMLIST_REASON in lines[1]
+            assert "0 MoE layer(s) sharded" in explained and f"\n    blocks.0.ffn: {PARAMLIST_REASON}" in explained
+            assert_dynamic_sparsity(per_rank, references[kind])
+            continue
         # One line per rejected module, with the reason; the sharded block is not among them.
         lines = warning.splitlines()
         assert len(lines) == 2 and lines[1].startswith("  blocks.0.ffn: ") and REJECTED_REASON in lines[1]
@@ -222,12 +261,17 @@ def test_unsharded_modules_train_like_one_process(world_size):
             assert (f"\n  blocks.1.ffn: {CONFIGS[wrapper]['policy']}, 4 experts (modulelist, 'experts'), top-2; "
                     f"this rank owns {len(owned)}: {owned}\n") in out["explain"]
         assert sorted(e for out in per_rank for e in out["owned_now"]["blocks.1.ffn"]) == [0, 1, 2, 3]
-        # The rejected block's experts went unused on some rank in some step while another rank used them
-        # (ranks would reduce different sets of gradients if the wrapper were not told) ...
-        assert any(len({r["used"][step][0][e] for r in per_rank}) == 2
-                   for step in range(STEPS) for e in range(len(UNEVEN_WIDTHS))), [r["used"] for r in per_rank]
-        # ... while every expert got tokens from the whole batch in every step, as in the one-process run.
-        assert all(all(used[0]) for used in references[kind]["used"]), references[kind]["used"]
+        assert_dynamic_sparsity(per_rank, references[kind])
+
+
+def assert_dynamic_sparsity(per_rank: list[dict], reference: dict) -> None:
+    """The unsharded block's experts went unused on some rank in some step while another rank used them
+    (ranks would reduce different sets of gradients if the wrapper were not told), while every expert got
+    tokens from the whole batch in every step, as in the one-process run."""
+    num_experts = len(reference["used"][0][0])
+    assert any(len({r["used"][step][0][e] for r in per_rank}) == 2
+               for step in range(STEPS) for e in range(num_experts)), [r["used"] for r in per_rank]
+    assert all(all(used[0]) for used in reference["used"]), reference["used"]
 
 
 # --------------------------------------------------------------------------- one process, no group

@@ -1585,13 +1585,18 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
 
 def parallel_expert_lists_reason(module: nn.Module) -> str | None:
     """Why a block whose experts are spread over parallel ModuleLists of single layers (``up[e]``,
-    ``down[e]``: expert e is one entry of each) cannot be sharded; None for any other module. It is when
+    ``down[e]``: expert e is one entry of each) or ParameterLists of bare weights (``F.linear(x, w_in[e])``)
+    cannot be sharded; None for any other module. It is when
     two or more such lists of E >= 2 entries sit next to a router of E experts and a forward on a probe
     selects (a top-k, a sort cut to k, a top-1 ``max`` / ``argmax``). The runtime shards, gathers and
     runs whole expert modules; here no module is an expert."""
     lists = [(attr, child) for attr, child in module.named_children()
              if isinstance(child, nn.ModuleList) and len(child) >= 2 and not _is_mlp_like(child[0])
              and all(type(c) is type(child[0]) and any(True for _ in c.parameters()) for c in child)]
+    # Bare weights per expert (``w_in[e]`` applied with F.linear): ParameterLists of one shape each.
+    lists += [(attr, child) for attr, child in module.named_children()
+              if isinstance(child, nn.ParameterList) and len(child) >= 2
+              and len({tuple(p.shape) for p in child}) == 1]
     sizes = {len(child) for _, child in lists}
     if len(lists) < 2 or len(sizes) != 1:
         return None
@@ -1606,8 +1611,10 @@ def parallel_expert_lists_reason(module: nn.Module) -> str | None:
         return None
     if not (rec.ks or rec.top1):
         return None
-    names = ", ".join(f"'{attr}' ({E} x {type(child[0]).__name__})" for attr, child in lists)
-    return (f"its {E} experts (scored by '{router[0]}') are spread over parallel ModuleLists {names}, expert e "
+    names = ", ".join(f"'{attr}' ({E} x " + (f"Parameter {list(child[0].shape)})" if isinstance(child, nn.ParameterList)
+                                            else f"{type(child[0]).__name__})") for attr, child in lists)
+    kinds = " and ".join(dict.fromkeys(type(child).__name__ + "s" for _, child in lists))
+    return (f"its {E} experts (scored by '{router[0]}') are spread over parallel {kinds} {names}, expert e "
             "being entry e of each: the runtime shards whole expert modules; hold each expert as one module "
             "(an nn.ModuleList of MLPs called as experts[e](rows)) or as stacked [E, ...] weights called as "
             "experts(x, ids, weights)")
