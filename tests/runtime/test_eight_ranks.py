@@ -7,7 +7,7 @@ Linux network namespaces joined by a shaped bridge (`EmulatedNodes`, the emulati
 ``bench step --network emulated``) where this host can build them (root), so that intra-node traffic
 stays on a node's loopback and inter-node traffic really crosses the bridge; elsewhere the nodes are
 declared (``devices_per_node=4``: the same topology for the planner, every byte over loopback). Both
-run the same assertions. Re-sharding every 3 steps with a fixed overlap degree and budget, so that the
+run the same assertions. Re-sharding every 2 steps with a fixed overlap degree and budget, so that the
 plans really materialize replicas and move experts across the node boundary.
 """
 
@@ -20,13 +20,13 @@ from themis_compile.testing.netns import EmulatedNodes
 from tests.runtime.equivalence import assert_equivalent, train_distributed, train_reference
 
 WORLD, PER_NODE = 8, 4
-STEPS, BATCH, SEQ = 6, 8, 16          # one sequence per rank
+STEPS, BATCH, SEQ = 4, 8, 16          # one sequence per rank
 POLICIES = ("themis", "themis-rm", "ep")
 MODELS = {
     "ref-loop": dict(name="tiny-moe", router_skew=2.0, experts_form="loop", top_k=2, num_experts=8),
     "mixtral": dict(hf="mixtral", num_experts=8),
 }
-CONFIG = {"reshard_interval": 3, "check_plans": True, "overlap_degree": 8, "materialization_budget": 2}
+CONFIG = {"reshard_interval": 2, "check_plans": True, "overlap_degree": 8, "materialization_budget": 2}
 
 
 def _record(model, opt, step):
