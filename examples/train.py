@@ -59,7 +59,8 @@ VOCAB = 256       # byte-level tokens
 BUILTIN_MODELS = ("tiny", "mixtral", "qwen3-moe")
 CRASH_ENV = "TRAIN_EXAMPLE_CRASH_AT_STEP"
 # Files of a Hugging Face model directory: weights, tokenizer; and of a dataset saved by `save_to_disk`.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 
@@ -181,9 +182,7 @@ def load_documents(data: str | None) -> tuple[list[str], str]:
     path = Path(data)
     if path.is_dir() and any((path / f).is_file() for f in DATASET_FILES):
         return _dataset_documents(path), f"the saved dataset {data}"
-    files = [path] if path.is_file() else sorted(
-        (f for f in path.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)),
-        key=lambda f: f.relative_to(path).as_posix())
+    files = [path] if path.is_file() else _files_under(path)
     if not files:
         raise ValueError(f"--data {data!r}: no files in this directory")
     docs = []
@@ -193,6 +192,13 @@ def load_documents(data: str | None) -> tuple[list[str], str]:
         except UnicodeDecodeError as exc:
             raise ValueError(f"--data: {str(f)!r} is not a UTF-8 text file ({exc})") from exc
     return docs, f"{len(files)} text file(s) from {data}"
+
+
+def _files_under(root: Path) -> list[Path]:
+    """Every file under ``root`` but hidden ones (a name starting with "."), sorted by relative path."""
+    files = [f for f in root.rglob("*")
+             if f.is_file() and not any(part.startswith(".") for part in f.relative_to(root).parts)]
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
 def _dataset_documents(path: Path) -> list[str]:

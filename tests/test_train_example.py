@@ -191,7 +191,8 @@ def test_train_script_restarts_after_a_crash_with_resume_auto(tmp_path, hf_dir):
         assert loaded.keys() == final.keys()
         for key, value in final.items():
             torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
-        assert AutoTokenizer.from_pretrained(str(export))("the expert")["input_ids"] == tokenizer("the expert")["input_ids"]
+        exported_tokenizer = AutoTokenizer.from_pretrained(str(export))
+        assert exported_tokenizer("the expert")["input_ids"] == tokenizer("the expert")["input_ids"]
 
 
 def test_model_from_a_directory_or_a_config(hf_dir):
@@ -236,7 +237,8 @@ def test_data_from_files_directories_and_saved_datasets(tmp_path, hf_dir, monkey
     # A directory: every file in path order, each followed by the end-of-sequence token.
     tokens, what = train.load_tokens(str(hf_dir / "texts"), tokenizer, 128, 32)
     texts = [(hf_dir / "texts" / f"part{i}.txt").read_text() for i in range(3)]
-    want = [t for text in texts for t in (*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id)]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    want = [t for doc in ids for t in (*doc, tokenizer.eos_token_id)]
     assert tokens.tolist() == want and "3 text file(s)" in what
     # One file; without a tokenizer its UTF-8 bytes, for a model of >= 256 embeddings only.
     one = hf_dir / "texts" / "part1.txt"
