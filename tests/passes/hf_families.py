@@ -21,7 +21,8 @@ import re
 
 import torch
 
-_MOE_SOURCE = re.compile(r"self\.experts\s*=|^class \w*(Expert|MoE|Moe)\w*\(", re.MULTILINE)
+# `Experts`, plural: a class named like `*ActionExpert*` (pi05's action model, a dense transformer) is not MoE.
+_MOE_SOURCE = re.compile(r"self\.experts\s*=|^class \w*(Experts|MoE|Moe)\w*\(", re.MULTILINE)
 
 # Size fields and their tiny values; a field is shrunk only when the config has it.
 _SIZES = {
@@ -65,6 +66,8 @@ _FAMILY = {
     "lfm2_moe": {"layer_types": ["full_attention", "conv"]},
     "deepseek_ocr2": {"num_experts_per_tok": 2, "mlp_layer_types": ["dense", "sparse"]},
     "mistral4": {"head_dim": 16, "qk_head_dim": 16},
+    # NVFP4 rounding of keys and values needs head_dim % 16 == 0; layers 0 and 1 are dense by default.
+    "kolibri1_1": {"head_dim": 16, "index_num_heads": 2, "mlp_only_layers": [0], "mlp_only_intermediate_size": 32},
     "glm4v_moe": {"hidden_size": 64, "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                                          "rope_type": "default", "mrope_section": [2, 1, 1]}},
     "hy_v4_vl": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [2, 1, 1]}},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import themis_compile
+from themis_compile.cost_model.analytic import overlap_degree
 from themis_compile.testing import run_multirank
 
 
@@ -30,6 +31,8 @@ def _train(rank, world_size, cache_dir, steps):
     controller = runtime.fssdp.budget_controller
     source = controller.profile.source if controller.profile is not None else None
     profiled = [controller.budgets[name].overlap_degree for name in runtime.layers]
+    formula = [overlap_degree(b.t_attn_s, b.bw, b.psi_bytes) for b in map(controller.budgets.get, runtime.layers)]
+    assert profiled == formula, (profiled, formula)
     return budgets, source, {n: b.t_attn_s for n, b in controller.budgets.items()}, profiled
 
 
@@ -37,9 +40,10 @@ def test_profiled_budgets_replace_defaults_and_are_cached(tmp_path):
     first = run_multirank(_train, 2, args=(str(tmp_path), 7), timeout_s=60)
     budgets, source, t_attn, profiled = first[0]
     assert all(t == 1 for t, _ in budgets[0])        # conservative default until measured
-    # Then every layer runs with its profiled t = floor(T_attn * bw / Psi). Its value follows the measured
-    # timings (1 itself on a loaded machine), so the test checks that it is applied, not how large it is.
-    assert [t for t, _ in budgets[-1]] == profiled and all(t >= 1 for t in profiled)
+    # Then every layer runs with its profiled t = floor(T_attn * bw / Psi) (checked in `_train`). Its value
+    # follows the measured timings (0 where attention is too short to hide one expert), so the test checks
+    # that it is applied, not how large it is.
+    assert [t for t, _ in budgets[-1]] == profiled and all(t >= 0 for t in profiled)
     assert source == "measured" and all(v is not None and v > 0 for v in t_attn.values())
     # Every rank plans with rank 0's profile.
     # (m follows the free memory at the time, so only t is compared.)
