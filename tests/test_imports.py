@@ -24,7 +24,7 @@ PACKAGE_ROOT = Path(themis_compile.__file__).parent
 # The user-facing layer: the package's entry points, which may import `themis_compile.api`. Everything
 # else (passes, runtime, planner, cost model, kernels, models, testing, ...) sits below it.
 ABOVE_API = ("themis_compile", "themis_compile.api", "themis_compile.__main__", "themis_compile.cli",
-             "themis_compile.checkpoint", "themis_compile.bench")
+             "themis_compile.checkpoint", "themis_compile.bench", "themis_compile.integrations")
 
 
 def module_files(root: Path) -> dict[str, Path]:

@@ -206,13 +206,71 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
         fully_shard(model, mesh=mesh, ignored_params=expert_params)
         if _fsdp2_reduces_unused_params():
             model.set_reduce_scatter_unused_params(True)
-        return
-    from torch.distributed._composable.replicate import replicate
+    else:
+        from torch.distributed._composable.replicate import replicate
 
-    # The owned experts' modules, not the sharded layers: a layer's shared parameters are DDP's.
-    owned = [m.expert(e) for m in sharded for e in m.owned_experts()]
-    owned += [rows for m in sharded if (rows := zero_rows_of(m)) is not None]   # held by one rank each, too
-    replicate(model, ignored_modules=owned, process_group=group, find_unused_parameters=True)
+        # The owned experts' modules, not the sharded layers: a layer's shared parameters are DDP's.
+        owned = [m.expert(e) for m in sharded for e in m.owned_experts()]
+        owned += [rows for m in sharded if (rows := zero_rows_of(m)) is not None]   # held by one rank each, too
+        replicate(model, ignored_modules=owned, process_group=group, find_unused_parameters=True)
+    model._ddp_params_and_buffers_to_ignore = RefuseDDPWrap(config.dense_parallel)
+    model.register_forward_pre_hook(_refuse_second_fully_shard(model, config.dense_parallel), prepend=True)
+
+
+def _refuse_second_fully_shard(model: nn.Module, dense_parallel: str):
+    """A forward pre-hook that raises, on every rank before any collective of that forward, once a
+    ``fully_shard`` other than ``optimize``'s own root one was applied to the model or a module in it.
+
+    Such a call (Lightning's or torchtitan's FSDP, accelerate's FSDP2 plugin, a user's per-block
+    ``fully_shard``) would cut every rank's own experts into shards as if they were replicas; torch raises
+    only in some of these cases (a second root call, a block of DTensors), so the model checks itself.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    def check(module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for name, m in model.named_modules():
+            if isinstance(m, FSDPModule) and not (m is model and dense_parallel == "fsdp2"):
+                raise RuntimeError(ddp_wrap_message(dense_parallel, f"fully_shard (on {name or 'the model'})"))
+
+    return check
+
+
+class RefuseDDPWrap:
+    """What ``optimize`` sets as the model's ``_ddp_params_and_buffers_to_ignore`` (the attribute
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` writes and DDP's constructor
+    reads first): reading it raises, so that a ``DistributedDataParallel(model)`` — accelerate's
+    ``prepare``, HF Trainer, Lightning's DDP strategy — stops on every rank, before its first collective,
+    with what to do instead.
+
+    The model is already data-parallel, and a wrapping DDP cannot be made harmless: its construction would
+    broadcast rank 0's experts over every other rank's (each rank holds different experts), its reducer
+    would average gradients of different experts, under FSDP2 it cannot take the DTensor parameters at all,
+    and the frameworks that wrap also clip with ``torch.nn.utils.clip_grad_norm_``, which sees one rank's
+    experts only (``themis_compile.clip_grad_norm_``). Ignoring every parameter is no way out either: DDP
+    refuses a module without parameters to reduce. The integrations in ``themis_compile.integrations``
+    keep the model unwrapped instead.
+    """
+
+    def __init__(self, dense_parallel: str) -> None:
+        self.dense_parallel = dense_parallel
+
+    def __iter__(self):
+        raise RuntimeError(ddp_wrap_message(self.dense_parallel))
+
+
+def ddp_wrap_message(dense_parallel: str, wrapper: str = "DistributedDataParallel") -> str:
+    """The error for a wrapper that would make an optimized model data-parallel a second time."""
+    return (f"themis_compile: this model was optimized by themis_compile.optimize, which already made it "
+            f"data-parallel (each expert on one rank, the other parameters through {dense_parallel}); "
+            f"{wrapper} must not make it data-parallel again: each rank holds different experts, which the wrapper "
+            f"would take for replicas (DistributedDataParallel overwrites them with rank 0's, fully_shard cuts them "
+            f"into shards) and average gradients of different experts. Use the model as optimize returned it: under HF Trainer "
+            f"themis_compile.integrations.transformers.ThemisTrainer, under accelerate "
+            f"themis_compile.integrations.accelerate.ThemisAccelerator, under Lightning "
+            f"ModelParallelStrategy(parallelize_fn=themis_compile.integrations.lightning.parallelize); in a loop "
+            f"of your own no wrapper at all, and themis_compile.clip_grad_norm_ for clipping.")
 
 
 def _fsdp2_reduces_unused_params() -> bool:

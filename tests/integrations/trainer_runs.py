@@ -1,0 +1,189 @@
+"""What the integration tests' ranks run: HF Trainer and accelerate loops on tiny HF MoE models, with and
+without themis, and the wrappers an optimized model must refuse.
+
+Every comparison is against the same stack on the unmodified model at the same world size (Trainer /
+accelerate wrap it in DDP): the same data order, so per micro-batch losses and the parameters at the end
+must agree (``tests.runtime.equivalence.assert_equivalent``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+import themis_compile
+from tests.runtime.equivalence import _dense_params, _expert_chunks_reference, make_model
+
+STEPS, ACCUM, BATCH, SEQ = 6, 2, 2, 16          # optimizer steps, micro-batches per step, per-rank rows
+MAX_NORM = 0.05                                 # below every step's norm: clipping is active (checked)
+MODELS = {"mixtral": dict(hf="mixtral", num_experts=4), "qwen3-moe": dict(hf="qwen3-moe", num_experts=4)}
+LR = {"mixtral": 1e-2, "qwen3-moe": 1e-3}
+
+
+def dataset(vocab: int = 128, rows: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Token rows whose labels mask a random share of positions (-100), so that micro-batches hold
+    different numbers of label tokens and Trainer's ``num_items_in_batch`` normalization matters."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rows = rows or STEPS * ACCUM * BATCH * world
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (rows, SEQ), generator=g)
+    labels = ids.masked_fill(torch.rand(rows, SEQ, generator=g) < 0.3, -100)
+    return [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels)]
+
+
+def _recording(trainer_cls):
+    class Recording(trainer_cls):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.recorded.append(loss.item())
+            return loss
+
+    return Recording
+
+
+def _args(out: str, family: str, **over):
+    from transformers import TrainingArguments
+
+    kw = dict(output_dir=out, max_steps=STEPS, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM,
+              learning_rate=LR[family], max_grad_norm=MAX_NORM, logging_steps=1, save_strategy="no", report_to="none",
+              use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    kw.update(over)
+    return TrainingArguments(**kw)
+
+
+def _global(losses: list[float]) -> list[float]:
+    t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def _grad_norms(trainer) -> list[float]:
+    return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+
+def _owned(model) -> dict:
+    runtime = themis_compile.api.runtime_of(model)
+    return {(li, e): [t.detach().clone() for t in chunk]
+            for li, experts in enumerate(runtime.layers.values()) for e, chunk in experts.local_chunks().items()}
+
+
+def _reference_trainer(family: str, out: str):
+    from transformers import Trainer
+
+    trainer = _recording(Trainer)(model=make_model(MODELS[family]), args=_args(out, family), train_dataset=dataset())
+    trainer.recorded = []
+    trainer.train()
+    model = trainer.model
+    return (_global(trainer.recorded), _dense_params(model), _expert_chunks_reference(model)), _grad_norms(trainer)
+
+
+def _themis_trainer(family: str, dense_parallel: str, out: str, **args_over):
+    from themis_compile.integrations.transformers import ThemisTrainer
+
+    trainer = _recording(ThemisTrainer)(model=make_model(MODELS[family]), args=_args(out, family, **args_over),
+                                        train_dataset=dataset(),
+                                        themis_config=themis_compile.ThemisConfig(dense_parallel=dense_parallel))
+    trainer.recorded = []
+    return trainer
+
+
+def trainer_equivalence(rank: int, world_size: int, out: str) -> dict:
+    """Per family: Trainer on the unmodified model, ThemisTrainer with FSDP2 and with DDP dense
+    parallelism (gradient accumulation, clipping active, masked labels); for Mixtral/FSDP2 also
+    checkpoints at steps 3 and 6 and a resume from step 3; and a plain Trainer on an optimized model."""
+    from transformers import Trainer
+
+    results = {}
+    for family in MODELS:
+        results[(family, "reference")] = _reference_trainer(family, os.path.join(out, f"{family}-ref"))
+        for dense_parallel in ("fsdp2", "ddp"):
+            saving = family == "mixtral" and dense_parallel == "fsdp2"
+            run_dir = os.path.join(out, f"{family}-{dense_parallel}")
+            over = dict(save_strategy="steps", save_steps=3) if saving else {}
+            trainer = _themis_trainer(family, dense_parallel, run_dir, **over)
+            trainer.train()
+            results[(family, dense_parallel)] = ((_global(trainer.recorded), _dense_params(trainer.model),
+                                                  _owned(trainer.model), None), _grad_norms(trainer))
+            if saving:
+                resumed = _themis_trainer(family, dense_parallel, run_dir, **over)
+                resumed.train(resume_from_checkpoint=os.path.join(run_dir, "checkpoint-3"))
+                results[(family, "resumed")] = ((_global(resumed.recorded), _dense_params(resumed.model),
+                                                 _owned(resumed.model), None), _grad_norms(resumed))
+    model = trainer.model       # Qwen3-MoE as ThemisTrainer trained it (DDP-dense): a plain Trainer refuses it
+    try:
+        Trainer(model=model, args=_args(os.path.join(out, "plain"), "mixtral"), train_dataset=dataset()).train()
+        results["plain Trainer"] = "trained"
+    except RuntimeError as e:
+        results["plain Trainer"] = str(e)
+    return results
+
+
+def accelerate_equivalence(rank: int, world_size: int) -> dict:
+    """A hand-written accelerate loop (gradient accumulation under ``no_sync``, ``clip_grad_norm_``) on
+    the unmodified model with a plain Accelerator, and on optimized ones with ThemisAccelerator (FSDP2 and
+    DDP dense parallelism); then what wrappers do to an optimized model: a plain ``Accelerator.prepare``
+    and a ``DistributedDataParallel`` refuse (experts untouched), a block-level ``fully_shard`` makes the
+    next forward refuse."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from themis_compile.integrations.accelerate import ThemisAccelerator
+
+    def train(model, accelerator):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR["mixtral"])
+        loader = DataLoader(dataset(), batch_size=BATCH, shuffle=False)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        losses, norms = [], []
+        for i, batch in enumerate(loader):
+            last = i % ACCUM == ACCUM - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                loss = model(**batch).loss / ACCUM
+                accelerator.backward(loss)
+            losses.append(loss.item())
+            if last:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+                opt.step()
+                opt.zero_grad()
+        return losses, norms
+
+    out = {}
+    model = make_model(MODELS["mixtral"])
+    losses, norms = train(model, Accelerator(cpu=True))
+    out["reference"] = ((_global(losses), _dense_params(model), _expert_chunks_reference(model)), norms)
+    for dense_parallel in ("fsdp2", "ddp"):
+        model = themis_compile.optimize(make_model(MODELS["mixtral"]),
+                                        themis_compile.ThemisConfig(dense_parallel=dense_parallel))
+        losses, norms = train(model, ThemisAccelerator(cpu=True))
+        out[dense_parallel] = ((_global(losses), _dense_params(model), _owned(model), None), norms)
+
+        # The trained model under the wrappers it must refuse: each raises, and the experts stay as trained.
+        before = _owned(model)
+        errors = []
+        for wrap in (lambda m: Accelerator(cpu=True).prepare(m), torch.nn.parallel.DistributedDataParallel):
+            try:
+                wrap(model)
+                errors.append(None)
+            except RuntimeError as e:
+                errors.append(str(e))
+        after = _owned(model)
+        untouched = before.keys() == after.keys() and all(
+            torch.equal(a, b) for key, chunk in after.items() for a, b in zip(chunk, before[key]))
+        out[("wrapped", dense_parallel)] = errors, untouched
+
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model.model.layers[0])      # the DDP-dense model of the last round
+    try:
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+        out["fully_shard"] = None
+    except RuntimeError as e:
+        out["fully_shard"] = str(e)
+    return out
+
+
+def integration_checks(rank: int, world_size: int, out: str) -> dict:
+    """Everything of ``test_transformers.py`` in one spawn."""
+    return {"trainer": trainer_equivalence(rank, world_size, out), "accelerate": accelerate_equivalence(rank, world_size)}
