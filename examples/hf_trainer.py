@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     resume = args.resume and any(d.startswith("checkpoint-") for d in os.listdir(args.output_dir)) \
         if os.path.isdir(args.output_dir) else False
     trainer.train(resume_from_checkpoint=True if resume else None)
-    trainer.save_model()     # every rank: the model's weights in themis_model/ (DCP) and its config
+    trainer.save_model()     # every rank calls it; rank 0 writes what from_pretrained loads
 
 
 if __name__ == "__main__":

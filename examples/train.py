@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 import themis_compile
 from themis_compile.api import runtime_of
+from themis_compile.checkpoint import save_pretrained
 from themis_compile.models import build_model, lm_loss
 from themis_compile.models.data import build_corpus, sample_batch
 
@@ -345,20 +346,6 @@ def init_distributed(timeout_s: float) -> torch.device:
     return torch.device("cpu")
 
 
-def export_function(export_dir: str | None):
-    """``themis_compile.checkpoint.save_pretrained`` when ``--export-dir`` is given, looked up before any
-    training so that a missing one stops the run at once."""
-    if export_dir is None:
-        return None
-    import themis_compile.checkpoint as checkpoint
-
-    save_pretrained = getattr(checkpoint, "save_pretrained", None)
-    if save_pretrained is None:
-        raise RuntimeError("--export-dir needs themis_compile.checkpoint.save_pretrained, which this version of "
-                           "themis_compile does not have; export from a --ckpt-dir checkpoint instead")
-    return save_pretrained
-
-
 def crash_step() -> int | None:
     """The number of steps after which the last rank of the first attempt exits (``TRAIN_EXAMPLE_CRASH_AT_STEP``)."""
     value = os.environ.get(CRASH_ENV)
@@ -371,7 +358,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     device = init_distributed(args.collective_timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    save_pretrained = export_function(args.export_dir)
 
     torch.manual_seed(args.seed)                         # the same model on every rank
     model, tokenizer, model_what = load_model(args.model, args.seq_len)
@@ -426,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.ckpt_dir and ((args.ckpt_every and done % args.ckpt_every == 0) or done == args.steps):
             save_checkpoint(args.ckpt_dir, done, model, optimizer, scheduler)
     progress.close()
-    if save_pretrained is not None:
+    if args.export_dir is not None:
         save_pretrained(model, args.export_dir)          # collective: the full model, written by rank 0
         if rank == 0 and tokenizer is not None:
             tokenizer.save_pretrained(args.export_dir)

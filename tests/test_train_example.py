@@ -147,18 +147,16 @@ def test_train_script_restarts_after_a_crash_with_resume_auto(tmp_path, hf_dir):
     tokenizer) and a directory of texts: the first attempt starts from scratch (no checkpoint yet), rank
     1 exits after 3 steps, torchrun restarts both ranks and they continue from the checkpoint of step 2
     to the end, repeating step 3 with the same loss. The first step's loss is the loaded model's own
-    loss on that global batch of the tokenized texts, computed here in one process; with the HF export
-    of the library, the exported model loads with ``from_pretrained`` equal to the final checkpoint."""
-    import themis_compile.checkpoint
+    loss on that global batch of the tokenized texts, computed here in one process; the HF export
+    (``--export-dir``) loads with ``from_pretrained`` equal to the final checkpoint."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     train = _load_script()
-    exports = hasattr(themis_compile.checkpoint, "save_pretrained")
     ckpt, export = tmp_path / "ckpt", tmp_path / "export"
     args = ["--model", str(hf_dir / "model"), "--data", str(hf_dir / "texts"), "--steps", "4", "--batch", "2",
             "--seq-len", "32", "--log-every", "1", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", "--resume", "auto",
-            "--collective-timeout", "60", *(["--export-dir", str(export)] if exports else [])]
+            "--collective-timeout", "60", "--export-dir", str(export)]
     run = _torchrun(args, timeout_s=240, launcher=("--max-restarts", "1", "--monitor-interval", "0.5"),
                     merge=True, TRAIN_EXAMPLE_CRASH_AT_STEP="3")
     log = run.stdout + run.stderr
@@ -184,15 +182,15 @@ def test_train_script_restarts_after_a_crash_with_resume_auto(tmp_path, hf_dir):
         want = model(input_ids=batch, labels=batch).loss.item()
     assert abs(float(before[0][1]) - want) <= 1e-4, (before[0], want)
 
-    if exports:                               # the export of the last step, loadable by transformers
-        dcp_to_torch_save(ckpt / "step-00000004", tmp_path / "final.pt")
-        final = torch.load(tmp_path / "final.pt", weights_only=False)["model"]
-        loaded = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).state_dict()
-        assert loaded.keys() == final.keys()
-        for key, value in final.items():
-            torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
-        exported_tokenizer = AutoTokenizer.from_pretrained(str(export))
-        assert exported_tokenizer("the expert")["input_ids"] == tokenizer("the expert")["input_ids"]
+    # The export of the last step, loadable by transformers.
+    dcp_to_torch_save(ckpt / "step-00000004", tmp_path / "final.pt")
+    final = torch.load(tmp_path / "final.pt", weights_only=False)["model"]
+    loaded = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).state_dict()
+    assert loaded.keys() == final.keys()
+    for key, value in final.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+    exported_tokenizer = AutoTokenizer.from_pretrained(str(export))
+    assert exported_tokenizer("the expert")["input_ids"] == tokenizer("the expert")["input_ids"]
 
 
 def test_model_from_a_directory_or_a_config(hf_dir):
@@ -271,11 +269,3 @@ def test_data_from_files_directories_and_saved_datasets(tmp_path, hf_dir, monkey
         train.load_tokens(str(saved), tokenizer, 128, 32)
 
 
-def test_export_without_the_library_export_stops_before_training(monkeypatch):
-    import themis_compile.checkpoint
-
-    train = _load_script()
-    assert train.export_function(None) is None
-    monkeypatch.delattr(themis_compile.checkpoint, "save_pretrained", raising=False)
-    with pytest.raises(RuntimeError, match="needs themis_compile.checkpoint.save_pretrained"):
-        train.export_function("out")

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from themis_compile.config import ThemisConfig
+from themis_compile.export import bind_save_pretrained, guard_state_dict
 from themis_compile.passes.detect import (SEARCHED, MoELayerInfo, explain_moe_layers, find_moe_layers,
                                           probing_as_recorded)
 from themis_compile.passes.schedule import schedule_model
@@ -134,6 +135,8 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         dense = [p for p in model.parameters() if id(p) not in sharded_ids]
         runtime.reshard_scheduler = ReshardScheduler(runtime, config.reshard_interval, dense)
     register(model, runtime)
+    guard_state_dict(model)          # state_dict() raises where it would hold only this rank's experts
+    bind_save_pretrained(model)      # an HF model's save_pretrained writes the whole model
     if fssdp:
         state.layers = list(sharded)
     if fssdp and (config.overlap_degree is None or config.materialization_budget is None):

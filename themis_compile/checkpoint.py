@@ -48,6 +48,7 @@ loads at M ranks, under another policy, or into the unmodified model (``dcp_to_t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from typing import Any, Iterable
@@ -58,6 +59,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import state_dict as _dsd
 
+from themis_compile.export import full_state_dict, gather_view, rank_view, save_pretrained
 from themis_compile.planner import Placement
 from themis_compile.runtime import deadline
 from themis_compile.runtime.ep import (ShardedExperts, expert_sharded_tensor, expert_slice, leading_rows,
@@ -70,7 +72,7 @@ from themis_compile.runtime.reshard import move_experts
 logger = logging.getLogger(__name__)
 
 __all__ = ["get_state_dict", "set_state_dict", "runtime_state_dict", "load_runtime_state_dict",
-           "RUNTIME_STATE_KEY"]
+           "full_state_dict", "save_pretrained", "RUNTIME_STATE_KEY"]
 
 RUNTIME_STATE_KEY = "themis_runtime"
 _STATE, _PG, _PARAMS = "state", "param_groups", "params"
@@ -88,15 +90,30 @@ def get_state_dict(
     runtime = getattr(model, "_themis_runtime", None)
     if runtime is None:
         return _dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
+    full = options is not None and options.full_state_dict and runtime.world_size > 1
+    if full:
+        if optimizers and not options.flatten_optimizer_state_dict:
+            raise NotImplementedError(
+                "themis_compile.checkpoint.get_state_dict: a full optimizer state dict of an optimized model "
+                "needs StateDictOptions(flatten_optimizer_state_dict=True) (its keys name parameters, so the "
+                "ranks' experts merge); the full model alone: pass optimizers=()")
+        if submodules is not None:
+            raise NotImplementedError("themis_compile.checkpoint.get_state_dict: full_state_dict with submodules")
+        full_options, options = options, dataclasses.replace(options, full_state_dict=False, cpu_offload=False)
     _check_options(runtime, options)
     optimizers = _as_tuple(optimizers)
     for optimizer in optimizers:
         _initial_state_of_unstepped_experts(runtime, optimizer)
-    with _schedule_paused(runtime):
+    with _schedule_paused(runtime), rank_view():
         model_sd, optim_sd = _dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
     if optimizers:
         _stack_optimizer_state(optim_sd, _stacked_layers(model, runtime), runtime.config.collective_timeout_s)
         optim_sd[RUNTIME_STATE_KEY] = json.dumps(runtime_state_dict(model))
+    if full:
+        # As torch's full state dicts: on every rank, or with cpu_offload on rank 0 only (``{}`` elsewhere).
+        gather = dict(runtime=runtime, rank0_only=full_options.cpu_offload, cpu_offload=full_options.cpu_offload)
+        model_sd = gather_view(model_sd, **gather)
+        optim_sd = gather_view(optim_sd, what="full optimizer state dict", **gather) if optimizers else {}
     return model_sd, optim_sd
 
 
@@ -124,7 +141,7 @@ def set_state_dict(
         optim_state_dict = _shallow_copy(optim_state_dict)
         runtime_state = optim_state_dict.pop(RUNTIME_STATE_KEY, None)
         _unstack_optimizer_state(optim_state_dict, _stacked_layers(model, runtime))
-    with _schedule_paused(runtime):
+    with _schedule_paused(runtime), rank_view():
         result = _dsd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
                                      optim_state_dict=optim_state_dict, options=options)
     if runtime_state is not None:
@@ -530,9 +547,9 @@ def _as_tuple(optimizers) -> tuple[torch.optim.Optimizer, ...]:
 def _check_options(runtime: ThemisRuntime, options: _dsd.StateDictOptions | None) -> None:
     if options is not None and (options.full_state_dict or options.broadcast_from_rank0) and runtime.world_size > 1:
         raise NotImplementedError(
-            "themis_compile.checkpoint: full_state_dict / broadcast_from_rank0 are not supported for optimized "
-            "models (each rank holds only the experts it owns); save with dcp.save and convert the checkpoint "
-            "with torch.distributed.checkpoint.format_utils.dcp_to_torch_save")
+            "themis_compile.checkpoint.set_state_dict: full_state_dict / broadcast_from_rank0 are not supported "
+            "for optimized models (each rank holds only the experts it owns): load the full state dict into the "
+            "model before optimize, or save with dcp.save and load that checkpoint")
 
 
 def _schedule_paused(runtime: ThemisRuntime):

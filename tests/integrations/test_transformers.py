@@ -19,6 +19,7 @@ All in one spawn of two ranks (the checks share the ranks' start-up).
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -54,6 +55,17 @@ def _assert_run_equal(ranks, part, key, reference_key, **tolerances):
 @pytest.mark.parametrize("dense_parallel", ["fsdp2", "ddp"])
 def test_themis_trainer_equals_trainer(ranks, family, dense_parallel):
     _assert_run_equal(ranks, "trainer", (family, dense_parallel), (family, "reference"))
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("dense_parallel", ["fsdp2", "ddp"])
+def test_save_model_writes_what_from_pretrained_loads(ranks, family, dense_parallel):
+    """ThemisTrainer.save_model(): from_pretrained loads the trained weights, every expert included."""
+    reference = ranks[0]["trainer"][(family, "reference weights")]
+    exported = ranks[0]["trainer"][(family, dense_parallel, "exported")]
+    assert exported.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=5e-4, msg=key)
 
 
 def test_resume_from_checkpoint_continues_the_run(ranks):

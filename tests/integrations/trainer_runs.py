@@ -77,7 +77,11 @@ def _reference_trainer(family: str, out: str):
     trainer.recorded = []
     trainer.train()
     model = trainer.model
+    _LAST_REFERENCE.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return (_global(trainer.recorded), _dense_params(model), _expert_chunks_reference(model)), _grad_norms(trainer)
+
+
+_LAST_REFERENCE: list[dict] = []      # the reference run's final weights, taken by trainer_equivalence
 
 
 def _themis_trainer(family: str, dense_parallel: str, out: str, **args_over):
@@ -99,6 +103,7 @@ def trainer_equivalence(rank: int, world_size: int, out: str) -> dict:
     results = {}
     for family in MODELS:
         results[(family, "reference")] = _reference_trainer(family, os.path.join(out, f"{family}-ref"))
+        results[(family, "reference weights")] = _LAST_REFERENCE.pop()
         for dense_parallel in ("fsdp2", "ddp"):
             saving = family == "mixtral" and dense_parallel == "fsdp2"
             run_dir = os.path.join(out, f"{family}-{dense_parallel}")
@@ -107,6 +112,14 @@ def trainer_equivalence(rank: int, world_size: int, out: str) -> dict:
             trainer.train()
             results[(family, dense_parallel)] = ((_global(trainer.recorded), _dense_params(trainer.model),
                                                   _owned(trainer.model), None), _grad_norms(trainer))
+            # save_model(): the whole trained model as a from_pretrained directory, written by rank 0.
+            trainer.save_model(os.path.join(run_dir, "final"))
+            if rank == 0:
+                from transformers import AutoModelForCausalLM
+
+                loaded = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "final"), dtype=torch.float32)
+                results[(family, dense_parallel, "exported")] = {k: v.detach().clone()
+                                                                 for k, v in loaded.state_dict().items()}
             if saving:
                 resumed = _themis_trainer(family, dense_parallel, run_dir, **over)
                 resumed.train(resume_from_checkpoint=os.path.join(run_dir, "checkpoint-3"))

@@ -221,3 +221,12 @@ def assert_equivalent(reference, results, *, loss_rtol: float = 1e-5, rtol: floa
     for key, chunk in owned_all.items():
         for a, b in zip(chunk, ref_experts[key]):
             torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=f"expert {key}")
+
+
+def rank_state_dict(model) -> dict:
+    """``model.state_dict()`` as this rank sees it (an optimized model's own state_dict() raises at more than
+    one rank: a rank's view is not the model's state dict)."""
+    from themis_compile.export import rank_view
+
+    with rank_view():
+        return model.state_dict()

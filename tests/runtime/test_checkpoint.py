@@ -35,7 +35,7 @@ from themis_compile.checkpoint import RUNTIME_STATE_KEY, get_state_dict, set_sta
 from themis_compile.planner import Placement
 from themis_compile.runtime.ep import expert_sharded_tensor
 from themis_compile.testing import run_multirank
-from tests.runtime.equivalence import _batches, global_losses, make_model, make_optimizer, model_loss
+from tests.runtime.equivalence import _batches, global_losses, make_model, make_optimizer, model_loss, rank_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
 
@@ -91,8 +91,8 @@ def _save(path: str, options, record: dict | None = None):
             runtime = themis_compile.api.runtime_of(model)
             record["placements"] = {n: layer.shard_placement.owners().tolist() for n, layer in runtime.layers.items()}
             record["moved"] = 0 if runtime.reshard_scheduler is None else runtime.reshard_scheduler.moved
-            # What model.state_dict() holds on this rank: keys and (global) shapes.
-            record["state_dict"] = {k: _shape(v) for k, v in model.state_dict().items()}
+            # What rank_state_dict(model) holds on this rank: keys and (global) shapes.
+            record["state_dict"] = {k: _shape(v) for k, v in rank_state_dict(model).items()}
     return save
 
 
@@ -332,10 +332,10 @@ def test_one_process_optimized_model_speaks_unmodified_keys(name, tmp_path):
         for p in unmodified.parameters():
             p.add_(0.01)
     model, opt = _build(name, "themis")
-    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == \
+    assert {k: tuple(v.shape) for k, v in rank_state_dict(model).items()} == \
         {k: tuple(v.shape) for k, v in unmodified.state_dict().items()}
     model.load_state_dict(unmodified.state_dict())
-    for key, value in model.state_dict().items():
+    for key, value in rank_state_dict(model).items():
         torch.testing.assert_close(value, unmodified.state_dict()[key], rtol=0, atol=0, msg=key)
     tokens = _batches(1, 2, SEQ, model.config.vocab_size)[0]
     torch.testing.assert_close(model_loss(model, tokens), model_loss(unmodified, tokens))

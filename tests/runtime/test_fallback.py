@@ -23,7 +23,7 @@ import themis_compile
 from themis_compile import ThemisConfig
 from themis_compile.models.gpt_moe import CausalSelfAttention, ExpertMLP, MoEFeedForward, MoEModelConfig
 from themis_compile.testing import run_multirank
-from tests.runtime.equivalence import _batches, _expert_chunks_reference, make_optimizer, model_loss
+from tests.runtime.equivalence import _batches, _expert_chunks_reference, make_optimizer, model_loss, rank_state_dict
 
 STEPS, BATCH, SEQ = 4, 8, 8
 VOCAB, H = 64, 32
@@ -298,10 +298,10 @@ def test_world_size_one_warns_naming_each_rejected_module_and_trains_unchanged()
 
 def test_strict_refuses_naming_the_rejected_modules():
     model = make_tiny("mixed")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in rank_state_dict(model).items()}
     with pytest.raises(ValueError, match=r"(?s)strict=True.*1 MoE-like module\(s\) not sharded.*blocks\.0\.ffn: experts are"):
         themis_compile.optimize(model, strict=True)
     assert getattr(model, "_themis_runtime", None) is None and type(model.blocks[1].ffn.experts) is nn.ModuleList
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, before[k]) for k, v in rank_state_dict(model).items())
     with pytest.raises(ValueError, match="strict=True.*found no MoE layer in TinyLM"):
         themis_compile.optimize(make_tiny("dense"), strict=True)

@@ -37,7 +37,7 @@ from themis_compile.runtime.experts import ExpertBank, flat_layout
 from themis_compile.testing import run_multirank
 from tests.passes import hf_families as hf
 from tests.passes import zoo_models as zoo
-from tests.runtime.equivalence import global_losses
+from tests.runtime.equivalence import global_losses, rank_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
 
@@ -65,7 +65,7 @@ def _tokens() -> list[torch.Tensor]:
 
 
 def _flat_keys(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in model.state_dict().items() if ".experts.mlp." in k}
+    return {k: tuple(v.shape) for k, v in rank_state_dict(model).items() if ".experts.mlp." in k}
 
 
 # ---------------------------------------------------------------------------------- one process
@@ -211,7 +211,7 @@ def _reference(path: str):
     at_save = {}
 
     def save(model, opt):
-        at_save.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        at_save.update({k: v.detach().clone() for k, v in rank_state_dict(model).items()})
         model_sd, optim_sd = torch_get_state_dict(model, opt, options=OPTIONS)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=True)
 
@@ -266,7 +266,7 @@ def test_checkpoint_loads_into_the_unmodified_model_and_resumes(two_rank_run, tm
     state = torch.load(tmp_path / "full.pt", weights_only=False)
     model = _dbrx()
     model.load_state_dict(state["model"])          # strict: exactly the unmodified keys and shapes
-    for key, value in model.state_dict().items():
+    for key, value in rank_state_dict(model).items():
         torch.testing.assert_close(value, at_save[key], rtol=1e-4, atol=5e-4, msg=key)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     torch_set_state_dict(model, opt, model_state_dict={}, optim_state_dict=state["optim"], options=OPTIONS)

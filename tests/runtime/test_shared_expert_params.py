@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 import themis_compile
 from tests.passes import zoo_models as zoo
-from tests.runtime.equivalence import assert_equivalent
+from tests.runtime.equivalence import assert_equivalent, rank_state_dict
 from themis_compile.passes.shard import prepare_moe_layers
 from themis_compile.runtime.experts import ExpertBank
 
@@ -163,7 +163,7 @@ def _reference():
     losses, grads0, at_save = [], {}, {}
     for step, tokens in enumerate(_batches()):
         if step == SAVE_AT:
-            at_save = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            at_save = {k: v.detach().clone() for k, v in rank_state_dict(model).items()}
         loss = model.loss(tokens)
         loss.backward()
         if step == 0:
@@ -260,7 +260,7 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
         "parameters every expert uses (dense, data-parallel): layer_scale, post_norm.weight") == 2
     assert themis_compile.explain(model, verbose=True).count(
         "every expert uses: layer_scale, post_norm.weight (dense, data-parallel)") == 2
-    keys = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    keys = {k: tuple(v.shape) for k, v in rank_state_dict(model).items()}
     tokens = _batches()[0]
     with torch.no_grad():
         before = model.loss(tokens)
@@ -270,7 +270,7 @@ def test_found_verified_and_one_process_optimized_model_keeps_keys():
     assert experts.post_norm is norm and experts.owned_experts() == list(range(E))
     assert {id(p) for p in experts.shared_parameters()} == {id(norm.weight), id(experts.layer_scale)}
     assert not {id(p) for p in experts.shared_parameters()} & {id(p) for p in experts.expert_parameters()}
-    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == keys
+    assert {k: tuple(v.shape) for k, v in rank_state_dict(model).items()} == keys
     with torch.no_grad():
         torch.testing.assert_close(model.loss(tokens), before)
     assert "parameters every expert uses (dense, data-parallel): layer_scale, post_norm.weight" in \
@@ -431,5 +431,5 @@ def test_checkpoint_resumes_under_another_policy_and_loads_unmodified(two_ranks)
     dcp_to_torch_save(os.path.join(root, "ckpt"), path)
     model = _model()
     model.load_state_dict(torch.load(path, weights_only=False)["model"])
-    for k, v in model.state_dict().items():
+    for k, v in rank_state_dict(model).items():
         torch.testing.assert_close(_comparable(k, v), _comparable(k, at_save[k]), rtol=1e-4, atol=5e-4, msg=k)

@@ -34,7 +34,7 @@ from themis_compile.runtime.experts import ExpertBank, expert_modules, wrapped_e
 from themis_compile.testing import run_multirank
 from tests.passes import zoo_models as zoo
 from tests.passes.test_zoo_training import _model as skewed_zoo_model
-from tests.runtime.equivalence import global_losses
+from tests.runtime.equivalence import global_losses, rank_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
 
@@ -142,7 +142,7 @@ def _two_ranks(rank, world_size, dirs):
             runtime = themis_compile.api.runtime_of(model)
             record["placements"] = {n: layer.shard_placement.owners().tolist() for n, layer in runtime.layers.items()}
             record["moved"] = runtime.reshard_scheduler.moved
-            record["keys"] = sorted(model.state_dict())
+            record["keys"] = sorted(rank_state_dict(model))
             record["params"] = sorted(n for n, _ in model.named_parameters())
 
         model, opt = _build(style, policy)

@@ -32,7 +32,7 @@ from themis_compile.passes.detect import combine_mismatch, find_moe_layers
 from themis_compile.runtime.clip import clip_grad_norm_
 from themis_compile.runtime.experts import ExpertBank, zero_expert_rows, zero_rows_span
 from themis_compile.testing import run_multirank
-from tests.runtime.equivalence import global_losses
+from tests.runtime.equivalence import global_losses, rank_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
 
@@ -179,7 +179,7 @@ def _two_ranks(rank: int, world_size: int, path: str) -> dict:
     opt = _adamw(model)
     out["norms"] = []
     out["losses"] = _train(model, opt, 0, clip=clip_grad_norm_, save=save, norms=out["norms"])
-    sd = model.state_dict()
+    sd = rank_state_dict(model)
     out["state_dict"] = {k: (tuple(v.metadata().size), _local_rows(v)) for k, v in sd.items() if ".experts." in k}
     out["dense"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
                     for k, v in sd.items() if ".experts." not in k}
@@ -192,7 +192,7 @@ def _two_ranks(rank: int, world_size: int, path: str) -> dict:
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=OPTIONS)
     out["resumed"] = _train(model, opt, SAVE_AT, clip=clip_grad_norm_)
-    out["resumed_rows"] = _local_rows(model.state_dict()["moe.experts.gate_up_proj"])
+    out["resumed_rows"] = _local_rows(rank_state_dict(model)["moe.experts.gate_up_proj"])
     return out
 
 
@@ -203,11 +203,11 @@ def _reference():
     at_save = {}
 
     def save(model, opt):
-        at_save.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        at_save.update({k: v.detach().clone() for k, v in rank_state_dict(model).items()})
 
     norms = []
     losses = _train(model, opt, 0, clip=torch.nn.utils.clip_grad_norm_, save=save, norms=norms)
-    return (losses, norms), initial, {k: v.detach().clone() for k, v in model.state_dict().items()}, at_save
+    return (losses, norms), initial, {k: v.detach().clone() for k, v in rank_state_dict(model).items()}, at_save
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +266,7 @@ def test_checkpoint_loads_into_the_unmodified_model(two_rank_run, tmp_path):
     state = torch.load(tmp_path / "full.pt", weights_only=False)
     model = _model()
     model.load_state_dict(state["model"])          # strict: exactly the unmodified keys and shapes
-    for key, value in model.state_dict().items():
+    for key, value in rank_state_dict(model).items():
         torch.testing.assert_close(value, at_save[key], rtol=1e-4, atol=5e-5, msg=key)
     opt = _adamw(model)
     torch_set_state_dict(model, opt, model_state_dict={}, optim_state_dict=state["optim"], options=OPTIONS)

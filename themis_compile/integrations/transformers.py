@@ -22,9 +22,8 @@ differences, each because ``Trainer``'s own way cannot hold for a model whose ex
   and full shapes (``themis_compile.checkpoint``: every rank writes the experts it owns; loadable at any
   world size), next to Trainer's own files (``config.json``, scheduler, RNG states, ``trainer_state.json``).
   ``resume_from_checkpoint`` reads them back; the resumed run equals the uninterrupted one.
-  ``save_model()`` writes the same ``themis_model/`` (and the config): the weights of the whole model,
-  not a ``from_pretrained`` directory (``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
-  turns it into one ``torch.save`` file of the unmodified model's state dict).
+  ``save_model()`` (your call, after training) writes the whole trained model as a ``from_pretrained``
+  directory: ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads it into the unmodified class.
 - ``load_best_model_at_end`` is refused (it reloads through ``from_pretrained`` files).
 """
 
@@ -38,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from transformers import Trainer
 
 from themis_compile.api import optimize
-from themis_compile.checkpoint import get_state_dict, set_state_dict
+from themis_compile.checkpoint import get_state_dict, save_pretrained, set_state_dict
 from themis_compile.integrations import is_optimized
 from themis_compile.integrations.accelerate import ThemisAccelerator
 
@@ -90,16 +89,23 @@ class ThemisTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The model's state in the unmodified model's keys to ``output_dir/themis_model`` (DCP), its
-        config and the processing class beside it. A collective: every rank calls it (Trainer does)."""
+        """Called by you: the whole trained model as a ``from_pretrained`` directory (rank 0 writes
+        safetensors and the config, :func:`themis_compile.checkpoint.save_pretrained`), the processing
+        class and the training arguments beside it. Called by Trainer for a checkpoint: the model's state
+        in the unmodified model's keys to ``output_dir/themis_model`` (DCP; every rank writes its experts),
+        which ``resume_from_checkpoint`` reads. A collective either way: every rank calls it (Trainer
+        does)."""
         if not is_optimized(self.model):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        model_sd, _ = get_state_dict(self.model, ())
-        dcp.save({"model": model_sd}, checkpoint_id=os.path.join(output_dir, MODEL_DIR))
+        if _internal_call:
+            model_sd, _ = get_state_dict(self.model, ())
+            dcp.save({"model": model_sd}, checkpoint_id=os.path.join(output_dir, MODEL_DIR))
+        else:
+            save_pretrained(self.model, output_dir)
         if self.args.should_save:
             config = getattr(self.model, "config", None)
-            if config is not None:
+            if config is not None and _internal_call:
                 config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
