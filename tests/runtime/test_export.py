@@ -77,12 +77,13 @@ def _export(rank: int, world_size: int, name: str, out_dir: str) -> dict:
 
 def _reference(name: str):
     model, _, losses = _trained(name, None)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, [n for n, _ in model.named_parameters()]
+    return model, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_full_model_equals_one_process(name, tmp_path):
-    ref_losses, ref_sd, ref_params = _reference(name)
+    ref_model, ref_losses, ref_sd = _reference(name)
+    ref_params = [n for n, _ in ref_model.named_parameters()]
     records = run_multirank(_export, 2, args=(name, str(tmp_path / "hf")), timeout_s=120)
     rank0 = records[0]
     for a, b in zip(rank0["losses"], ref_losses):
@@ -109,6 +110,14 @@ def test_full_model_equals_one_process(name, tmp_path):
         assert loaded.keys() == full.keys()
         for key, value in full.items():
             torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+        # ... and in this process: from_pretrained gives the logits of the model trained in one process.
+        from transformers import AutoModelForCausalLM
+
+        exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+        tokens = _batches(1, 4, SEQ, ref_model.config.vocab_size, seed=7)[0]
+        with torch.no_grad():
+            torch.testing.assert_close(exported(input_ids=tokens).logits, ref_model(input_ids=tokens).logits,
+                                       rtol=1e-4, atol=1e-4)
 
 
 def _save_pretrained_refuses_state_dict(rank: int, world_size: int) -> str:
