@@ -29,14 +29,32 @@ __all__ = ["ThemisRuntime", "explain", "optimize", "optimized_models", "runtime_
 
 logger = logging.getLogger(__name__)
 
-def _resolve_group(group) -> tuple[object, int, int]:
+def _resolve_group(group) -> tuple[object, int, int, object]:
+    """(the experts' process group, this rank in it, its size, the dense parameters' 2-D mesh or None).
+
+    A 1-D ``DeviceMesh`` is its group. A 2-D one, ``(replicate, shard)`` as torch's HSDP takes it, shards
+    the experts over all of its ranks and the dense parameters by FSDP2 over the mesh itself: sharded
+    along the second dimension (a node, typically), replicated along the first."""
+    mesh = None
     if group is not None and hasattr(group, "get_group"):  # a DeviceMesh
-        group = group.get_group()
+        if group.ndim == 2:
+            mesh = group
+            ranks = group.mesh.flatten().tolist()
+            if not (dist.is_initialized() and ranks == list(range(dist.get_world_size()))):
+                raise ValueError(f"optimize: a 2-D DeviceMesh must span the default group's ranks in order "
+                                 f"(init_device_mesh(device, (replicas, shards))); this one holds ranks {ranks}")
+            group = None
+        elif group.ndim != 1:
+            raise ValueError(f"optimize: group is a {group.ndim}-D DeviceMesh {tuple(group.shape)}; give a 1-D mesh "
+                             f"or group (experts and dense parameters over its ranks) or a 2-D (replicate, shard) "
+                             f"mesh for HSDP of the dense parameters")
+        else:
+            group = group.get_group()
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None, 0, 1
         group = dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
+    return group, dist.get_rank(group), dist.get_world_size(group), mesh
 
 
 def _broadcast_experts(module: nn.Module, group, timeout_s: float = deadline.DEFAULT_TIMEOUT_S) -> None:
@@ -76,7 +94,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     config = ThemisConfig() if config is None else config
     if not isinstance(config, ThemisConfig):
         raise TypeError(f"config must be a ThemisConfig, got {type(config).__name__}")
-    group, rank, world_size = _resolve_group(group)
+    group, rank, world_size, dense_mesh = _resolve_group(group)
     if getattr(model, "_themis_runtime", None) is not None:
         raise ValueError("this model was already optimized by themis_compile")
     # Detect (read-only); name what will not be sharded before anything changes. Then rewrite expert
@@ -127,7 +145,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         sharded.append(experts)
 
     if world_size > 1:
-        _make_dense_data_parallel(model, sharded, group, config, conditional=runtime.unsharded)
+        _make_dense_data_parallel(model, sharded, group, config, conditional=runtime.unsharded, mesh=dense_mesh)
     if fssdp and config.reshard_interval:
         # After the dense wrapper: FSDP2 replaces dense parameters with new (DTensor) parameter objects,
         # which are the ones the user's optimizer will hold.
@@ -178,8 +196,12 @@ def _report_unsharded(model: nn.Module, found: list[MoELayerInfo], rejected: lis
 
 
 def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group, config: ThemisConfig, *,
-                              conditional: list[tuple[str, str]] = ()) -> None:
+                              conditional: list[tuple[str, str]] = (), mesh=None) -> None:
     """Everything but the sharded experts: torch's DDP (composable ``replicate``) or FSDP2 (``fully_shard``).
+
+    ``mesh``: a 2-D ``(replicate, shard)`` DeviceMesh for FSDP2's HSDP (dense parameters sharded along its
+    second dimension, replicated along its first); by default FSDP2 shards over a 1-D mesh of all ranks.
+    DDP replicates over all ranks either way.
 
     Any dense parameter may go without a gradient on some ranks in a step: the experts of a rejected
     MoE-like module (``conditional`` names those) or of one detection did not recognise at all (experts in
@@ -196,8 +218,8 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
         ranks = dist.get_process_group_ranks(group)
         if ranks != list(range(dist.get_world_size())):
             raise ValueError("dense_parallel='fsdp2' needs the default group's ranks in order")
-        device = collective_device(group).type
-        mesh = init_device_mesh(device, (len(ranks),))
+        if mesh is None:
+            mesh = init_device_mesh(collective_device(group).type, (len(ranks),))
         # The owned experts only: parameters every expert of a layer uses (a shared norm) are dense.
         expert_params = {p for m in sharded for p in m.expert_parameters()}
         if conditional and not _fsdp2_reduces_unused_params():
