@@ -18,6 +18,7 @@ import themis_compile
 from tests.runtime.equivalence import _dense_params, _expert_chunks_reference, make_model
 
 STEPS, ACCUM, BATCH, SEQ = 6, 2, 2, 16          # optimizer steps, micro-batches per step, per-rank rows
+SAVE_AT = 3                                      # accelerate: save_state after this step, resume from it
 MAX_NORM = 0.05                                 # below every step's norm: clipping is active (checked)
 MODELS = {"mixtral": dict(hf="mixtral", num_experts=4), "qwen3-moe": dict(hf="qwen3-moe", num_experts=4)}
 LR = {"mixtral": 1e-2, "qwen3-moe": 1e-3}
@@ -134,10 +135,11 @@ def trainer_equivalence(rank: int, world_size: int, out: str) -> dict:
     return results
 
 
-def accelerate_equivalence(rank: int, world_size: int) -> dict:
+def accelerate_equivalence(rank: int, world_size: int, out_dir: str) -> dict:
     """A hand-written accelerate loop (gradient accumulation under ``no_sync``, ``clip_grad_norm_``) on
     the unmodified model with a plain Accelerator, and on optimized ones with ThemisAccelerator (FSDP2 and
-    DDP dense parallelism); then what wrappers do to an optimized model: a plain ``Accelerator.prepare``
+    DDP dense parallelism), with ``save_state`` after step SAVE_AT and a run resumed from it by
+    ``load_state``; then what wrappers do to an optimized model: a plain ``Accelerator.prepare``
     and a ``DistributedDataParallel`` refuse (experts untouched), a block-level ``fully_shard`` makes the
     next forward refuse."""
     from accelerate import Accelerator
@@ -145,12 +147,20 @@ def accelerate_equivalence(rank: int, world_size: int) -> dict:
 
     from themis_compile.integrations.accelerate import ThemisAccelerator
 
-    def train(model, accelerator):
+    def train(model, accelerator, *, save_dir=None, resume=False):
+        """``save_dir``: ``accelerator.save_state`` there after step SAVE_AT; ``resume``: ``load_state``
+        from it first and train the steps after SAVE_AT."""
         opt = torch.optim.AdamW(model.parameters(), lr=LR["mixtral"])
         loader = DataLoader(dataset(), batch_size=BATCH, shuffle=False)
         model, opt, loader = accelerator.prepare(model, opt, loader)
+        if resume:
+            accelerator.load_state(save_dir)
         losses, norms = [], []
         for i, batch in enumerate(loader):
+            if resume and i < SAVE_AT * ACCUM:
+                continue
+            if save_dir is not None and not resume and i == SAVE_AT * ACCUM:
+                accelerator.save_state(save_dir)
             last = i % ACCUM == ACCUM - 1
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
                 loss = model(**batch).loss / ACCUM
@@ -169,8 +179,13 @@ def accelerate_equivalence(rank: int, world_size: int) -> dict:
     for dense_parallel in ("fsdp2", "ddp"):
         model = themis_compile.optimize(make_model(MODELS["mixtral"]),
                                         themis_compile.ThemisConfig(dense_parallel=dense_parallel))
-        losses, norms = train(model, ThemisAccelerator(cpu=True))
+        save_dir = os.path.join(out_dir, f"accelerate-{dense_parallel}")
+        losses, norms = train(model, ThemisAccelerator(cpu=True), save_dir=save_dir)
         out[dense_parallel] = ((_global(losses), _dense_params(model), _owned(model), None), norms)
+        resumed = themis_compile.optimize(make_model(MODELS["mixtral"]),
+                                          themis_compile.ThemisConfig(dense_parallel=dense_parallel))
+        losses, norms = train(resumed, ThemisAccelerator(cpu=True), save_dir=save_dir, resume=True)
+        out[("resumed", dense_parallel)] = ((_global(losses), _dense_params(resumed), _owned(resumed), None), norms)
 
         # The trained model under the wrappers it must refuse: each raises, and the experts stay as trained.
         before = _owned(model)
@@ -199,4 +214,4 @@ def accelerate_equivalence(rank: int, world_size: int) -> dict:
 
 def integration_checks(rank: int, world_size: int, out: str) -> dict:
     """Everything of ``test_transformers.py`` in one spawn."""
-    return {"trainer": trainer_equivalence(rank, world_size, out), "accelerate": accelerate_equivalence(rank, world_size)}
+    return {"trainer": trainer_equivalence(rank, world_size, out), "accelerate": accelerate_equivalence(rank, world_size, out)}

@@ -24,18 +24,27 @@ as accelerate prepares it):
   dense part is FSDP2; under DDP-style dense parallelism every micro-batch is reduced (the same sum).
   The experts' SparseReduceScatter runs every backward: accumulated gradients are the same either way.
 
+- ``save_state`` / ``load_state`` keep accelerate's files (RNG states, schedulers, dataloaders,
+  registered objects) and write each optimized model with its optimizers as a
+  ``torch.distributed.checkpoint`` directory ``themis_<i>/`` that every rank writes (accelerate's own
+  model and optimizer files hold the main process's state only); ``get_state_dict`` is the whole model on
+  the main process and ``save_model`` writes what ``from_pretrained`` loads
+  (:func:`themis_compile.checkpoint.save_pretrained`).
+
 Dataloaders, optimizers and schedulers are prepared as always (each rank reads its own share of the
-data). Saving: ``themis_compile.checkpoint.get_state_dict`` / ``set_state_dict`` with
-``torch.distributed.checkpoint`` (``docs/checkpoint.md``); ``accelerator.save_state`` sees one rank's
-experts only.
+data).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
+import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from torch import nn
+
+from themis_compile.checkpoint import full_state_dict, get_state_dict, save_pretrained, set_state_dict
 
 from themis_compile.integrations import is_optimized
 from themis_compile.runtime.clip import clip_grad_norm_ as themis_clip_grad_norm_
@@ -97,3 +106,68 @@ class ThemisAccelerator(Accelerator):
             yield
         finally:
             model.set_requires_gradient_sync(True)
+
+    # ------------------------------------------------------------------ whole model and checkpoints
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True):
+        """The whole model's state dict on the main process (``{}`` elsewhere), as accelerate gives it
+        for sharded models; a collective for an optimized model (every rank calls it)."""
+        if not is_optimized(model):
+            return super().get_state_dict(model, unwrap=unwrap)
+        return full_state_dict(model, rank0_only=True, cpu_offload=True)
+
+    def save_model(self, model: nn.Module, save_directory, **kwargs) -> None:
+        """For an optimized model :func:`themis_compile.checkpoint.save_pretrained`: rank 0 writes what
+        ``from_pretrained`` loads (an HF model) or ``model.pt``; a collective."""
+        if not is_optimized(model):
+            return super().save_model(model, save_directory, **kwargs)
+        save_pretrained(model, save_directory)        # HF's own sharding and safetensors defaults
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
+        """accelerate's ``save_state`` (RNG states, schedulers, dataloaders, registered objects, other
+        models), with each optimized model and its optimizers in ``themis_<i>/`` instead: a
+        ``torch.distributed.checkpoint`` directory in the unmodified model's keys that every rank writes
+        (accelerate's own files hold the main process's state only, which is not an optimized model's)."""
+        with self._optimized_apart() as parts:
+            location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        for i, (model, optimizers) in enumerate(parts):
+            model_sd, optim_sd = get_state_dict(model, optimizers)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(location, f"themis_{i}"))
+        return location
+
+    def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
+        """accelerate's ``load_state``, then each optimized model and its optimizers from ``themis_<i>/``
+        (what `save_state` wrote)."""
+        found: list[str] = []
+        handle = self.register_load_state_pre_hook(lambda models, where: found.append(where))
+        try:
+            with self._optimized_apart() as parts:
+                super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        finally:
+            handle.remove()
+        for i, (model, optimizers) in enumerate(parts):
+            path = os.path.join(found[0], f"themis_{i}")
+            if not os.path.isdir(path):
+                raise ValueError(f"ThemisAccelerator.load_state: {found[0]} has no themis_{i}/ (written by "
+                                 f"ThemisAccelerator.save_state for an optimized model)")
+            model_sd, optim_sd = get_state_dict(model, optimizers)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+            set_state_dict(model, optimizers, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+    @contextlib.contextmanager
+    def _optimized_apart(self):
+        """The prepared optimized models and the optimizers holding their parameters, taken out of the
+        accelerator's lists for the duration; yields [(model, [torch optimizers])]."""
+        models, optimizers = self._models, self._optimizers
+        optimized = [m for m in models if is_optimized(m)]
+        parts, taken = [], set()
+        for model in optimized:
+            ids = {id(p) for p in model.parameters()}
+            mine = [o for o in optimizers if any(id(p) in ids for g in o.param_groups for p in g["params"])]
+            taken |= {id(o) for o in mine}
+            parts.append((model, [getattr(o, "optimizer", o) for o in mine]))
+        self._models = [m for m in models if not is_optimized(m)]
+        self._optimizers = [o for o in optimizers if id(o) not in taken]
+        try:
+            yield parts
+        finally:
+            self._models, self._optimizers = models, optimizers
