@@ -52,7 +52,7 @@ def _resolve_group(group) -> tuple[object, int, int, object]:
             group = group.get_group()
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
-            return None, 0, 1
+            return None, 0, 1, None
         group = dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group), mesh
 

@@ -1,7 +1,7 @@
 """Training-step benchmark: the same model and data under ep, themis, themis-rm, uniform and plain FSDP2.
 
     torchrun --nproc-per-node 2 -m themis_compile.bench step [--model tiny-moe|hf-mixtral]
-        [--skew paper|extreme|trace[:PATH]|R] [--trace DIR]
+        [--skew paper|extreme|trace[:PATH]|R | --workload NAME | --workloads all|NAME,...] [--trace DIR]
     python -m themis_compile.bench step ...                 # without torchrun: it relaunches itself
     python -m themis_compile.bench step --network emulated [--inter-node-bw B]   # 2 emulated nodes x 2 ranks
 
@@ -37,6 +37,14 @@ same for every policy, and is left out of the step times; every policy reports h
 global loads followed the trace (``trace_replay``: max |share deviation|, correlation). The realized
 Std of the timed steps is reported.
 
+``--workload NAME`` replaces ``--skew`` with a named load (`themis_compile.bench.workloads`: balanced,
+paper, trace, zipf, hot-expert, hot-rank, drift, shift; ``--seed`` picks the synthetic ones' draw); the
+routers are fitted to it step by step as for a trace. ``--workloads all`` (or a list) runs every policy
+under each in turn in one launch and reports ``{"workloads": {NAME: {...}}}``, each entry as the single
+report below plus ``fraction_of_balanced`` (uniform / themis step time), ``themis_speedup_over`` every
+peer, ``fastest_policy`` and ``ideal_is_fastest`` (uniform within 2 % of the fastest; if not,
+``ideal_note`` says by how much it lost: then it is no lower bound there).
+
 The JSON reports per policy the median step time, tokens/s, load imbalance (max/mean rows computed per
 rank), |ΔP| per layer, the global loss of every step, and per rank the bytes of parameters, gradients,
 optimizer state and replica (themis) or unsharded-block (fsdp2) buffers; then the ratios: every policy's
@@ -66,6 +74,8 @@ import time
 logger = logging.getLogger(__name__)
 
 POLICIES = ("ep", "themis", "themis-rm", "uniform", "fsdp2")
+WORKLOADS = ("balanced", "paper", "trace", "zipf", "hot-expert", "hot-rank", "drift", "shift")   # bench.workloads
+NOISE = 0.02        # step-time ratios within 2 % count as equal ("the ideal is the fastest")
 MODELS = ("tiny-moe", "hf-mixtral")     # bench.models.MODELS (imported there with torch)
 # Named router skews; "paper" is calibrated to this Std of the expert load shares (paper §5.4: 0.034-0.046).
 SKEWS = {"extreme": 4.0}
@@ -93,6 +103,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skew", default="extreme",
                    help="paper (Std of expert load shares 0.04), extreme (router_skew 4.0), trace[:PATH] "
                         "(replay a recorded routing trace, default runs/demo/trace_ep.jsonl) or a router_skew")
+    p.add_argument("--workload", default=None, choices=WORKLOADS,
+                   help="a named routing workload (bench/workloads.py) instead of --skew: " + ", ".join(WORKLOADS))
+    p.add_argument("--workloads", default=None, metavar="all|NAME,...",
+                   help="run every policy under each of these workloads in turn; JSON {'workloads': {NAME: ...}}")
+    p.add_argument("--seed", type=int, default=0, help="the workloads' seed")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="after timing, profile each policy and write chrome traces + a per-phase breakdown")
     p.add_argument("--trace-steps", type=int, default=2, help="profiled steps per policy with --trace")
@@ -103,20 +118,56 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     _network_defaults(p, args, argv)
     if args.quick:
         args.steps, args.warmup, args.d_model, args.d_ffn, args.batch, args.seq_len = 2, 1, 32, 64, 2, 16
+    args.workload_list, args.skipped_workloads = None, {}
+    if args.workloads is not None:
+        if args.workload is not None:
+            p.error("--workload and --workloads exclude each other")
+        names = list(WORKLOADS) if args.workloads == "all" else [w.strip() for w in args.workloads.split(",") if w.strip()]
+        unknown = sorted(set(names) - set(WORKLOADS))
+        if unknown or not names:
+            p.error(f"--workloads: unknown {unknown}; choose from all or {', '.join(WORKLOADS)}")
+        from themis_compile.bench.replay import DEFAULT_TRACE
+
+        if "trace" in names and not os.path.isfile(DEFAULT_TRACE):
+            if args.workloads != "all":
+                p.error(f"--workloads trace: no routing trace at {DEFAULT_TRACE!r} (`make demo` writes it)")
+            names.remove("trace")
+            args.skipped_workloads["trace"] = f"no routing trace at {DEFAULT_TRACE} (`make demo` writes it)"
+        args.workload_list = names
+    _apply_workload(p, args, args.workload)
+    return args
+
+
+def _apply_workload(p: argparse.ArgumentParser | None, args: argparse.Namespace, workload: str | None) -> None:
+    """Set the skew options of ``workload`` (None: ``--skew`` as given)."""
+    from themis_compile.bench.workloads import SYNTHETIC
+
+    args.workload, args.skew_workload = workload, None
+    if workload == "paper":
+        args.skew = "paper"
+    elif workload == "trace":
+        args.skew = "trace"
+    elif workload in SYNTHETIC:
+        args.skew, args.skew_workload = "0", workload
     args.skew_trace = None
     if args.skew == "trace" or args.skew.startswith("trace:"):
         from themis_compile.bench.replay import DEFAULT_TRACE
 
         args.skew_trace = args.skew.partition(":")[2] or DEFAULT_TRACE
         if not os.path.isfile(args.skew_trace):
-            p.error(f"--skew {args.skew}: no routing trace at {args.skew_trace!r} (`make demo` writes "
-                    f"{DEFAULT_TRACE}; or pass trace:PATH)")
+            message = (f"--skew {args.skew}: no routing trace at {args.skew_trace!r} (`make demo` writes "
+                       f"{DEFAULT_TRACE}; or pass trace:PATH)")
+            if p is None:
+                raise SystemExit(message)
+            p.error(message)
     elif args.skew not in SKEWS and args.skew != "paper":
         try:
             float(args.skew)
         except ValueError:
-            p.error(f"--skew must be paper, {', '.join(SKEWS)}, trace[:PATH] or a number, got {args.skew!r}")
-    return args
+            message = f"--skew must be paper, {', '.join(SKEWS)}, trace[:PATH] or a number, got {args.skew!r}"
+            if p is None:
+                raise SystemExit(message) from None
+            p.error(message)
 
 
 def _build_model(args: argparse.Namespace, router_skew: float):
@@ -306,6 +357,12 @@ class _PolicyRun:
 
             self.replay = TraceReplay.load(args.skew_trace, args.experts, args.top_k, rank, world)
             self.replay.install(self.bench.routers)
+        elif args.skew_workload is not None:
+            from themis_compile.bench.workloads import WorkloadReplay
+
+            self.replay = WorkloadReplay(args.skew_workload, args.experts, args.top_k, rank, world, seed=args.seed,
+                                         total_steps=args.warmup + args.steps)
+            self.replay.install(self.bench.routers)
         self.replay_shares: list[tuple] = []     # (realized, trace) global shares per timed step and layer
         self.gen = _batch_generator()
         self.losses: list = []
@@ -360,6 +417,11 @@ class _PolicyRun:
                     held = sum(1 for row in s.placement if row[rank])
                     layer = self.runtime.layers[s.layer]
                     self.replica_bytes = max(self.replica_bytes, (held - len(layer.owned_experts())) * layer.bank.chunk_bytes)
+
+    def close(self) -> None:
+        """Remove the replay's router hooks (the next workload builds its own models)."""
+        if self.replay is not None:
+            self.replay.remove()
 
     def result(self) -> dict:
         import torch
@@ -448,6 +510,33 @@ def _worker(args: argparse.Namespace) -> dict | None:
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    if args.workload_list is None:
+        out = _one_workload(args, policies, rank, world)
+    else:
+        out = {"benchmark": "step", "world_size": world, "config": _config(args), "workloads": {},
+               "skipped_workloads": dict(args.skipped_workloads)}
+        for name in args.workload_list:
+            _apply_workload(None, args, name)
+            if rank == 0:
+                sys.stderr.write(f"bench step: workload {name} ({args.workload_list.index(name) + 1} of "
+                                 f"{len(args.workload_list)})\n")
+            result = _one_workload(args, policies, rank, world)
+            if rank == 0:
+                out["workloads"][name] = {k: v for k, v in result.items() if k not in ("benchmark", "world_size")}
+    if own_group:
+        dist.destroy_process_group()
+    return out if rank == 0 else None
+
+
+def _config(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items()}
+
+
+def _one_workload(args: argparse.Namespace, policies: list[str], rank: int, world: int) -> dict | None:
+    """Every policy on the current workload, interleaved step by step; rank 0 gets the report."""
+    import torch
+    import torch.distributed as dist
+
     args.router_skew = _resolve_skew(args, world)
     runs = [_PolicyRun(policy, args, rank, world) for policy in policies]
     for step in range(args.warmup + args.steps):
@@ -464,14 +553,14 @@ def _worker(args: argparse.Namespace) -> dict | None:
             ranges, phases = run.profile(args.warmup + args.steps, args.trace)
             results[run.policy]["phase_ms_per_step"] = ranges
             results[run.policy]["phases_ms_per_step"] = phases
+    for run in runs:
+        run.close()
     results = {"policies": results, "peak_rss_bytes": _peak_rss_bytes()}
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, results)
-    if own_group:
-        dist.destroy_process_group()
     if rank != 0:
         return None
-    out = {"benchmark": "step", "world_size": world, "config": {k: v for k, v in vars(args).items()},
+    out = {"benchmark": "step", "world_size": world, "config": _config(args), "workload": args.workload,
            "router_skew": args.router_skew, "policies": {},
            # One process runs every policy: its peak RSS bounds all of them together, not one policy.
            "process_peak_rss_bytes_per_rank": [pr["peak_rss_bytes"] for pr in per_rank]}
@@ -492,6 +581,7 @@ def _worker(args: argparse.Namespace) -> dict | None:
             "model_state_bytes_max_rank": max(m["parameters"] + m["gradients"] + m["optimizer_state"]
                                               + m["replica_buffers_peak"] + m["unsharded_buffers_peak"]
                                               for m in mem),
+            "replica_bytes_max_rank": max(m["replica_buffers_peak"] for m in mem),
         }
         for key in ("phase_ms_per_step", "phases_ms_per_step"):
             if key in r0:
@@ -521,6 +611,31 @@ def _worker(args: argparse.Namespace) -> dict | None:
         for p in ("themis", "themis-rm"):
             if p in pol:
                 out["ratios"][f"{p}_over_uniform"] = pol[p]["step_time_s"] / pol["uniform"]["step_time_s"]
+    out.update(_against_the_ideal(pol))
+    return out
+
+
+def _against_the_ideal(pol: dict) -> dict:
+    """``fraction_of_balanced`` (uniform / themis step time: 1.0 is the force-balanced ideal), themis'
+    speed-up over each peer, the fastest policy, and whether the ideal is the fastest within NOISE (if
+    not, which policy beat it and by how much: the ideal is then no lower bound on this workload)."""
+    out: dict = {}
+    times = {p: v["step_time_s"] for p, v in pol.items()}
+    if not times:
+        return out
+    fastest = min(times, key=times.get)
+    out["fastest_policy"] = fastest
+    if "themis" in times:
+        out["themis_speedup_over"] = {p: t / times["themis"] for p, t in times.items() if p != "themis"}
+        if "uniform" in times:
+            out["fraction_of_balanced"] = times["uniform"] / times["themis"]
+    if "uniform" in times:
+        ideal = times["uniform"] <= times[fastest] * (1 + NOISE)
+        out["ideal_is_fastest"] = ideal
+        if not ideal:
+            out["ideal_note"] = (f"uniform ({times['uniform']:.4f} s) is slower than {fastest} "
+                                 f"({times[fastest]:.4f} s) by {times['uniform'] / times[fastest] - 1:.1%}: not a lower "
+                                 f"bound on this workload")
     return out
 
 
@@ -542,6 +657,23 @@ def _replay_lines(out: dict) -> list[str]:
 
 
 def format_table(out: dict) -> str:
+    """The results as Markdown: one table per workload with ``--workloads``."""
+    if "workloads" not in out:
+        return _format_one(out)
+    parts = []
+    for name, result in out["workloads"].items():
+        summary = [f"fraction_of_balanced {result['fraction_of_balanced']:.3f}"] if "fraction_of_balanced" in result \
+            else []
+        summary.append(f"fastest {result.get('fastest_policy')}")
+        if "ideal_note" in result:
+            summary.append(result["ideal_note"])
+        parts.append(f"### workload {name}: " + "; ".join(summary) + "\n\n" + _format_one(result))
+    for name, why in out.get("skipped_workloads", {}).items():
+        parts.append(f"### workload {name}: skipped ({why})")
+    return "\n\n".join(parts)
+
+
+def _format_one(out: dict) -> str:
     """The results as a Markdown table (policies, then ratios and, with --trace, the phase breakdown)."""
     pol = out["policies"]
     std = out["load_share_std"]
