@@ -47,7 +47,10 @@ def test_step_benchmark_reports_every_policy_with_trace(tmp_path):
     # Plain FSDP2 trains the same model on the same data: the same global loss as EP and Themis at every
     # step (the first step: the same forward; the next ones: the same global-batch gradient was applied).
     assert len(pol["fsdp2"]["loss_per_step"]) == 3    # --quick: 1 warm-up + 2 timed steps
-    for policy in ("ep", "themis", "themis-rm"):
+    # transformers' own EP (from_pretrained with a DistributedConfig) is EP's peer: the same contiguous
+    # owners, so the same imbalance.
+    assert pol["hf-ep"]["imbalance_max_over_mean"] == pytest.approx(pol["ep"]["imbalance_max_over_mean"])
+    for policy in ("ep", "themis", "themis-rm", "hf-ep"):
         for a, b in zip(pol["fsdp2"]["loss_per_step"], pol[policy]["loss_per_step"]):
             assert math.isclose(a, b, rel_tol=1e-5), (policy, a, b)
     # One chrome trace per policy and rank, and the per-phase breakdown names the runtime's phases.
@@ -78,6 +81,8 @@ def test_step_benchmark_reports_every_policy_with_trace(tmp_path):
 def test_step_benchmark_rejects_unknown_skew():
     with pytest.raises(SystemExit):
         step._parse(["--skew", "mild"])
+    with pytest.raises(SystemExit):                  # transformers' EP needs the HF model
+        step._parse(["--policies", "ep,hf-ep"])
 
 
 @pytest.mark.parametrize("model", ["tiny-moe", "hf-mixtral"])
@@ -101,12 +106,12 @@ def _step_rank(rank: int, world: int, args) -> dict | None:
 
 
 def test_hf_mixtral_step_benchmark_trains_alike_under_every_policy():
-    # HF MixtralForCausalLM under every policy on 2 ranks (forked from the preloaded harness: no torchrun
+    # HF MixtralForCausalLM under every policy, transformers' native EP included, on 2 ranks (forked from the preloaded harness: no torchrun
     # launch), the hottest two experts of both layers on rank 1 at --skew extreme.
     args = step._parse(["--quick", "--model", "hf-mixtral", "--skew", "extreme"])
     out = run_multirank(_step_rank, 2, args=(args,), timeout_s=120)[0]
     pol = out["policies"]
-    assert set(pol) == set(step.POLICIES) and out["config"]["model"] == "hf-mixtral"
+    assert set(pol) == set(step.POLICIES + step.HF_POLICIES) and out["config"]["model"] == "hf-mixtral"
     assert out["router_skew"] == 4.0 and out["load_share_std"] > 0.15       # the biased router's skew
     assert pol["ep"]["imbalance_max_over_mean"] > 1.5
     assert pol["themis"]["mean_delta_p_per_layer"] > 0 and pol["themis-rm"]["mean_delta_p_per_layer"] > 0
@@ -115,7 +120,10 @@ def test_hf_mixtral_step_benchmark_trains_alike_under_every_policy():
     assert pol["uniform"]["imbalance_max_over_mean"] == 1.0
     # No auxiliary loss: every policy but uniform (which changes the routing) trains the same global loss.
     assert len(pol["fsdp2"]["loss_per_step"]) == 3
-    for policy in ("ep", "themis", "themis-rm"):
+    # transformers' own EP (from_pretrained with a DistributedConfig) is EP's peer: the same contiguous
+    # owners, so the same imbalance.
+    assert pol["hf-ep"]["imbalance_max_over_mean"] == pytest.approx(pol["ep"]["imbalance_max_over_mean"])
+    for policy in ("ep", "themis", "themis-rm", "hf-ep"):
         for a, b in zip(pol["fsdp2"]["loss_per_step"], pol[policy]["loss_per_step"]):
             assert math.isclose(a, b, rel_tol=1e-5), (policy, a, b)
     for key in ("themis_speedup_over_ep", "themis_speedup_over_fsdp2", "themis-rm_speedup_over_ep",

@@ -121,7 +121,10 @@ class BiasedTopKRouter(BenchRouter):
         return logits_TE, scores_TK, ids_TK
 
     def logits(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TH.reshape(-1, x_TH.shape[-1]), self.gate.weight)
+        weight = self.gate.weight
+        if hasattr(weight, "full_tensor"):        # FSDP2 outside the layer's forward (collective)
+            weight = weight.full_tensor()
+        return F.linear(x_TH.reshape(-1, x_TH.shape[-1]), weight)
 
     def route(self, x_TH: torch.Tensor) -> torch.Tensor:
         probs_TE = torch.softmax((self.logits(x_TH) + self.router_bias).float(), dim=-1)

@@ -15,6 +15,11 @@ the root, no expert parallelism: every rank gathers every expert); the reference
 all-reduce their token counts there like the other policies' do, so that all of them train the same
 global-batch objective (its aux loss on the global counts).
 
+With ``--model hf-mixtral`` the peers include ``hf-ep``, what an HF user would pick instead: transformers'
+own expert parallelism, the same weights loaded with ``from_pretrained(dir, distributed_config=
+DistributedConfig(ep_size=D, fsdp_size=D, ep_implementation="all_to_all"))`` (experts split contiguously
+over the ranks, all-to-all dispatch, the rest FSDP2), its routers biased like the others'.
+
 ``--model`` picks what trains: ``tiny-moe`` (the default) is the reference model
 (`themis_compile.models.GPTMoE`, with its load-balancing aux loss); ``hf-mixtral`` is transformers'
 ``MixtralForCausalLM`` built from a random-init ``MixtralConfig`` of the same sizes (hidden ``--d-model``,
@@ -74,6 +79,7 @@ import time
 logger = logging.getLogger(__name__)
 
 POLICIES = ("ep", "themis", "themis-rm", "uniform", "fsdp2")
+HF_POLICIES = ("hf-ep",)        # --model hf-mixtral only: transformers' own expert parallelism (+ FSDP2)
 WORKLOADS = ("balanced", "paper", "trace", "zipf", "hot-expert", "hot-rank", "drift", "shift")   # bench.workloads
 NOISE = 0.02        # step-time ratios within 2 % count as equal ("the ideal is the fastest")
 MODELS = ("tiny-moe", "hf-mixtral")     # bench.models.MODELS (imported there with torch)
@@ -85,7 +91,9 @@ PAPER_LOAD_SHARE_STD = 0.04
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m themis_compile.bench step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated, default {','.join(POLICIES)} (and {','.join(HF_POLICIES)} with --model "
+                        f"hf-mixtral)")
     p.add_argument("--model", choices=MODELS, default="tiny-moe",
                    help="tiny-moe: the reference model; hf-mixtral: transformers' MixtralForCausalLM of the same "
                         "sizes (random init, no auxiliary loss)")
@@ -134,6 +142,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             names.remove("trace")
             args.skipped_workloads["trace"] = f"no routing trace at {DEFAULT_TRACE} (`make demo` writes it)"
         args.workload_list = names
+    if args.policies is None:
+        args.policies = ",".join(POLICIES + (HF_POLICIES if args.model == "hf-mixtral" else ()))
+    if args.model != "hf-mixtral" and set(args.policies.split(",")) & set(HF_POLICIES):
+        p.error(f"--policies {','.join(HF_POLICIES)}: transformers' expert parallelism needs --model hf-mixtral")
     _apply_workload(p, args, args.workload)
     return args
 
@@ -311,6 +323,37 @@ def _plain_fsdp2(model, blocks, moe_blocks):
     return model, unsharded_peak
 
 
+def _hf_expert_parallel(bench, world: int):
+    """``bench``'s HF Mixtral as a user of transformers' own expert parallelism loads it:
+    ``from_pretrained(dir, distributed_config=DistributedConfig(ep_size=D, fsdp_size=D,
+    ep_implementation="all_to_all"))`` of the same weights (written by rank 0 to a temporary directory),
+    experts split over the ranks by all-to-all, the rest FSDP2; its routers biased as the others'."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from transformers import DistributedConfig, MixtralForCausalLM
+
+    from themis_compile.bench.models import BenchModel, BiasedTopKRouter
+    from themis_compile.models import lm_loss
+
+    path = [tempfile.mkdtemp(prefix="themis-hf-ep-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    if dist.get_rank() == 0:
+        bench.model.save_pretrained(path[0])
+    dist.barrier()
+    model = MixtralForCausalLM.from_pretrained(path[0], dtype=torch.float32, distributed_config=DistributedConfig(
+        ep_size=world, fsdp_size=world, ep_implementation="all_to_all"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+    routers = [BiasedTopKRouter(layer.mlp) for layer in model.model.layers]
+    for old, new in zip(bench.routers, routers):
+        new.router_bias.copy_(old.router_bias)
+    return BenchModel(bench.kind, model, routers, list(model.model.layers),
+                      lambda tokens_BS: lm_loss(model(input_ids=tokens_BS).logits, tokens_BS))
+
+
 def _uniform_counts(tokens: int, top_k: int, num_experts: int, world: int):
     """[E] global tokens per expert under the uniform policy: every rank's ``tokens`` x ``top_k`` pairs
     spread round-robin over the experts (`runtime.ep.uniform_ids`)."""
@@ -343,6 +386,9 @@ class _PolicyRun:
             self.model, self.unsharded_bytes = _plain_fsdp2(self.bench.model, self.bench.blocks,
                                                             [r.block for r in self.bench.routers])
             self.runtime = None
+        elif policy == "hf-ep":
+            self.bench = _hf_expert_parallel(self.bench, world)
+            self.model, self.runtime = self.bench.model, None
         else:
             self.model = themis_compile.optimize(self.bench.model, themis_compile.ThemisConfig(
                 policy=policy, **getattr(args, "themis_config", {})))
@@ -428,7 +474,14 @@ class _PolicyRun:
 
         args, world = self.args, self.world
         imbalance = list(self.imbalance)
-        if self.runtime is None:
+        if self.policy == "hf-ep":
+            # transformers' EP: rank r holds experts [r·E/D, (r+1)·E/D) and computes every token routed there.
+            imbalance = []
+            for counts_E in self.counts:
+                owner_E = torch.arange(counts_E.numel()) * world // counts_E.numel()
+                per_rank = torch.zeros(world, dtype=torch.int64).index_add_(0, owner_E, counts_E)
+                imbalance.append(float(per_rank.max()) / max(float(per_rank.float().mean()), 1.0))
+        elif self.runtime is None:
             # Plain FSDP2: every rank serves its own batch's T·K pairs with every expert gathered.
             imbalance = [1.0]
         if not imbalance:   # EP / uniform: rows per rank follow the owners
@@ -507,9 +560,9 @@ def _worker(args: argparse.Namespace) -> dict | None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     policies = args.policies.split(",")
-    unknown = sorted(set(policies) - set(POLICIES))
+    unknown = sorted(set(policies) - set(POLICIES) - set(HF_POLICIES))
     if unknown:
-        raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+        raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES + HF_POLICIES)}")
     if args.workload_list is None:
         out = _one_workload(args, policies, rank, world)
     else:
