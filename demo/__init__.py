@@ -54,7 +54,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from themis_compile.models.data import build_corpus, sample_batch, stdlib_sources
-from themis_compile.runtime.profiling import OTHER_PHASE, PHASES
+from themis_compile.runtime.profiling import (BACKWARD_RANGE, FORWARD_RANGE, OPTIMIZER_RANGE, OTHER_PHASE, PART_PHASES,
+                                              PHASES)
 
 logger = logging.getLogger(__name__)
 
@@ -303,12 +304,15 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
                     prof.start()
             t0 = time.perf_counter()
             with torch.profiler.record_function(STEP_RANGE):
-                logits = model(tokens_BS)
-                lm = lm_loss(logits, tokens_BS)
-                loss = lm + model.aux_loss()
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                with torch.profiler.record_function(FORWARD_RANGE):
+                    logits = model(tokens_BS)
+                    lm = lm_loss(logits, tokens_BS)
+                    loss = lm + model.aux_loss()
+                with torch.profiler.record_function(BACKWARD_RANGE):
+                    loss.backward()
+                with torch.profiler.record_function(OPTIMIZER_RANGE):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
             if prof is not None:
                 with _quiet_stderr():
                     prof.stop()
@@ -541,7 +545,7 @@ def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
         for phase in phases:
             ms = np.array([p.get(phase, 0.0) for p in profiled.values()])
             # A phase keeps its colour whichever phases a run has.
-            color = "lightgray" if phase == OTHER_PHASE else colors[[n for n, _ in PHASES].index(phase) % len(colors)]
+            color = "lightgray" if phase == OTHER_PHASE else colors[[n for n, _ in PHASES + PART_PHASES].index(phase) % len(colors)]
             ax.barh(list(profiled), ms, left=left, label=phase, color=color)
             left += ms
         ax.invert_yaxis()
@@ -555,9 +559,10 @@ def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
 
 
 def _phase_order(breakdowns) -> list[str]:
-    """Every phase that any policy reports, in the order of a step (`PHASES`), the rest of the step last."""
+    """Every phase that any policy reports, in the order of a step (`PHASES`, then the parts' own compute
+    of `PART_PHASES`), the rest of the step last."""
     seen = {name for b in breakdowns for name in b}
-    return [name for name, _ in PHASES if name in seen] + [OTHER_PHASE]
+    return [name for name, _ in PHASES + PART_PHASES if name in seen] + [OTHER_PHASE]
 
 
 def format_summary(summary: dict[str, Any], out: Path) -> str:

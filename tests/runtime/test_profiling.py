@@ -133,3 +133,41 @@ def test_phase_breakdown_counts_each_range_once_where_outermost():
     assert got[profiling.OTHER_PHASE] >= 20.0
     step_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.name == "step") / 1e3 / 2
     assert sum(got.values()) == pytest.approx(step_ms)
+
+
+def test_phase_breakdown_splits_the_rest_by_the_parts_of_the_step():
+    """Within the step's forward, backward and optimizer ranges, what no phase covers is that part's own
+    compute; only what lies outside every part is the rest of the step; the phases still add up."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def busy(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("step"):
+            with record_function(profiling.FORWARD_RANGE):
+                with record_function("themis::experts"):
+                    busy(0.010)
+                busy(0.020)                                         # attention and the rest of the forward
+            with record_function(profiling.BACKWARD_RANGE):
+                with record_function("themis::sprs"):
+                    busy(0.005)
+                busy(0.030)
+            with record_function(profiling.OPTIMIZER_RANGE):
+                busy(0.010)
+            busy(0.002)
+    got = profiling.phase_breakdown(prof.events(), 1, "step")
+    parts = dict(profiling.PART_PHASES)
+    assert got["experts (forward)"] >= 10.0 and got["SpRS"] >= 5.0
+    assert got[parts[profiling.FORWARD_RANGE]] >= 20.0
+    forward_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.name == profiling.FORWARD_RANGE) / 1e3
+    experts_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.name == "themis::experts") / 1e3
+    assert got[parts[profiling.FORWARD_RANGE]] == pytest.approx(forward_ms - experts_ms)   # experts counted once
+    assert got[parts[profiling.BACKWARD_RANGE]] >= 30.0 and got[parts[profiling.OPTIMIZER_RANGE]] >= 10.0
+    assert got[profiling.OTHER_PHASE] < got[parts[profiling.BACKWARD_RANGE]]
+    step_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.name == "step") / 1e3
+    assert sum(got.values()) == pytest.approx(step_ms)

@@ -423,6 +423,8 @@ class _PolicyRun:
         import torch
         import torch.distributed as dist
 
+        from themis_compile.runtime.profiling import BACKWARD_RANGE, FORWARD_RANGE, OPTIMIZER_RANGE
+
         args, rank, world = self.args, self.rank, self.world
         tokens = _global_batch(args, world, self.gen)[rank::world]
         fit_s = 0.0
@@ -432,10 +434,13 @@ class _PolicyRun:
         dist.barrier()
         t0 = time.perf_counter()
         with torch.profiler.record_function("bench::step"):
-            loss = self.bench.loss(tokens)
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad()
+            with torch.profiler.record_function(FORWARD_RANGE):
+                loss = self.bench.loss(tokens)
+            with torch.profiler.record_function(BACKWARD_RANGE):
+                loss.backward()
+            with torch.profiler.record_function(OPTIMIZER_RANGE):
+                self.opt.step()
+                self.opt.zero_grad()
         dist.barrier()
         if not timed and step >= args.warmup:
             return      # a profiled step (--trace): the measurements are complete
@@ -745,11 +750,11 @@ def _format_one(out: dict) -> str:
         lines += [f"| {k} | {v:.3f} |" for k, v in out["ratios"].items()]
     breakdowns = {p: v["phases_ms_per_step"] for p, v in pol.items() if v.get("phases_ms_per_step")}
     if breakdowns:
-        from themis_compile.runtime.profiling import OTHER_PHASE, PHASES
+        from themis_compile.runtime.profiling import OTHER_PHASE, PART_PHASES, PHASES
 
         names = list(breakdowns)
         lines += ["", "| phase (ms/step, rank 0) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for phase in [name for name, _ in PHASES] + [OTHER_PHASE, "step"]:
+        for phase in [name for name, _ in PHASES + PART_PHASES] + [OTHER_PHASE, "step"]:
             cells = [sum(b.values()) if phase == "step" else b.get(phase) for b in breakdowns.values()]
             if any(c is not None for c in cells):
                 lines.append(f"| {phase} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")

@@ -37,7 +37,7 @@ from themis_compile.runtime import deadline
 logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionProfiler", "PHASES", "annotate_attention", "export_chrome_trace", "measure_bandwidth",
-           "phase_breakdown"]
+           "phase_breakdown", "PART_PHASES", "FORWARD_RANGE", "BACKWARD_RANGE", "OPTIMIZER_RANGE"]
 
 
 # ----------------------------------------------------------------------------------------- T_attn
@@ -331,6 +331,15 @@ PHASES = (
     ("dense FSDP2", ("FSDP::",)),
 )
 OTHER_PHASE = "rest of the step"
+# The parts of a step a training loop may mark (``with record_function(FORWARD_RANGE): ...``): within each,
+# the time no phase range covers is that part's own compute, reported under its phase here instead of
+# OTHER_PHASE (which then holds only what lies outside every part).
+FORWARD_RANGE, BACKWARD_RANGE, OPTIMIZER_RANGE = "step::forward", "step::backward", "step::optimizer"
+PART_PHASES = (
+    (FORWARD_RANGE, "forward, dense (attention, norms, router)"),
+    (BACKWARD_RANGE, "backward, dense (their gradients)"),
+    (OPTIMIZER_RANGE, "optimizer step"),
+)
 
 
 def _phase_of(name: str) -> str | None:
@@ -342,24 +351,35 @@ def _phase_of(name: str) -> str | None:
 
 def phase_breakdown(events, steps: int, step_range: str) -> dict[str, float]:
     """Milliseconds per step of every phase of `PHASES` in ``events`` (``torch.profiler.profile(...).events()``
-    of ``steps`` steps, each inside a ``step_range`` range), plus `OTHER_PHASE`: the step ranges' time no
-    phase covers. A range nested in another phase range counts towards the outer one only, so the phases
-    add up to the step's time."""
+    of ``steps`` steps, each inside a ``step_range`` range), then, for each part of `PART_PHASES` the step
+    marks, the part's time no phase covers, and `OTHER_PHASE`: the step ranges' time no phase or part covers.
+    A range nested in another phase range counts towards the outer one only, so the phases add up to the
+    step's time."""
+    parts = dict(PART_PHASES)
     totals = {phase: 0.0 for phase, _ in PHASES}
+    part_us = {name: 0.0 for name in parts}          # each part's time, less the phases inside it
     step_us = 0.0
     for event in events:
         if event.name == step_range:
             step_us += event.time_range.elapsed_us()
             continue
+        if event.name in parts:
+            part_us[event.name] += event.time_range.elapsed_us()
+            continue
         phase = _phase_of(event.name)
         if phase is None:
             continue
-        parent, nested = event.cpu_parent, False
+        parent, nested, part = event.cpu_parent, False, None
         while parent is not None and not nested:
             nested = _phase_of(parent.name) is not None
+            if parent.name in parts and part is None:
+                part = parent.name
             parent = parent.cpu_parent
         if not nested:
             totals[phase] += event.time_range.elapsed_us()
+            if part is not None:
+                part_us[part] -= event.time_range.elapsed_us()
     out = {phase: us / 1e3 / steps for phase, us in totals.items() if us > 0}
+    out.update({parts[name]: max(us, 0.0) / 1e3 / steps for name, us in part_us.items() if us > 0})
     out[OTHER_PHASE] = max(step_us / 1e3 / steps - sum(out.values()), 0.0)
     return out
