@@ -58,9 +58,9 @@ def _layer_cost(coster: Coster, charges: PolicyCharges, layer: int, step: Policy
     s = coster.setup
     lc = LayerCost()
     # The planner's all-to-all model; the bytes are the policy's own count of the same flows.
-    lc.a2a_s = all_to_all_time(step.R, s.token_bytes, coster.topo) + s.cluster.collective_latency_s
+    lc.a2a_s = all_to_all_time(step.traffic, s.token_bytes, coster.topo) + s.cluster.collective_latency_s
     lc.a2a_bytes, lc.a2a_inter_bytes = step.bytes_moved["a2a"], step.bytes_moved["a2a_inter"]
-    load_D = step.R.sum(axis=(0, 1))
+    load_D = step.traffic.load_D
     lc.comp_mean_s = float(load_D.mean()) * s.time_per_token_s
     lc.comp_max_s = float(load_D.max()) * s.time_per_token_s
     charges.charge(coster, layer, step, predicted_E, lc)
