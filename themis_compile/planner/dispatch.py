@@ -431,8 +431,9 @@ def _single_holder_traffic(mask_ED: np.ndarray, tokens_ED: np.ndarray, copies_E:
     single_O = np.flatnonzero(copies_E == 1)
     if not single_O.size:
         return
-    owner_O = np.argmax(mask_ED[single_O], axis=1) if single_O.size < copies_E.size else np.argmax(mask_ED, axis=1)
-    total_O = tokens_ED[single_O].sum(axis=1) if single_O.size < copies_E.size else tokens_ED.sum(axis=1)
+    # Row reductions of the whole [E, D] arrays, then indexed: no [O, D] copy.
+    owner_O = np.argmax(mask_ED, axis=1)[single_O]
+    total_O = tokens_ED.sum(axis=1)[single_O]
     # The tokens of o's own node: T[e, offset + j] for the J devices of that node ([O, J] gather).
     node_O = links.node_ids[owner_O]
     J = max(links.devices_per_node)
@@ -452,8 +453,8 @@ def _single_holder_traffic(mask_ED: np.ndarray, tokens_ED: np.ndarray, copies_E:
     kept_D = np.zeros(D, dtype=np.int64)
     np.add.at(kept_D, owner_O, kept_O)
     others = np.flatnonzero(copies_E != 1)
-    if others.size < single_O.size:
-        column_D = tokens_ED.sum(axis=0) - tokens_ED[others].sum(axis=0)
+    if others.size < single_O.size:                       # copy the smaller set of rows
+        column_D = tokens_ED.sum(axis=0) - (tokens_ED[others].sum(axis=0) if others.size else 0)
     else:
         column_D = tokens_ED[single_O].sum(axis=0)
     t.intra_out_D[:] += to_node_D - kept_D

@@ -260,9 +260,10 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
                 if bar is not None:
                     bar.update(1)
             for layer in range(L):
-                predictor.update(layer, tokens_LED[layer].sum(axis=1))
+                load_E = tokens_LED[layer].sum(axis=1, dtype=np.int64)
+                predictor.update(layer, load_E)
                 if measured:
-                    skews.append(load_skew(tokens_LED[layer].sum(axis=1)))
+                    skews.append(load_skew(load_E))
     finally:
         if bar is not None:
             bar.close()
