@@ -209,7 +209,7 @@ class SimResult:
 
 def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES, *,
              iterations: int | None = None, warmup: int | None = None, trace_iteration: int | None = None,
-             early_reshard: bool = True, progress: bool = False) -> SimResult:
+             early_reshard: bool = True, progress: bool = False, progress_label: str | None = None) -> SimResult:
     """Replay ``trace`` through each policy's planner and charge the cost model.
 
     Args:
@@ -222,7 +222,7 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
         trace_iteration: the iteration whose timeline is kept for the chrome trace (default: the last).
         early_reshard: measure Themis in its steady state: its first Alg. 2 re-sharding runs in the last
             warm-up iteration (with the predictor's loads), later ones every ``reshard_interval``.
-        progress: a tqdm progress bar on stderr.
+        progress: a tqdm progress bar on stderr (``progress_label`` in front of it, default "simulating").
     """
     if trace.num_experts != setup.num_experts:
         raise ValueError(f"the trace has {trace.num_experts} experts but the model has {setup.num_experts}")
@@ -247,7 +247,7 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
         run.charges.begin(warmup, early_reshard)
     predictor = LoadPredictor(L, setup.num_experts, window=5)
     skews = []
-    bar = _progress(n_it * len(runs), progress)
+    bar = _progress(n_it * len(runs), progress, progress_label or "simulating")
     started = time.perf_counter()
     try:
         for it in range(n_it):
@@ -354,7 +354,7 @@ def _memory(charges: PolicyCharges, setup: SimSetup, owned: int, sum_max: int, l
     return {"Param": float(param), "Grad": float(grad), "Opt": float(opt), "Total": float(param + grad + opt)}
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _progress(total: int, enabled: bool, label: str) -> Any:
     if not enabled:
         return None
     try:
@@ -362,6 +362,6 @@ def _progress(total: int, enabled: bool) -> Any:
     except ImportError:  # the progress bar is optional
         logger.info("tqdm is not installed; no progress bar")
         return None
-    return tqdm(total=total, file=sys.stderr, desc="simulating", unit="policy-iter", leave=False)
+    return tqdm(total=total, file=sys.stderr, desc=label, unit="policy-iter", leave=False)
 
 
