@@ -144,9 +144,14 @@ def _eager_synthetic_counts(L, E, D, tokens_per_device, top_k, iterations, *, cv
     return out
 
 
-@pytest.mark.parametrize("jitter", [0.0, 0.3])
-def test_lazy_synthetic_records_equal_drawing_them_all_at_once(jitter: float) -> None:
-    """Records generated a step at a time, read in any order, are the eager generator's draws."""
+@pytest.mark.parametrize("jitter,cache_bytes", [(0.0, 0), (0.3, 0), (0.3, None)])
+def test_lazy_synthetic_records_equal_drawing_them_all_at_once(monkeypatch, jitter: float, cache_bytes) -> None:
+    """Records generated a step at a time, read in any order (regenerated when only the last step is
+    kept), are the eager generator's draws."""
+    from themis_compile.sim.traces import SyntheticRecords
+
+    if cache_bytes is not None:
+        monkeypatch.setattr(SyntheticRecords, "CACHE_BYTES", cache_bytes)
     kw = dict(cv=2.0, drift=0.1, jitter=jitter, device_spread=0.2, seed=5)
     eager = _eager_synthetic_counts(3, 40, 6, 300, 4, 5, **kw)
     trace = synthetic_trace(3, 40, 6, 300, 4, 5, **kw)

@@ -358,10 +358,13 @@ class SyntheticRecords(Sequence[RoutingRecord]):
 
     What is kept is small: the generator's state where each layer's spread starts (the spread is drawn
     again when needed, instead of holding the [L, D, E] floats), the state and z at the start of every
-    step generated so far (a step is regenerated from there), and the last step's records, whose counts
-    are stored as [E, D] in the narrowest integer type (`RoutingRecord.tokens_ED` returns them without a
-    copy; read-only).
+    step generated so far (a step is regenerated from there), and the records of the latest steps up to
+    `CACHE_BYTES` (at least the last step's; a small trace stays whole), whose counts are stored as
+    [E, D] in the narrowest integer type (`RoutingRecord.tokens_ED` returns them without a copy;
+    read-only).
     """
+
+    CACHE_BYTES = 256 * 2 ** 20
 
     def __init__(self, num_layers: int, num_experts: int, num_devices: int, assignments: int, num_steps: int, *,
                  cap: float, share_skew: float, drift: float, jitter: float, device_spread: float,
@@ -380,7 +383,7 @@ class SyntheticRecords(Sequence[RoutingRecord]):
             self._spread_states.append(self._rng.bit_generator.state)
             self._spread_rows(None)
         self._starts = [(self._rng.bit_generator.state, z_LE)]     # generator state and z before step s
-        self._cached: tuple[int, list[RoutingRecord]] | None = None
+        self._cached: dict[int, list[RoutingRecord]] = {}           # step -> records, oldest first
 
     def _spread_rows(self, state: dict | None) -> np.ndarray | None:
         """exp(spread[layer]) [D, E] from the generator state where that layer's spread starts (None:
@@ -419,11 +422,15 @@ class SyntheticRecords(Sequence[RoutingRecord]):
         """The L records of ``step`` (generating the steps before it first, when they never were)."""
         if not 0 <= step < self.num_steps:
             raise ValueError(f"the trace has no step {step} (steps 0..{self.num_steps - 1})")
-        if self._cached is None or self._cached[0] != step:
+        records = self._cached.get(step)
+        if records is None:
             while len(self._starts) <= step:         # the steps before it, for their end states
                 self._generate(len(self._starts) - 1)
-            self._cached = (step, self._generate(step))
-        return self._cached[1]
+            records = self._cached[step] = self._generate(step)
+            step_bytes = sum(r.tokens_per_device_expert.nbytes for r in records)
+            while len(self._cached) > 1 and len(self._cached) * step_bytes > self.CACHE_BYTES:
+                del self._cached[next(iter(self._cached))]
+        return records
 
     def record(self, step: int, layer: int) -> RoutingRecord:
         if not 0 <= layer < self.num_layers:
