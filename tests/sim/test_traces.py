@@ -150,8 +150,9 @@ def test_lazy_synthetic_records_equal_drawing_them_all_at_once(monkeypatch, jitt
     kept), are the eager generator's draws."""
     from themis_compile.sim.traces import SyntheticRecords
 
-    if cache_bytes is not None:
+    if cache_bytes is not None:             # regenerate steps and the spread
         monkeypatch.setattr(SyntheticRecords, "CACHE_BYTES", cache_bytes)
+        monkeypatch.setattr(SyntheticRecords, "SPREAD_CACHE_BYTES", cache_bytes)
     kw = dict(cv=2.0, drift=0.1, jitter=jitter, device_spread=0.2, seed=5)
     eager = _eager_synthetic_counts(3, 40, 6, 300, 4, 5, **kw)
     trace = synthetic_trace(3, 40, 6, 300, 4, 5, **kw)

@@ -357,7 +357,8 @@ class SyntheticRecords(Sequence[RoutingRecord]):
                        counts_DE ← Multinomial(k·B·S, p_DE)
 
     What is kept is small: the generator's state where each layer's spread starts (the spread is drawn
-    again when needed, instead of holding the [L, D, E] floats), the state and z at the start of every
+    again when needed, instead of holding the [L, D, E] floats, unless they fit in
+    `SPREAD_CACHE_BYTES`), the state and z at the start of every
     step generated so far (a step is regenerated from there), and the records of the latest steps up to
     `CACHE_BYTES` (at least the last step's; a small trace stays whole), whose counts are stored as
     [E, D] in the narrowest integer type (`RoutingRecord.tokens_ED` returns them without a copy;
@@ -365,6 +366,7 @@ class SyntheticRecords(Sequence[RoutingRecord]):
     """
 
     CACHE_BYTES = 256 * 2 ** 20
+    SPREAD_CACHE_BYTES = 512 * 2 ** 20
 
     def __init__(self, num_layers: int, num_experts: int, num_devices: int, assignments: int, num_steps: int, *,
                  cap: float, share_skew: float, drift: float, jitter: float, device_spread: float,
@@ -378,10 +380,15 @@ class SyntheticRecords(Sequence[RoutingRecord]):
         self._scale = 1.0 / math.sqrt(1.0 + jitter * jitter)
         self._rng = np.random.default_rng(seed)
         z_LE = self._rng.standard_normal((num_layers, num_experts))
-        self._spread_states = []
-        for _ in range(num_layers):            # advance past the spread, one layer at a time
-            self._spread_states.append(self._rng.bit_generator.state)
-            self._spread_rows(None)
+        self._spread_states: list[dict] = []
+        self._spread_cache: list[np.ndarray] | None = None
+        if 8.0 * num_layers * num_devices * num_experts <= self.SPREAD_CACHE_BYTES:
+            self._spread_cache = [np.exp(device_spread * self._rng.standard_normal((num_devices, num_experts)))
+                                  for _ in range(num_layers)]
+        else:
+            for _ in range(num_layers):        # advance past the spread, one layer at a time
+                self._spread_states.append(self._rng.bit_generator.state)
+                self._spread_rows(None)
         self._starts = [(self._rng.bit_generator.state, z_LE)]     # generator state and z before step s
         self._cached: dict[int, list[RoutingRecord]] = {}           # step -> records, oldest first
 
@@ -407,7 +414,10 @@ class SyntheticRecords(Sequence[RoutingRecord]):
         records = []
         for layer in range(self.num_layers):
             p_E = proportions_with_skew(noisy_LE[layer], self._share_skew, self._cap)
-            p_DE = p_E[None, :] * self._spread_rows(self._spread_states[layer])
+            exp_spread_DE = self._spread_cache[layer] if self._spread_cache is not None else \
+                self._spread_rows(self._spread_states[layer])
+            p_DE = p_E[None, :] * exp_spread_DE
+            del exp_spread_DE
             p_DE /= p_DE.sum(axis=1, keepdims=True)
             counts_DE = self._rng.multinomial(self._assignments, p_DE)
             del p_DE
