@@ -373,7 +373,7 @@ def _replicated_slots(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np
     # plan node p the run of h_XP[x, p] from start_XP[x, p] (devices of a node are contiguous ids).
     hx_H, hd_H = np.nonzero(holds_XD)
     c_X = np.bincount(hx_H, minlength=X)
-    first_X = np.concatenate(([0], np.cumsum(c_X)[:-1])).astype(np.int64)
+    first_X = np.cumsum(c_X) - c_X
     h_XP = np.add.reduceat(holds_XD, topology.node_offsets[:-1], axis=1, dtype=np.int64)
     start_XP = first_X[:, None] + np.cumsum(h_XP, axis=1) - h_XP
     # Step 2: the sending pairs (a source with tokens for x that it does not hold) and their target lists.
@@ -406,8 +406,8 @@ def _replicated_slots(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np
     list_G, k_G, u0_G, u1_G = list_S[head_G], k_S[head_G], u0_S[head_G], u1_S[head_G]
     # Step 5: every target of a group gets the group's Σ q, plus one per remainder interval that covers it
     # (a difference array over the group's k slots and a sentinel that closes the intervals).
-    base_G = np.concatenate(([0], np.cumsum(k_G + 1)[:-1])).astype(np.int64)
-    n_slots = int(base_G[-1] + k_G[-1] + 1) if head_G.size else 0
+    base_G = np.cumsum(k_G + 1) - (k_G + 1)
+    n_slots = int((k_G + 1).sum())
     q_G = np.zeros(head_G.size, dtype=np.int64)
     np.add.at(q_G, g_S, q_S)
     rem = r_S > 0
@@ -493,6 +493,8 @@ def dispatch_traffic(placement: Placement, tokens_ED: np.ndarray, topology: Topo
         np.add.at(t.inter_in_D, dest_Y[~intra_Y], recv_Y[~intra_Y])
         np.add.at(t.intra_out_D, src_S, intra_S)
         np.add.at(t.inter_out_D, src_S, tokens_S - intra_S)
+    for f in fields(t):
+        getattr(t, f.name).setflags(write=False)
     return t
 
 
