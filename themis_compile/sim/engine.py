@@ -1,7 +1,9 @@
 """The simulator's engine: replay a routing trace through each policy's planner and charge the cost model.
 
 Every placement decision comes from the planner (`themis_compile.planner.make_policy`, wrapped by
-`themis_compile.sim.policies`); this module charges time and memory for the plans the policies return:
+`themis_compile.sim.policies`); this module charges time and memory for the plans the policies return,
+read as their per-device totals (`PolicyStep.traffic`, O(E·D): the dense [E, D, D] plan R is never
+built, which keeps 4,096 devices within a few GiB):
 
 * expert compute from FLOPs at the cluster's stated efficiency, per device from the dispatch plan R
   (forward; backward costs twice the forward);
