@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -121,3 +122,46 @@ def test_synthetic_dynamics_match_a_trace_the_demo_recorded() -> None:
                                                   h["seq_len"] * h["batch_per_rank"], h["top_k"],
                                                   len(real.steps), cv=want["cv"], drift=1.0, seed=0), skip=10)
     assert memoryless["lag1"] < want["lag1"] - 0.3 and memoryless["hot_change"] > want["hot_change"] + 0.3
+
+
+def _eager_synthetic_counts(L, E, D, tokens_per_device, top_k, iterations, *, cv, drift, jitter, device_spread, seed):
+    """The synthetic trace drawn all at once (how it was generated before its records became lazy)."""
+    from themis_compile.sim.traces import proportions_with_skew
+
+    rng = np.random.default_rng(seed)
+    z_LE = rng.standard_normal((L, E))
+    spread_LDE = device_spread * rng.standard_normal((L, D, E))
+    keep, scale = math.sqrt(1.0 - drift * drift), 1.0 / math.sqrt(1.0 + jitter * jitter)
+    out = {}
+    for step in range(iterations):
+        if step:
+            z_LE = keep * z_LE + drift * rng.standard_normal((L, E))
+        noisy_LE = scale * (z_LE + jitter * rng.standard_normal((L, E)))
+        for layer in range(L):
+            p_DE = proportions_with_skew(noisy_LE[layer], cv / E, 1.0 / top_k)[None, :] * np.exp(spread_LDE[layer])
+            p_DE /= p_DE.sum(axis=1, keepdims=True)
+            out[step, layer] = rng.multinomial(tokens_per_device * top_k, p_DE)
+    return out
+
+
+@pytest.mark.parametrize("jitter,cache_bytes", [(0.0, 0), (0.3, 0), (0.3, None)])
+def test_lazy_synthetic_records_equal_drawing_them_all_at_once(monkeypatch, jitter: float, cache_bytes) -> None:
+    """Records generated a step at a time, read in any order (regenerated when only the last step is
+    kept), are the eager generator's draws."""
+    from themis_compile.sim.traces import SyntheticRecords
+
+    if cache_bytes is not None:             # regenerate steps and the spread
+        monkeypatch.setattr(SyntheticRecords, "CACHE_BYTES", cache_bytes)
+        monkeypatch.setattr(SyntheticRecords, "SPREAD_CACHE_BYTES", cache_bytes)
+    kw = dict(cv=2.0, drift=0.1, jitter=jitter, device_spread=0.2, seed=5)
+    eager = _eager_synthetic_counts(3, 40, 6, 300, 4, 5, **kw)
+    trace = synthetic_trace(3, 40, 6, 300, 4, 5, **kw)
+    for step, layer in [(3, 2), (0, 0), (4, 1), (3, 0), (1, 2), (4, 2)]:
+        rec = trace.record(step, layer)
+        assert np.array_equal(rec.tokens_per_device_expert, eager[step, layer])
+        assert rec.tokens_per_expert.dtype == np.int64
+        assert np.array_equal(rec.tokens_per_expert, eager[step, layer].sum(axis=0))
+        tokens_ED = rec.tokens_ED(6)
+        assert tokens_ED.flags.c_contiguous and not tokens_ED.flags.writeable and tokens_ED.itemsize == 2
+    assert len(trace.records) == 15 and trace.records[-1].step == 4 and trace.records[7].layer == 1
+    assert [r.step for r in trace.records[2:5]] == [0, 1, 1]

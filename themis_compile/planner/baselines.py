@@ -5,6 +5,7 @@ A `Policy` is asked once per MoE layer and iteration for a `PolicyStep`::
     step = policy.plan(layer, predicted_load_E, actual_tokens_ED)
     step.placement   # P' the tokens are dispatched against this iteration (⊇ step.shard)
     step.shard       # owners: where parameters' optimizer state lives
+    step.traffic     # `DispatchTraffic`: per-device totals of the dispatch plan (load, intra/inter-node)
     step.R           # [E, D, D] int64 dispatch plan, Σ_d2 R[e, d, d2] == actual_tokens_ED[e, d]
     step.bytes_moved # dict[str, int] bytes per category (below), totals over all devices
 
@@ -29,11 +30,16 @@ Byte categories (``BYTE_CATEGORIES``; every step reports all of them, in bytes, 
 * ``a2a``: token bytes of the dispatch all-to-all leaving their source device (the combine all-to-all
   mirrors it); ``a2a_inter``: the part of ``a2a`` that crosses nodes. Zero unless ``token_bytes`` > 0.
 
+A step keeps its plan sparse: ``traffic`` comes from `dispatch.dispatch_traffic` in O(E·D), and the dense
+plan ``R`` (O(E·D²): 32 GiB at 1,024 devices) is built only when read, from the placement and the
+dispatched tokens (``step.tokens_ED``, the gate's unless the policy changes the routing).
+
 Legend: E experts, D devices, N nodes, L layers.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -41,7 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from themis_compile.planner.cost import PlanCost, fluid_device_load
-from themis_compile.planner.dispatch import check_tokens, even_dispatch, topology_aware_dispatch
+from themis_compile.planner.dispatch import DispatchTraffic, check_tokens, dispatch_traffic, topology_aware_dispatch
 from themis_compile.planner.materialize import calibrate, check_count, check_loads, sparse_materialization
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.sharding import heterogeneous_sharding, homogeneous_sharding
@@ -64,9 +70,17 @@ class PolicyStep:
 
     placement: Placement
     shard: Placement
-    R: np.ndarray
+    traffic: DispatchTraffic
     bytes_moved: dict[str, int]
     info: dict[str, object] = field(default_factory=dict)
+    tokens_ED: np.ndarray | None = field(default=None, repr=False, compare=False)   # the dispatched counts
+    dispatch_topology: Topology | None = field(default=None, repr=False)          # the plan's (Alg. 3) nodes
+
+    @functools.cached_property
+    def R(self) -> np.ndarray:
+        """The dense [E, D, D] int64 plan, built when first read (O(E·D²): for small clusters and tests;
+        the simulator reads `traffic`)."""
+        return topology_aware_dispatch(self.placement, self.tokens_ED, self.dispatch_topology)
 
 
 def _allreduce_bytes(placement: Placement, expert_bytes: float) -> int:
@@ -122,19 +136,21 @@ class Policy:
         raise NotImplementedError
 
     # ----------------------------------------------------------------------------------- helpers
-    def _step(self, placement: Placement, shard: Placement, R_EDD: np.ndarray, info: dict | None = None,
-              **bytes_moved: float) -> PolicyStep:
+    def _step(self, placement: Placement, shard: Placement, tokens_ED: np.ndarray, info: dict | None = None, *,
+              dispatch_topology: Topology | None = None, **bytes_moved: float) -> PolicyStep:
+        """The step that dispatches ``tokens_ED`` against ``placement`` by Alg. 3 on ``dispatch_topology``
+        (default: the cluster's), its traffic classified on the cluster's nodes."""
         moved = {name: 0 for name in BYTE_CATEGORIES}
         for name, value in bytes_moved.items():
             if name not in moved:
                 raise ValueError(f"unknown byte category {name!r}")
             moved[name] = int(round(value))
+        plan_topology = self.topology if dispatch_topology is None else dispatch_topology
+        traffic = dispatch_traffic(placement, tokens_ED, plan_topology, links=self.topology)
         if self.token_bytes > 0:
-            flow_DD = R_EDD.sum(axis=0)
-            np.fill_diagonal(flow_DD, 0)
-            moved["a2a"] = int(round(int(flow_DD.sum()) * self.token_bytes))
-            moved["a2a_inter"] = int(round(int(flow_DD[~self.topology.same_node].sum()) * self.token_bytes))
-        return PolicyStep(placement, shard, R_EDD, moved, info or {})
+            moved["a2a"] = int(round(traffic.sent() * self.token_bytes))
+            moved["a2a_inter"] = int(round(traffic.inter_node_sent() * self.token_bytes))
+        return PolicyStep(placement, shard, traffic, moved, info or {}, tokens_ED, plan_topology)
 
     def _pairs_bytes(self, placement: Placement, shard: Placement) -> int:
         return int(round(placement.delta(shard).num_pairs() * self.expert_bytes))
@@ -185,11 +201,10 @@ class ThemisPolicy(Policy):
         if self.calibration:                                                               # §4.2
             placement = calibrate(shard, materialized, tokens_ED.sum(axis=1), t, m, self.topology,
                                   self.cost, tokens_ED=tokens_ED)
-        R_EDD = topology_aware_dispatch(placement, tokens_ED, self.topology)                # Alg. 3
         spag = self._pairs_bytes(materialized, shard)
         calib = self._pairs_bytes(placement, materialized)
         total = spag + calib
-        return self._step(placement, shard, R_EDD, {"calibrated": placement is not materialized},
+        return self._step(placement, shard, tokens_ED, {"calibrated": placement is not materialized},  # Alg. 3
                           spag=spag, spag_calibration=calib, sprs=total,
                           spag_remat=total if self.rematerialize else 0, reshard=reshard_bytes)
 
@@ -206,7 +221,7 @@ class EPPolicy(Policy):
 
     def _plan(self, layer: int, iteration: int, predicted_load_E: np.ndarray,
               tokens_ED: np.ndarray) -> PolicyStep:
-        return self._step(self.shard, self.shard, topology_aware_dispatch(self.shard, tokens_ED, self.topology))
+        return self._step(self.shard, self.shard, tokens_ED)
 
 
 class UniformPolicy(EPPolicy):
@@ -224,8 +239,7 @@ class UniformPolicy(EPPolicy):
         q_D, r_D = np.divmod(tokens_ED.sum(axis=0), E)
         rot_ED = (np.arange(E)[:, None] - np.arange(D)[None, :]) % E
         uniform_ED = q_D[None, :] + (rot_ED < r_D[None, :])
-        return self._step(self.shard, self.shard, topology_aware_dispatch(self.shard, uniform_ED, self.topology),
-                          {"tokens_ED": uniform_ED})
+        return self._step(self.shard, self.shard, uniform_ED, {"tokens_ED": uniform_ED})
 
 
 # --------------------------------------------------------------------------------------- FasterMoE
@@ -269,9 +283,8 @@ class FasterMoEPolicy(EPPolicy):
         mask_ED = self.shard.mask.copy()
         mask_ED[shadows, :] = True
         placement = Placement(mask_ED)
-        R_EDD = topology_aware_dispatch(placement, tokens_ED, self.topology)
         volume = len(shadows) * (D - 1) * self.expert_bytes
-        return self._step(placement, self.shard, R_EDD, {"shadows": shadows}, broadcast=volume, reduce=volume)
+        return self._step(placement, self.shard, tokens_ED, {"shadows": shadows}, broadcast=volume, reduce=volume)
 
 
 # --------------------------------------------------------------------------------------- SmartMoE
@@ -310,8 +323,7 @@ class SmartMoEPolicy(Policy):
                 owners_E[on_hi[a]], owners_E[on_lo[b]] = lo, hi
                 migrated += 2
         shard = Placement.from_owners(owners_E, self.num_devices)
-        R_EDD = topology_aware_dispatch(shard, tokens_ED, self.topology)
-        return self._step(shard, shard, R_EDD, migration=migrated * (self.expert_bytes + self.optimizer_state_bytes))
+        return self._step(shard, shard, tokens_ED, migration=migrated * (self.expert_bytes + self.optimizer_state_bytes))
 
 
 # --------------------------------------------------------------------------------------- FlexMoE
@@ -333,6 +345,7 @@ class FlexMoEPolicy(Policy):
         self.threshold = float(threshold)
         self.shard = Placement.contiguous(self.num_experts, self.num_devices)
         self.masks_LED = [self.shard.mask.copy() for _ in range(self.num_layers)]
+        self._one_node = Topology.single_node(self.num_devices)     # tokens split over all holders
 
     def _plan(self, layer: int, iteration: int, predicted_load_E: np.ndarray,
               tokens_ED: np.ndarray) -> PolicyStep:
@@ -364,8 +377,7 @@ class FlexMoEPolicy(Policy):
                 mask_ED[hot, target] = True
                 migrated += 1
         placement = Placement(mask_ED)
-        R_EDD = even_dispatch(placement, tokens_ED)
-        return self._step(placement, self.shard, R_EDD,
+        return self._step(placement, self.shard, tokens_ED, dispatch_topology=self._one_node,   # even_dispatch
                           allreduce=_allreduce_bytes(placement, self.expert_bytes),
                           migration=migrated * (self.expert_bytes + self.optimizer_state_bytes))
 
@@ -451,8 +463,7 @@ class EPLBPolicy(Policy):
             migration = new_copies * self.expert_bytes + moved_owners * self.optimizer_state_bytes
             self.placements[layer], self.shards[layer] = new, new_shard
         placement, shard = self.placements[layer], self.shards[layer]
-        R_EDD = topology_aware_dispatch(placement, tokens_ED, self.topology)
-        return self._step(placement, shard, R_EDD, allreduce=_allreduce_bytes(placement, self.expert_bytes),
+        return self._step(placement, shard, tokens_ED, allreduce=_allreduce_bytes(placement, self.expert_bytes),
                           migration=migration)
 
 

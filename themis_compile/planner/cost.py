@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from themis_compile.planner.dispatch import DispatchTraffic
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
 
@@ -134,25 +135,29 @@ def sparse_transfer_time(base: Placement, target: Placement, psi: float, topolog
                            inter_node_bw=inter_node_bw)
 
 
-def all_to_all_time(R_EDD: np.ndarray, token_bytes: float, topology: Topology) -> float:
+def all_to_all_time(R_EDD: np.ndarray | DispatchTraffic, token_bytes: float, topology: Topology) -> float:
     """Lower-bound time of the token all-to-all of plan R (dispatch direction; combine mirrors it).
 
     Every device's intra-node ingress and egress over its link (``intra_node_bw``), and with several
     nodes every node's inter-node ingress and egress over the node's network (``inter_node_bw``); the
     slower of the two. Tokens a device routes to itself do not move.
+
+    ``R_EDD``: the dense plan, or its per-device totals (`dispatch.dispatch_traffic`, classified on
+    ``topology``'s nodes), which give the same time at any size.
     """
-    R_EDD = _check_plan(R_EDD)
-    topology.validate(R_EDD.shape[1])
-    flow_DD = R_EDD.sum(axis=0)
-    np.fill_diagonal(flow_DD, 0)
-    same_DD = topology.same_node
-    intra_DD = np.where(same_DD, flow_DD, 0)
-    t = max(intra_DD.sum(0).max(initial=0), intra_DD.sum(1).max(initial=0)) * token_bytes / topology.intra_node_bw
+    if isinstance(R_EDD, DispatchTraffic):
+        traffic = R_EDD
+        topology.validate(traffic.load_D.size)
+    else:
+        R_EDD = _check_plan(R_EDD)
+        topology.validate(R_EDD.shape[1])
+        traffic = DispatchTraffic.from_plan(R_EDD, topology)
+    t = max(traffic.intra_in_D.max(initial=0), traffic.intra_out_D.max(initial=0)) * token_bytes \
+        / topology.intra_node_bw
     if topology.num_nodes > 1:
         offsets = topology.node_offsets[:-1]
-        inter_DD = np.where(same_DD, 0, flow_DD)
-        node_in_N = np.add.reduceat(inter_DD.sum(0), offsets)
-        node_out_N = np.add.reduceat(inter_DD.sum(1), offsets)
+        node_in_N = np.add.reduceat(traffic.inter_in_D, offsets)
+        node_out_N = np.add.reduceat(traffic.inter_out_D, offsets)
         t = max(t, max(node_in_N.max(), node_out_N.max()) * token_bytes / topology.inter_node_bw)
     return float(t)
 

@@ -30,17 +30,39 @@ scatter; only replicated experts go through the split. Besides the full plan, `d
 rows R[:, d, :] of chosen sources (what one rank needs to route its own tokens) and
 `dispatch_device_load` the tokens every device computes, both without building the [E, D, D] plan.
 
+Sparse totals (`dispatch_traffic`, `dispatch_expert_load`; what the simulator charges at any size): the
+[E, D, D] plan is O(E·D²) — 32 GiB at 1,024 devices with 4 experts each — but its nonzero entries are
+few and regular, so the totals a cost model needs come straight from T and P' in O(E·D) time and memory:
+
+* an expert with one holder o sends every source's tokens to o: a source's traffic is one [E, D]
+  reduction, and the tokens o receives from its own node are T[e, :] summed over o's node (a gather of
+  E × devices-per-node entries);
+* for a replicated expert, the sources that share a target list (l.10 or l.12) and a link node form a
+  group; the targets of a list are a contiguous run of the expert's ascending holders, the targets on
+  one node a contiguous run inside it, and a source's remainder tokens a cyclic interval of the list
+  (positions ``(e + d) mod k, ..., (e + d + r - 1) mod k``). So what each target receives is the
+  group's Σ q plus how many intervals cover it (a difference array, then a cumulative sum), and what a
+  source sends to its own node is ``q·a`` plus the overlap of its interval with the node's run: O(1)
+  per source and O(k) per group, no [X, D, D] array.
+
+Both are bit-identical to totals of `topology_aware_dispatch`'s plan (integers throughout;
+tests/planner/test_dispatch.py checks them against `DispatchTraffic.from_plan` of the dense plan and of
+`planner.reference`'s).
+
 Backends: when the compiled core ``themis_compile.planner._cplan`` is in use (`planner/backend.py`
 chooses), the three functions fill their numpy output through it, bit-identical to the numpy code kept
 here; both are checked against the readable reference `planner.reference.topology_aware_dispatch`.
 
 Legend: E experts, D devices (d source, d2 destination), N nodes, X replicated experts, S planned
-sources, U the nodes of the planned sources.
+sources, U the nodes of the planned sources; in the sparse totals H the (replicated expert, holder)
+pairs, S their sending (expert, source) pairs, G groups of sources, Y the target slots of the groups,
+J the devices of a node.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -51,7 +73,7 @@ from themis_compile.planner.topology import Topology
 logger = logging.getLogger(__name__)
 
 __all__ = ["topology_aware_dispatch", "dispatch_rows", "dispatch_device_load", "even_dispatch", "check_tokens",
-           "own_row_entries",
+           "own_row_entries", "DispatchTraffic", "dispatch_traffic", "dispatch_expert_load",
            "planner_backend"]
 
 
@@ -267,32 +289,232 @@ def dispatch_rows(placement: Placement, tokens_ED: np.ndarray, topology: Topolog
 
 def dispatch_device_load(placement: Placement, tokens_ED: np.ndarray, topology: Topology) -> np.ndarray:
     """[D] int64 tokens each device computes under the Alg. 3 plan, i.e.
-    ``cost.device_compute_load(topology_aware_dispatch(...))``, without building the [E, D, D] plan."""
+    ``cost.device_compute_load(topology_aware_dispatch(...))``, without building the [E, D, D] plan
+    (numpy: `dispatch_traffic`'s ``load_D``)."""
     core = compiled_core()
     if core is not None:
         return _run_core(core.dispatch_device_load, placement, tokens_ED, topology, placement.num_experts,
                          out=np.empty(placement.num_devices, dtype=np.int64))
-    tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
-    E, D = placement.shape
-    mask_ED = placement.mask
-    single_E = copies_E == 1
-    # One holder: every token of the expert lands there (integer sums, exact).
-    load_D = np.zeros(D, dtype=np.int64)
-    np.add.at(load_D, np.argmax(mask_ED[single_E], axis=1), tokens_ED[single_E].sum(axis=1))
-    rep_X = np.flatnonzero(copies_E > 1)
-    if rep_X.size:
-        holds_XD = mask_ED[rep_X]
-        tokens_XD = tokens_ED[rep_X]
-        split_XDD = _split_replicated(holds_XD, tokens_XD, rep_X, copies_E[rep_X], topology)
-        load_D += split_XDD.sum(axis=0, dtype=np.int64).sum(axis=0)
-        load_D += np.where(holds_XD, tokens_XD, 0).sum(axis=0)            # l.4-5: holders keep theirs
-    return load_D
+    # numpy: the sparse totals (no [X, D, D] split of the replicated experts).
+    return dispatch_traffic(placement, tokens_ED, topology).load_D
 
 
 def even_dispatch(placement: Placement, tokens_ED: np.ndarray) -> np.ndarray:
     """Topology-unaware dispatch used by baselines: a source holding e keeps its tokens, every other
     source splits evenly over all holders of e (same remainder rule as Alg. 3)."""
     return topology_aware_dispatch(placement, tokens_ED, Topology.single_node(placement.num_devices))
+
+
+# =========================================================================================== sparse totals
+@dataclass(frozen=True, eq=False)
+class DispatchTraffic:
+    """Token totals of an Alg. 3 plan per device, split by link (every field [D] int64):
+
+    * ``load_D``: tokens each device computes, Σ_e Σ_d R[e, d, d2] (`cost.device_compute_load`);
+    * ``kept_D``: tokens a device routes to itself, Σ_e R[e, d, d] (they do not move);
+    * ``intra_out_D`` / ``intra_in_D``: tokens a device sends to / receives from the other devices of its
+      node;
+    * ``inter_out_D`` / ``inter_in_D``: tokens a device sends to / receives from devices on other nodes.
+
+    Nodes are those of the topology the traffic is classified on (``links`` of `dispatch_traffic`).
+    """
+
+    load_D: np.ndarray
+    kept_D: np.ndarray
+    intra_out_D: np.ndarray
+    intra_in_D: np.ndarray
+    inter_out_D: np.ndarray
+    inter_in_D: np.ndarray
+
+    @classmethod
+    def from_plan(cls, R_EDD: np.ndarray, links: Topology) -> DispatchTraffic:
+        """The totals of a dense plan R[e, d, d2]: the definition `dispatch_traffic` is held to."""
+        flow_DD = np.asarray(R_EDD).sum(axis=0, dtype=np.int64)
+        load_D = flow_DD.sum(axis=0)
+        kept_D = np.diagonal(flow_DD).copy()
+        np.fill_diagonal(flow_DD, 0)
+        intra_DD = np.where(links.same_node, flow_DD, 0)
+        inter_DD = flow_DD - intra_DD
+        return cls(load_D, kept_D, intra_DD.sum(axis=1), intra_DD.sum(axis=0), inter_DD.sum(axis=1),
+                   inter_DD.sum(axis=0))
+
+    def sent(self) -> int:
+        """Tokens that leave their source device (the dispatch all-to-all; the combine mirrors it)."""
+        return int(self.intra_out_D.sum()) + int(self.inter_out_D.sum())
+
+    def inter_node_sent(self) -> int:
+        """The part of `sent` that crosses nodes."""
+        return int(self.inter_out_D.sum())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DispatchTraffic):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+
+
+def _overlap(a: np.ndarray | int, b: np.ndarray, c: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Length of [a, b) ∩ [c, d), elementwise (0 when they do not meet)."""
+    return np.maximum(np.minimum(b, d) - np.maximum(a, c), 0)
+
+
+def _replicated_slots(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np.ndarray, topology: Topology,
+                      links: Topology) -> tuple[np.ndarray, ...]:
+    """Alg. 3 l.6-12 for the experts ``experts_X`` (several holders each) in sparse form (see the module
+    docstring): what every target receives and what every source sends, without the [X, D, D] plan.
+
+    Returns ``(x_Y, dest_Y, recv_Y, intra_Y, src_S, intra_S, tokens_S)``: per target slot the expert's
+    position in ``experts_X``, the holder, the tokens it receives from one group of sources and whether
+    they come from its own node of ``links``; per sending (expert, source) pair the source, the tokens it
+    sends to its own node of ``links`` and all the tokens it sends. Holders keep their own tokens (l.4-5)
+    and appear in neither.
+    """
+    X, D = holds_XD.shape
+    # Step 1: the holders, ascending: those of x are H[first_X[x] : first_X[x] + c_X[x]], and those on
+    # plan node p the run of h_XP[x, p] from start_XP[x, p] (devices of a node are contiguous ids).
+    hx_H, hd_H = np.nonzero(holds_XD)
+    c_X = np.bincount(hx_H, minlength=X)
+    first_X = np.cumsum(c_X) - c_X
+    h_XP = np.add.reduceat(holds_XD, topology.node_offsets[:-1], axis=1, dtype=np.int64)
+    start_XP = first_X[:, None] + np.cumsum(h_XP, axis=1) - h_XP
+    # Step 2: the sending pairs (a source with tokens for x that it does not hold) and their target lists.
+    sx_S, src_S = np.nonzero(~holds_XD & (tokens_XD > 0))
+    tokens_S = tokens_XD[sx_S, src_S]
+    p_S = topology.node_ids[src_S]
+    h_S = h_XP[sx_S, p_S]
+    local_S = h_S > 0                                                        # l.8-9: D^elocal ≠ ∅
+    k_S = np.where(local_S, h_S, c_X[sx_S])                                  # l.10 / l.12
+    list_S = np.where(local_S, start_XP[sx_S, p_S], first_X[sx_S])           # the list's first holder in H
+    # The list's targets on the source's own link node: list positions [u0, u1).
+    l_S = links.node_ids[src_S]
+    key_H = hx_H * D + hd_H                                                   # ascending
+    u0_S = np.clip(np.searchsorted(key_H, sx_S * D + links.node_offsets[l_S]) - list_S, 0, k_S)
+    u1_S = np.clip(np.searchsorted(key_H, sx_S * D + links.node_offsets[l_S + 1]) - list_S, 0, k_S)
+    # Step 3: the even split; list positions s .. s + r - 1 (mod k) get one token more, s = (e + d) mod k.
+    q_S, r_S = np.divmod(tokens_S, k_S)
+    s_S = (experts_X[sx_S] + src_S) % k_S
+    end_S = s_S + r_S
+    extra_S = _overlap(s_S, np.minimum(end_S, k_S), u0_S, u1_S) + _overlap(0, np.maximum(end_S - k_S, 0), u0_S, u1_S)
+    intra_S = q_S * (u1_S - u0_S) + extra_S
+    # Step 4: groups of sources with one target list and one own-node run receive alike.
+    order_S = np.lexsort((u1_S, u0_S, k_S, list_S))
+    new_S = np.ones(order_S.size, dtype=bool)
+    for key_S in (list_S, k_S, u0_S, u1_S):
+        new_S[1:] |= key_S[order_S][1:] != key_S[order_S][:-1]
+    g_S = np.empty(order_S.size, dtype=np.int64)
+    g_S[order_S] = np.cumsum(new_S) - 1
+    head_G = order_S[new_S]
+    list_G, k_G, u0_G, u1_G = list_S[head_G], k_S[head_G], u0_S[head_G], u1_S[head_G]
+    # Step 5: every target of a group gets the group's Σ q, plus one per remainder interval that covers it
+    # (a difference array over the group's k slots and a sentinel that closes the intervals).
+    base_G = np.cumsum(k_G + 1) - (k_G + 1)
+    n_slots = int((k_G + 1).sum())
+    q_G = np.zeros(head_G.size, dtype=np.int64)
+    np.add.at(q_G, g_S, q_S)
+    rem = r_S > 0
+    b_R, s_R, end_R, k_R = base_G[g_S[rem]], s_S[rem], end_S[rem], k_S[rem]
+    wrap_R = end_R > k_R
+    plus = np.concatenate((b_R + s_R, b_R[wrap_R]))
+    minus = np.concatenate((b_R + np.minimum(end_R, k_R), b_R[wrap_R] + end_R[wrap_R] - k_R[wrap_R]))
+    cover = np.cumsum(np.bincount(plus, minlength=n_slots) - np.bincount(minus, minlength=n_slots))
+    g_Y = np.repeat(np.arange(head_G.size, dtype=np.int64), k_G)
+    j_Y = np.arange(g_Y.size, dtype=np.int64) - np.repeat(base_G - np.arange(head_G.size), k_G)
+    recv_Y = q_G[g_Y] + cover[base_G[g_Y] + j_Y]
+    dest_Y = hd_H[list_G[g_Y] + j_Y]
+    intra_Y = (u0_G[g_Y] <= j_Y) & (j_Y < u1_G[g_Y])
+    return hx_H[list_G[g_Y]], dest_Y, recv_Y, intra_Y, src_S, intra_S, tokens_S
+
+
+def _single_holder_traffic(mask_ED: np.ndarray, tokens_ED: np.ndarray, copies_E: np.ndarray, links: Topology,
+                           t: DispatchTraffic) -> None:
+    """Add the experts with one holder to ``t``: every source's tokens go to the holder o (l.5, l.12)."""
+    D = mask_ED.shape[1]
+    single_O = np.flatnonzero(copies_E == 1)
+    if not single_O.size:
+        return
+    # Row reductions of the whole [E, D] arrays, then indexed: no [O, D] copy.
+    owner_O = np.argmax(mask_ED, axis=1)[single_O]
+    total_O = tokens_ED.sum(axis=1)[single_O]
+    # The tokens of o's own node: T[e, offset + j] for the J devices of that node ([O, J] gather).
+    node_O = links.node_ids[owner_O]
+    J = max(links.devices_per_node)
+    cols_OJ = links.node_offsets[node_O][:, None] + np.arange(J)
+    on_node_OJ = cols_OJ < links.node_offsets[node_O + 1][:, None]
+    local_OJ = np.where(on_node_OJ, tokens_ED[single_O[:, None], np.minimum(cols_OJ, D - 1)], 0)
+    local_O = local_OJ.sum(axis=1)
+    kept_O = tokens_ED[single_O, owner_O]
+    np.add.at(t.load_D, owner_O, total_O)
+    np.add.at(t.kept_D, owner_O, kept_O)
+    np.add.at(t.intra_in_D, owner_O, local_O - kept_O)
+    np.add.at(t.inter_in_D, owner_O, total_O - local_O)
+    # Sources: what each device sends to holders on its node (the gathered blocks' columns, less what it
+    # keeps) and to the others (the rest of its column sum over these experts).
+    to_node_D = np.zeros(D, dtype=np.int64)
+    np.add.at(to_node_D, cols_OJ[on_node_OJ], local_OJ[on_node_OJ])
+    kept_D = np.zeros(D, dtype=np.int64)
+    np.add.at(kept_D, owner_O, kept_O)
+    others = np.flatnonzero(copies_E != 1)
+    if others.size < single_O.size:                       # copy the smaller set of rows
+        column_D = tokens_ED.sum(axis=0) - (tokens_ED[others].sum(axis=0) if others.size else 0)
+    else:
+        column_D = tokens_ED[single_O].sum(axis=0)
+    t.intra_out_D[:] += to_node_D - kept_D
+    t.inter_out_D[:] += column_D - to_node_D
+
+
+def dispatch_traffic(placement: Placement, tokens_ED: np.ndarray, topology: Topology,
+                     links: Topology | None = None) -> DispatchTraffic:
+    """The per-device totals of the Alg. 3 plan, ``DispatchTraffic.from_plan(topology_aware_dispatch(
+    placement, tokens_ED, topology), links)``, bit for bit, in O(E·D) without the [E, D, D] plan (see
+    the module docstring).
+
+    ``links``: the topology whose nodes classify the traffic as intra- or inter-node (default
+    ``topology``). `even_dispatch`'s plan is ``topology = Topology.single_node(D)`` on the cluster's links.
+    ValueError as for `topology_aware_dispatch`.
+    """
+    tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
+    links = topology if links is None else links
+    E, D = placement.shape
+    links.validate(D)
+    t = DispatchTraffic(*(np.zeros(D, dtype=np.int64) for _ in range(6)))
+    mask_ED = placement.mask
+    # Step 1: experts with one holder.
+    _single_holder_traffic(mask_ED, tokens_ED, copies_E, links, t)
+    # Step 2: replicated experts: holders keep their tokens (l.4-5), the others split (l.6-12).
+    rep_X = np.flatnonzero(copies_E > 1)
+    if rep_X.size:
+        holds_XD, tokens_XD = mask_ED[rep_X], tokens_ED[rep_X]
+        kept_D = np.where(holds_XD, tokens_XD, 0).sum(axis=0)
+        _, dest_Y, recv_Y, intra_Y, src_S, intra_S, tokens_S = _replicated_slots(holds_XD, tokens_XD, rep_X,
+                                                                                 topology, links)
+        t.kept_D[:] += kept_D
+        t.load_D[:] += kept_D
+        np.add.at(t.load_D, dest_Y, recv_Y)
+        np.add.at(t.intra_in_D, dest_Y[intra_Y], recv_Y[intra_Y])
+        np.add.at(t.inter_in_D, dest_Y[~intra_Y], recv_Y[~intra_Y])
+        np.add.at(t.intra_out_D, src_S, intra_S)
+        np.add.at(t.inter_out_D, src_S, tokens_S - intra_S)
+    for f in fields(t):
+        getattr(t, f.name).setflags(write=False)
+    return t
+
+
+def dispatch_expert_load(placement: Placement, tokens_ED: np.ndarray, topology: Topology) -> np.ndarray:
+    """[E, D] int64 tokens each device computes for each expert under the Alg. 3 plan,
+    ``topology_aware_dispatch(...).sum(axis=1)``, bit for bit, in O(E·D) (see the module docstring)."""
+    tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
+    E, D = placement.shape
+    mask_ED = placement.mask
+    load_ED = np.zeros((E, D), dtype=np.int64)
+    single_O = np.flatnonzero(copies_E == 1)
+    if single_O.size:
+        load_ED[single_O, np.argmax(mask_ED[single_O], axis=1)] = tokens_ED[single_O].sum(axis=1)
+    rep_X = np.flatnonzero(copies_E > 1)
+    if rep_X.size:
+        holds_XD, tokens_XD = mask_ED[rep_X], tokens_ED[rep_X]
+        load_ED[rep_X] = np.where(holds_XD, tokens_XD, 0)
+        x_Y, dest_Y, recv_Y, *_ = _replicated_slots(holds_XD, tokens_XD, rep_X, topology, topology)
+        np.add.at(load_ED, (rep_X[x_Y], dest_Y), recv_Y)
+    return load_ED
 
 
 def own_row_entries(owners_E: np.ndarray, full_J: np.ndarray, replicas_X: np.ndarray, tokens_E: np.ndarray,

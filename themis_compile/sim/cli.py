@@ -11,7 +11,7 @@ from themis_compile.cost_model.cluster import get_cluster
 from themis_compile.sim.engine import DEFAULT_POLICIES, simulate
 from themis_compile.sim.paper import format_paper_report, format_weak_scaling, paper_report, weak_scaling
 from themis_compile.sim.report import chrome_trace, format_tables, write_plots
-from themis_compile.sim.setup import build_setup, read_profile, resolve_model_config
+from themis_compile.sim.setup import MAX_SIM_BYTES, build_setup, read_profile, resolve_model_config
 from themis_compile.sim.traces import model_cv, read_jsonl, synthetic_trace
 
 __all__ = ["main"]
@@ -20,7 +20,8 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="themis-compile simulate",
                                 description="Simulate Themis and the baselines on a cluster (paper §5).")
-    p.add_argument("--model", default="phi-3.5-moe", help="preset name or package.module:factory")
+    p.add_argument("--model", default=None,
+                   help="preset name or package.module:factory (default phi-3.5-moe; --weak-scaling: deepseek-v3)")
     p.add_argument("--cluster", default="A", help="A, B, or a .toml/.json cluster file")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the cluster's, 4)")
     p.add_argument("--devices-per-node", type=int, default=None, help="override GPUs per node")
@@ -53,8 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--paper", action="store_true", help="the reproduction report against the paper's figures")
     p.add_argument("--quick", action="store_true", help="with --paper: two models only")
     p.add_argument("--weak-scaling", default=None, metavar="D,D,...",
-                   help="Fig. 13b past the paper's scale: DeepSeek-V3 on Cluster A at these device counts "
-                        "(e.g. 16,64,256; default 12 iterations)")
+                   help="Fig. 13b past the paper's scale: --model (default deepseek-v3; E grows with the devices) "
+                        "on Cluster A at these device counts (e.g. 32,256,1024,4096; default 12 iterations)")
+    p.add_argument("--max-memory-gb", type=float, default=None,
+                   help="refuse sizes whose simulation would need more memory (GiB; default "
+                        f"{MAX_SIM_BYTES / 2 ** 30:.0f})")
     return p
 
 
@@ -62,10 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     """``themis-compile simulate ...`` (see ``--help``)."""
     args = _parser().parse_args(argv)
     progress = not args.no_progress
+    max_memory = None if args.max_memory_gb is None else args.max_memory_gb * 2 ** 30
     if args.weak_scaling is not None:
         try:
             sizes = [int(x) for x in args.weak_scaling.split(",") if x.strip()]
-            rows = weak_scaling(sizes, iterations=args.iterations or 12, progress=progress)
+            rows = weak_scaling(sizes, iterations=args.iterations or 12, model=args.model or "deepseek-v3",
+                                progress=progress, max_memory_bytes=max_memory)
         except ValueError as exc:
             raise SystemExit(f"themis-compile simulate: --weak-scaling: {exc}") from exc
         print(json.dumps(rows, indent=2) if args.json else format_weak_scaling(rows))
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         if "ep" not in policies:
             policies.insert(0, "ep")        # the reference of every relative figure
-        cfg = resolve_model_config(args.model, devices=cluster.num_devices, cluster=cluster.name,
+        cfg = resolve_model_config(args.model or "phi-3.5-moe", devices=cluster.num_devices, cluster=cluster.name,
                                    seq_len=args.seq_len)
         if args.top_k is not None:
             cfg = cfg.replace(top_k=args.top_k)
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
                             memory_budget_bytes=None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9,
                             overlap_degree=args.overlap_degree, materialization_budget=args.materialization_budget,
                             reshard_interval=args.reshard_interval, attention_efficiency=args.attention_efficiency,
-                            profile=read_profile(args.profile) if args.profile else None)
+                            profile=read_profile(args.profile) if args.profile else None,
+                            max_memory_bytes=max_memory)
         if args.trace:
             trace = read_jsonl(args.trace)
             iterations = args.iterations or len(trace.steps)

@@ -1,7 +1,9 @@
 """The simulator's engine: replay a routing trace through each policy's planner and charge the cost model.
 
 Every placement decision comes from the planner (`themis_compile.planner.make_policy`, wrapped by
-`themis_compile.sim.policies`); this module charges time and memory for the plans the policies return:
+`themis_compile.sim.policies`); this module charges time and memory for the plans the policies return,
+read as their per-device totals (`PolicyStep.traffic`, O(E·D): the dense [E, D, D] plan R is never
+built, which keeps 4,096 devices within a few GiB):
 
 * expert compute from FLOPs at the cluster's stated efficiency, per device from the dispatch plan R
   (forward; backward costs twice the forward);
@@ -58,9 +60,9 @@ def _layer_cost(coster: Coster, charges: PolicyCharges, layer: int, step: Policy
     s = coster.setup
     lc = LayerCost()
     # The planner's all-to-all model; the bytes are the policy's own count of the same flows.
-    lc.a2a_s = all_to_all_time(step.R, s.token_bytes, coster.topo) + s.cluster.collective_latency_s
+    lc.a2a_s = all_to_all_time(step.traffic, s.token_bytes, coster.topo) + s.cluster.collective_latency_s
     lc.a2a_bytes, lc.a2a_inter_bytes = step.bytes_moved["a2a"], step.bytes_moved["a2a_inter"]
-    load_D = step.R.sum(axis=(0, 1))
+    load_D = step.traffic.load_D
     lc.comp_mean_s = float(load_D.mean()) * s.time_per_token_s
     lc.comp_max_s = float(load_D.max()) * s.time_per_token_s
     charges.charge(coster, layer, step, predicted_E, lc)
@@ -209,7 +211,7 @@ class SimResult:
 
 def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES, *,
              iterations: int | None = None, warmup: int | None = None, trace_iteration: int | None = None,
-             early_reshard: bool = True, progress: bool = False) -> SimResult:
+             early_reshard: bool = True, progress: bool = False, progress_label: str | None = None) -> SimResult:
     """Replay ``trace`` through each policy's planner and charge the cost model.
 
     Args:
@@ -222,7 +224,7 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
         trace_iteration: the iteration whose timeline is kept for the chrome trace (default: the last).
         early_reshard: measure Themis in its steady state: its first Alg. 2 re-sharding runs in the last
             warm-up iteration (with the predictor's loads), later ones every ``reshard_interval``.
-        progress: a tqdm progress bar on stderr.
+        progress: a tqdm progress bar on stderr (``progress_label`` in front of it, default "simulating").
     """
     if trace.num_experts != setup.num_experts:
         raise ValueError(f"the trace has {trace.num_experts} experts but the model has {setup.num_experts}")
@@ -247,7 +249,7 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
         run.charges.begin(warmup, early_reshard)
     predictor = LoadPredictor(L, setup.num_experts, window=5)
     skews = []
-    bar = _progress(n_it * len(runs), progress)
+    bar = _progress(n_it * len(runs), progress, progress_label or "simulating")
     started = time.perf_counter()
     try:
         for it in range(n_it):
@@ -260,9 +262,10 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
                 if bar is not None:
                     bar.update(1)
             for layer in range(L):
-                predictor.update(layer, tokens_LED[layer].sum(axis=1))
+                load_E = tokens_LED[layer].sum(axis=1, dtype=np.int64)
+                predictor.update(layer, load_E)
                 if measured:
-                    skews.append(load_skew(tokens_LED[layer].sum(axis=1)))
+                    skews.append(load_skew(load_E))
     finally:
         if bar is not None:
             bar.close()
@@ -353,7 +356,7 @@ def _memory(charges: PolicyCharges, setup: SimSetup, owned: int, sum_max: int, l
     return {"Param": float(param), "Grad": float(grad), "Opt": float(opt), "Total": float(param + grad + opt)}
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _progress(total: int, enabled: bool, label: str) -> Any:
     if not enabled:
         return None
     try:
@@ -361,6 +364,6 @@ def _progress(total: int, enabled: bool) -> Any:
     except ImportError:  # the progress bar is optional
         logger.info("tqdm is not installed; no progress bar")
         return None
-    return tqdm(total=total, file=sys.stderr, desc="simulating", unit="policy-iter", leave=False)
+    return tqdm(total=total, file=sys.stderr, desc=label, unit="policy-iter", leave=False)
 
 

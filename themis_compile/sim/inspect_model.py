@@ -36,7 +36,8 @@ from themis_compile.sim.setup import (
 )
 from themis_compile.sim.traces import PAPER_CV, model_cv, synthetic_trace
 from themis_compile.cost_model.volume import sparse_all_gather_volume
-from themis_compile.planner import Placement, sparse_materialization, topology_aware_dispatch
+from themis_compile.planner import Placement, sparse_materialization
+from themis_compile.planner.dispatch import dispatch_expert_load
 from themis_compile.planner.cost import sparse_transfer_time
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ __all__ = ["inspect_model", "sample_plan", "symbolic_report", "plot_plan", "main
 
 def sample_plan(setup: SimSetup, *, cv: float = PAPER_CV, seed: int = 0, rematerialize: bool = False,
                 overlap_degree: int | None = None) -> tuple[Placement, Placement, np.ndarray, np.ndarray]:
-    """(P, P', tokens_ED, R_EDD) for one layer: EP's shard placement, Alg. 1 on a synthetic skewed load
-    with the setup's t (or ``overlap_degree``) and m, and Alg. 3's dispatch plan."""
+    """(P, P', tokens_ED, load_ED) for one layer: EP's shard placement, Alg. 1 on a synthetic skewed load
+    with the setup's t (or ``overlap_degree``) and m, and the tokens each device computes for each expert
+    under Alg. 3's dispatch plan (``R.sum(axis=1)``, from the sparse `dispatch_expert_load`)."""
     cfg, topo = setup.model, setup.topology()
     trace = synthetic_trace(1, cfg.num_experts, setup.num_devices, setup.tokens_per_device, cfg.top_k, 1,
                             cv=cv, seed=seed)
@@ -56,8 +58,8 @@ def sample_plan(setup: SimSetup, *, cv: float = PAPER_CV, seed: int = 0, remater
     m = setup.materialization_budget_rm if rematerialize else setup.materialization_budget
     t = setup.overlap_degree if overlap_degree is None else int(overlap_degree)
     placement = sparse_materialization(shard, tokens_ED.sum(axis=1), t, m, topo)                       # Alg. 1
-    R_EDD = topology_aware_dispatch(placement, tokens_ED, topo)                                        # Alg. 3
-    return shard, placement, tokens_ED, R_EDD
+    load_ED = dispatch_expert_load(placement, tokens_ED, topo)                                         # Alg. 3
+    return shard, placement, tokens_ED, load_ED
 
 
 def inspect_model(setup: SimSetup, *, profile: dict[str, Any] | None = None, cv: float = PAPER_CV,
@@ -91,9 +93,9 @@ def inspect_model(setup: SimSetup, *, profile: dict[str, Any] | None = None, cv:
             "sprs_s": sprs_s, "sprs_window_s": 2.0 * t_attn, "sprs_exposed_s": max(0.0, sprs_s - 2.0 * t_attn),
             "sprs_remat_exposed_s": max(0.0, sprs_s + spag_s - 2.0 * t_attn),
         })
-    shard, placement, tokens_ED, R_EDD = sample_plan(setup, cv=cv, seed=seed)
+    shard, placement, tokens_ED, load_ED = sample_plan(setup, cv=cv, seed=seed)
     vol = sparse_all_gather_volume(shard, placement, int(setup.psi), topo)
-    load_D = R_EDD.sum(axis=(0, 1))
+    load_D = load_ED.sum(axis=0)
     ep_load_D = np.bincount(shard.owners(), weights=tokens_ED.sum(axis=1), minlength=setup.num_devices)
     return {
         "model": cfg.name, "cluster": cluster.name, "num_nodes": cluster.num_nodes,
@@ -131,10 +133,9 @@ def plot_plan(setup: SimSetup, path: str | Path, *, cv: float = PAPER_CV, seed: 
     """PNG heat maps (device × expert): the shard placement P under EP's dispatch and the sample plan P'
     under Alg. 3 — colour is the tokens a device computes for an expert, dots mark added replicas."""
     plt = agg_pyplot()
-    shard, placement, tokens_ED, R_EDD = sample_plan(setup, cv=cv, seed=seed)
+    shard, placement, tokens_ED, th_ED = sample_plan(setup, cv=cv, seed=seed)
     topo = setup.topology()
-    ep_ED = topology_aware_dispatch(shard, tokens_ED, topo).sum(axis=1)
-    th_ED = R_EDD.sum(axis=1)
+    ep_ED = dispatch_expert_load(shard, tokens_ED, topo)
     vmax = max(ep_ED.max(), th_ED.max(), 1)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, comp_ED, title in ((axes[0], ep_ED, "shard placement P (EP)"),

@@ -7,6 +7,8 @@ Each row carries ours/paper, and a row outside ±20 % carries the modeling assum
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import numpy as np
@@ -14,10 +16,10 @@ import numpy as np
 from themis_compile.cost_model.cluster import Cluster, get_cluster
 from themis_compile.models.presets import PAPER_PRESETS
 from themis_compile.sim.engine import DEFAULT_POLICIES, SimResult, simulate
-from themis_compile.sim.setup import build_setup, resolve_model_config
+from themis_compile.sim.setup import build_setup, check_simulation_size, resolve_model_config
 from themis_compile.sim.traces import PAPER_CV, RoutingTrace, model_cv, synthetic_trace
 
-__all__ = ["TOLERANCE", "MAX_PLAN_BYTES", "run_config", "paper_report", "format_paper_report", "weak_scaling",
+__all__ = ["TOLERANCE", "run_config", "paper_report", "format_paper_report", "weak_scaling",
            "format_weak_scaling"]
 
 TOLERANCE = 0.2
@@ -28,10 +30,11 @@ _PLAN_US = (24.0, 51.0)
 def run_config(model_name: str, cluster: Cluster, *, policies: tuple[str, ...] | list[str] = DEFAULT_POLICIES,
                iterations: int = 30, cv: float | None = None, drift: float | None = None, seed: int = 0,
                batch: int | None = None, top_k: int | None = None, trace: RoutingTrace | None = None,
-               max_layers: int | None = None, progress: bool = False, **setup_kwargs: Any) -> SimResult:
+               max_layers: int | None = None, progress: bool = False, progress_label: str | None = None,
+               **setup_kwargs: Any) -> SimResult:
     """Build a setup for a preset (or factory) on ``cluster``, a synthetic trace unless one is given,
     and simulate. ``cv`` defaults to the model's (`traces.model_cv`); ``max_layers`` caps the MoE layers
-    (for quick runs)."""
+    (for quick runs); ``setup_kwargs`` go to `build_setup`."""
     cfg = resolve_model_config(model_name, devices=cluster.num_devices, cluster=cluster.name)
     if max_layers is not None:
         cfg = cfg.replace(n_layers=min(cfg.n_layers, int(max_layers)))
@@ -42,7 +45,8 @@ def run_config(model_name: str, cluster: Cluster, *, policies: tuple[str, ...] |
         cv = model_cv(cfg.experts_per_device, cfg.num_experts, cluster.num_devices) if cv is None else cv
         trace = synthetic_trace(cfg.n_layers, cfg.num_experts, cluster.num_devices, setup.tokens_per_device,
                                 cfg.top_k, iterations, cv=cv, drift=drift, seed=seed, model=cfg.name)
-    return simulate(setup, trace, policies, iterations=min(iterations, len(trace.steps)), progress=progress)
+    return simulate(setup, trace, policies, iterations=min(iterations, len(trace.steps)), progress=progress,
+                    progress_label=progress_label)
 
 
 # Per metric: (explanation when ours is higher than the paper's, when it is lower); formatted with the
@@ -207,54 +211,64 @@ def paper_report(iterations: int = 20, progress: bool = False, quick: bool = Fal
     return {"rows": rows, "runs": runs, "fig9": fig9}
 
 
-# The engine charges dense [E, D, D] int64 dispatch plans, one alive at a time: this caps how far the
-# simulated weak scaling goes (E = 4·D for DeepSeek-V3: 537 MB at 256 devices, 34 GB at 1,024).
-MAX_PLAN_BYTES = 2e9
-
-
 def weak_scaling(devices: list[int] | tuple[int, ...], *, iterations: int = 12, model: str = "deepseek-v3",
-                 policies: tuple[str, ...] = ("ep", "fastermoe", "themis"), progress: bool = False
-                 ) -> list[dict[str, Any]]:
+                 policies: tuple[str, ...] = ("ep", "fastermoe", "themis"), progress: bool = False,
+                 max_memory_bytes: float | None = None) -> list[dict[str, Any]]:
     """Fig. 13b's weak scaling past the paper's scale: ``model`` (the paper's DeepSeek-V3, E = 4 experts
-    per device) on Cluster A nodes of 8 devices, with the inputs of `simulate --paper`, at each device
-    count. One row per size: Themis's throughput over EP's and over FasterMoE's, t, m and the mean
-    iteration times.
+    per device; any preset whose E grows with the devices, such as Qwen1.5-MoE's 2) on Cluster A nodes of
+    8 devices, with the inputs of `simulate --paper`, at each device count. One row per size: Themis's
+    throughput over EP's and over FasterMoE's, t, m, the mean iteration times and the wall time.
 
-    Raises ValueError for a size that is not whole nodes, or whose dense dispatch plan exceeds
-    `MAX_PLAN_BYTES` (`python -m themis_compile.bench planner --devices` times the planner there).
+    Raises ValueError for a size that is not whole nodes, or whose simulation would exceed the memory
+    limit (`setup.check_simulation_size`; every size is checked before the first one runs).
     """
-    rows = []
-    for D in devices:
-        D = int(D)
+    sizes = [int(D) for D in devices]
+    for D in sizes:
         if D < 8 or D % 8:
             raise ValueError(f"weak scaling runs whole nodes of 8 devices; got {D} devices")
+        check_simulation_size(resolve_model_config(model, devices=D, cluster="A"), get_cluster("A", D // 8),
+                              max_memory_bytes)
+    rows = []
+    for D in sizes:
         cfg = resolve_model_config(model, devices=D, cluster="A")
-        plan_bytes = 8.0 * cfg.num_experts * D * D
-        if plan_bytes > MAX_PLAN_BYTES:
-            raise ValueError(
-                f"{D} devices: the simulator's dense dispatch plan [E={cfg.num_experts}, D, D] would take "
-                f"{plan_bytes / 1e9:.1f} GB (limit {MAX_PLAN_BYTES / 1e9:.0f} GB); time the planner at this "
-                f"size with `python -m themis_compile.bench planner --devices {D}`")
+        started = time.perf_counter()
         res = run_config(model, get_cluster("A", D // 8), policies=policies, iterations=iterations,
-                         progress=progress)
+                         progress=progress, progress_label=f"{D} devices", max_memory_bytes=max_memory_bytes)
         speed = res.speedup_over("ep")
-        row = {"devices": D, "num_experts": cfg.num_experts, "overlap_degree": res.setup.overlap_degree,
+        row = {"model": cfg.name, "devices": D, "num_experts": cfg.num_experts, "num_layers": cfg.n_layers,
+               "overlap_degree": res.setup.overlap_degree,
                "materialization_budget": res.setup.materialization_budget, "iterations": iterations,
                "mean_iteration_s": {n: r.mean_iteration_s for n, r in res.policies.items()},
-               "themis_vs_ep": speed["themis"], "wall_s": res.wall_s}
+               "themis_vs_ep": speed["themis"], "wall_s": time.perf_counter() - started,
+               "peak_rss_bytes": _peak_rss_bytes()}
         if "fastermoe" in speed:
             row["themis_vs_fastermoe"] = speed["themis"] / speed["fastermoe"]
         rows.append(row)
     return rows
 
 
+def _peak_rss_bytes() -> float:
+    """The process's peak resident memory so far (NaN where `resource` is missing): with sizes run in
+    ascending order, each row's is its own size's peak."""
+    try:
+        import resource
+    except ImportError:  # not on every platform
+        return math.nan
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0     # KiB on Linux
+
+
 def format_weak_scaling(rows: list[dict[str, Any]]) -> str:
-    lines = ["Weak scaling (Fig. 13b's setup: DeepSeek-V3, Cluster A, 4 experts per device)", "",
-             f"{'devices':>8}{'experts':>9}{'t':>5}{'m':>6}{'Themis/EP':>11}{'Themis/FasterMoE':>18}"]
+    model = rows[0]["model"] if rows else "deepseek-v3"
+    lines = [f"Weak scaling (Fig. 13b's setup: {model}, Cluster A, experts growing with the devices)", "",
+             f"{'devices':>8}{'experts':>9}{'t':>5}{'m':>6}{'EP ms':>10}{'Themis ms':>11}{'Themis/EP':>11}"
+             f"{'Themis/FasterMoE':>18}{'wall s':>9}{'peak RSS GiB':>14}"]
     for r in rows:
         vs_fm = r.get("themis_vs_fastermoe")
+        it = r["mean_iteration_s"]
         lines.append(f"{r['devices']:>8}{r['num_experts']:>9}{r['overlap_degree']:>5}{r['materialization_budget']:>6}"
-                     f"{r['themis_vs_ep']:>11.2f}{'-' if vs_fm is None else f'{vs_fm:.2f}':>18}")
+                     f"{it['ep'] * 1e3:>10.1f}{it['themis'] * 1e3:>11.1f}"
+                     f"{r['themis_vs_ep']:>11.2f}{'-' if vs_fm is None else f'{vs_fm:.2f}':>18}{r['wall_s']:>9.1f}"
+                     f"{r.get('peak_rss_bytes', math.nan) / 2 ** 30:>14.2f}")
     return "\n".join(lines)
 
 

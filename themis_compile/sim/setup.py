@@ -14,6 +14,9 @@ it (docs/simulator.md tabulates them):
   optimizer states, the activations of its batch and a fixed runtime reserve (`RUNTIME_RESERVE_BYTES`).
 * FlexMoE's reserve: the fraction of device memory Fig. 12's 3.0x implies (`flexmoe_reserve_fraction`).
 
+And one limit of the simulator itself: `check_simulation_size` refuses, with the size and the limit in the
+message, a model and cluster whose [E, D] arrays would not fit in `MAX_SIM_BYTES` (`simulation_bytes`).
+
 Legend: E experts, D devices, L MoE layers, B sequences per device, S sequence length.
 """
 
@@ -42,7 +45,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_BATCH", "PAPER_ATTENTION", "PIPELINE_STAGE_MODELS", "ATTENTION_EFFICIENCY", "RUNTIME_RESERVE_BYTES",
     "SimSetup", "build_setup", "resolve_model_config", "read_profile", "calibrate_attention_efficiency",
-    "fig12_replicas_per_layer", "flexmoe_reserve_fraction",
+    "fig12_replicas_per_layer", "flexmoe_reserve_fraction", "MAX_SIM_BYTES", "simulation_bytes",
+    "check_simulation_size",
 ]
 
 # Sequences per device when none is given: roughly the largest micro-batch whose activations fit beside
@@ -129,6 +133,41 @@ def flexmoe_reserve_fraction(precision: Precision = Precision()) -> float:
 
 ATTENTION_EFFICIENCY = calibrate_attention_efficiency()
 FLEXMOE_RESERVE_FRACTION = flexmoe_reserve_fraction()
+
+
+# =========================================================================================== size
+# The simulator's memory. Its plans are sparse (`planner.dispatch.dispatch_traffic`: per-device totals,
+# no [E, D, D] plan), so what grows is the E·D cells of its [E, D] arrays: one step's token counts per MoE
+# layer (2 bytes a cell), the placements policies keep per layer (1 byte), and the transients of drawing
+# one synthetic record (float64 probabilities, int64 counts) and of planning one layer (int64 counts,
+# masks). Fitted to the peak RSS of `simulate --weak-scaling` at 1,024 and 4,096 devices
+# (docs/simulator.md, "Scale"), with some margin.
+SIM_BASE_BYTES = 1.0 * 2 ** 30          # the interpreter, numpy, torch, per-device arrays
+SIM_BYTES_PER_CELL = 40.0               # per (expert, device) cell, whatever the layers
+SIM_BYTES_PER_LAYER_CELL = 6.0          # per cell and MoE layer
+# Refuse sizes above this (`--max-memory-gb`; tests patch it).
+MAX_SIM_BYTES = 16.0 * 2 ** 30
+
+
+def simulation_bytes(num_experts: int, num_devices: int, num_layers: int) -> float:
+    """Estimated peak memory (bytes) of simulating E experts on D devices with L MoE layers:
+    ``SIM_BASE_BYTES + E·D·(SIM_BYTES_PER_CELL + L·SIM_BYTES_PER_LAYER_CELL)``."""
+    cells = float(num_experts) * float(num_devices)
+    return SIM_BASE_BYTES + cells * (SIM_BYTES_PER_CELL + num_layers * SIM_BYTES_PER_LAYER_CELL)
+
+
+def check_simulation_size(model: MoEModelConfig, cluster: Cluster, limit_bytes: float | None = None) -> None:
+    """ValueError naming the size and the limit when `simulation_bytes` exceeds ``limit_bytes`` (default
+    `MAX_SIM_BYTES`), before anything large is allocated."""
+    limit = MAX_SIM_BYTES if limit_bytes is None else float(limit_bytes)
+    need = simulation_bytes(model.num_experts, cluster.num_devices, model.n_layers)
+    if need > limit:
+        raise ValueError(
+            f"{cluster.num_devices} devices x {model.num_experts} experts x {model.n_layers} MoE layers "
+            f"({model.name}) would need about {need / 2 ** 30:.1f} GiB for the simulator's [E, D] token counts "
+            f"and placements (limit {limit / 2 ** 30:.1f} GiB); raise it with --max-memory-gb on a machine "
+            f"with that much memory, or time the planner alone at this size with "
+            f"`python -m themis_compile.bench planner --devices {cluster.num_devices}`")
 
 
 # =========================================================================================== setup
@@ -257,7 +296,8 @@ def build_setup(model: MoEModelConfig, cluster: Cluster, *, batch: int | None = 
                 precision: Precision = Precision(), memory_budget_bytes: float | None = None,
                 overlap_degree: int | None = None, materialization_budget: int | None = None,
                 replica_slots: int | None = None, reshard_interval: int = 100,
-                attention_efficiency: float | None = None, profile: dict[str, Any] | None = None) -> SimSetup:
+                attention_efficiency: float | None = None, profile: dict[str, Any] | None = None,
+                max_memory_bytes: float | None = None) -> SimSetup:
     """Derive the simulator's inputs (see `SimSetup` and the module docstring).
 
     Defaults: ``batch`` from `DEFAULT_BATCH` (1 for unknown models); T_attn from the model's attention at
@@ -266,8 +306,10 @@ def build_setup(model: MoEModelConfig, cluster: Cluster, *, batch: int | None = 
     t and m from the §4.2 formulas (`analytic.overlap_degree`, `analytic.materialization_budget`);
     FlexMoE reserves `FLEXMOE_RESERVE_FRACTION` of device memory for replica slots with their gradients
     and optimizer state. A ``profile`` (see `read_profile`) replaces T_attn, Ψ and the bandwidths used
-    for t.
+    for t. ValueError when the simulation would exceed ``max_memory_bytes`` (default `MAX_SIM_BYTES`;
+    `check_simulation_size`).
     """
+    check_simulation_size(model, cluster, max_memory_bytes)
     base = _base(model.name)
     batch = int(batch if batch is not None else DEFAULT_BATCH.get(base, 1))
     if batch < 1:

@@ -24,7 +24,10 @@ is held when E grows with the EP degree (weak scaling), so EP's imbalance worsen
 Synthetic traces (`synthetic_trace`) have drifting, skewed loads: p ∝ exp(σ·z), z a per-layer latent
 that drifts as an AR(1) process between steps (innovation ``drift``) plus a fresh per-step ``jitter``
 (the mini-batch's own composition), σ solved so that the CV of p equals the requested ``cv`` exactly
-(after capping p_e at 1/k: a token picks k distinct experts). `trace_statistics` measures what a recorded
+(after capping p_e at 1/k: a token picks k distinct experts). They are generated a step at a time when
+first read (`SyntheticRecords`), from the same random stream as generating them all at once: a large
+cluster's counts do not fit in memory together (one [D, E] record is 134 MB at 4,096 devices, stored in
+the narrowest integer type that holds it). `trace_statistics` measures what a recorded
 trace and a synthetic one are compared by (tests/sim/test_traces.py holds the defaults to a trace the
 demo recorded): CV, lag-1 autocorrelation of the shares, and how often the hottest expert changes.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +49,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 __all__ = ["RoutingRecord", "RoutingTrace", "synthetic_trace", "load_skew", "load_cv", "proportions_with_skew",
-           "trace_statistics", "model_cv", "read_jsonl", "write_jsonl", "PAPER_CV", "PAPER_SHARE_STD",
+           "trace_statistics", "model_cv", "read_jsonl", "write_jsonl", "SyntheticRecords", "PAPER_CV",
+           "PAPER_SHARE_STD",
            "PAPER_MAX_DEVICES", "DEFAULT_DRIFT", "DEFAULT_JITTER"]
 
 # Fig. 16a: Std 0.04 of Qwen1.5-MoE's "per-expert token proportion" (between the 0.034 and 0.046 of its
@@ -114,10 +119,13 @@ class RoutingTrace:
         header: ``{"num_experts", "top_k", "world_size", "model"}`` (any may be missing).
     """
 
-    records: list[RoutingRecord]
+    records: Sequence[RoutingRecord]
     header: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.records, SyntheticRecords):   # generated on demand, consistent by construction
+            self._index: dict[tuple[int, int], RoutingRecord] | None = None
+            return
         if not self.records:
             raise ValueError("a routing trace needs at least one record")
         E = self.records[0].tokens_per_expert.size
@@ -132,15 +140,21 @@ class RoutingTrace:
 
     @property
     def num_experts(self) -> int:
+        if isinstance(self.records, SyntheticRecords):
+            return self.records.num_experts
         return int(self.records[0].tokens_per_expert.size)
 
     @property
     def num_layers(self) -> int:
+        if isinstance(self.records, SyntheticRecords):
+            return self.records.num_layers
         return max(r.layer for r in self.records) + 1
 
     @property
     def steps(self) -> list[int]:
         """Distinct steps, ascending."""
+        if isinstance(self.records, SyntheticRecords):
+            return list(range(self.records.num_steps))
         return sorted({r.step for r in self.records})
 
     @property
@@ -150,6 +164,8 @@ class RoutingTrace:
 
     def record(self, step: int, layer: int) -> RoutingRecord:
         """The record of (step, layer); ValueError when the trace lacks it."""
+        if self._index is None:
+            return self.records.record(step, layer)  # type: ignore[union-attr]
         try:
             return self._index[(step, layer)]
         except KeyError:
@@ -314,30 +330,133 @@ def synthetic_trace(num_layers: int, num_experts: int, num_devices: int, tokens_
         raise ValueError(f"drift must be in [0, 1], got {drift}")
     if device_spread < 0 or cv < 0 or jitter < 0:
         raise ValueError("cv, jitter and device_spread must be >= 0")
-    rng = np.random.default_rng(seed)
-    L, E, D = int(num_layers), int(num_experts), int(num_devices)
-    cap = 1.0 / top_k                       # a token's k assignments go to k distinct experts
-    share_skew = cv / E
-    z_LE = rng.standard_normal((L, E))
-    spread_LDE = device_spread * rng.standard_normal((L, D, E))
-    keep = math.sqrt(1.0 - drift * drift)
-    # The jittered latent keeps unit variance, so that σ (and with it the CV) means the same every step.
-    scale = 1.0 / math.sqrt(1.0 + jitter * jitter)
-    assignments = int(tokens_per_device) * int(top_k)
-    records: list[RoutingRecord] = []
-    for step in range(int(iterations)):
-        if step:
-            z_LE = keep * z_LE + drift * rng.standard_normal((L, E))
-        noisy_LE = scale * (z_LE + jitter * rng.standard_normal((L, E)))
-        for layer in range(L):
-            p_E = proportions_with_skew(noisy_LE[layer], share_skew, cap)
-            p_DE = p_E[None, :] * np.exp(spread_LDE[layer])
-            p_DE /= p_DE.sum(axis=1, keepdims=True)
-            counts_DE = rng.multinomial(assignments, p_DE).astype(np.int64)
-            records.append(RoutingRecord(step, layer, counts_DE.sum(axis=0), counts_DE))
-    header = {"num_experts": E, "top_k": int(top_k), "world_size": D, "model": model, "cv": float(cv),
-              "drift": drift, "jitter": jitter, "synthetic": True}
+    records = SyntheticRecords(int(num_layers), int(num_experts), int(num_devices), int(tokens_per_device) * int(top_k),
+                               int(iterations), cap=1.0 / top_k, share_skew=cv / num_experts, drift=drift,
+                               jitter=jitter, device_spread=device_spread, seed=seed)
+    header = {"num_experts": int(num_experts), "top_k": int(top_k), "world_size": int(num_devices), "model": model,
+              "cv": float(cv), "drift": drift, "jitter": jitter, "synthetic": True}
     return RoutingTrace(records, header)
+
+
+def _narrow(counts: np.ndarray) -> np.ndarray:
+    """``counts`` (non-negative) in the narrowest unsigned integer type that holds them."""
+    top = int(counts.max(initial=0))
+    dtype = np.uint16 if top < 2 ** 16 else np.uint32 if top < 2 ** 32 else np.int64
+    return counts.astype(dtype)
+
+
+class SyntheticRecords(Sequence[RoutingRecord]):
+    """The records of `synthetic_trace`, step-major, each step's L records generated when first read.
+
+    The random stream is consumed in the order of generating everything at once, so the records do not
+    depend on the order they are read in::
+
+        z ← N(0, 1)^[L, E];  spread ← s·N(0, 1)^[L, D, E]                 # once
+        for step: z ← √(1-drift²)·z + drift·ε (step > 0);  z̃ ← (z + jitter·ε') / √(1 + jitter²)
+            for layer: p ← proportions_with_skew(z̃[layer]);  p_DE ∝ p·exp(spread[layer])
+                       counts_DE ← Multinomial(k·B·S, p_DE)
+
+    What is kept is small: the generator's state where each layer's spread starts (the spread is drawn
+    again when needed, instead of holding the [L, D, E] floats, unless they fit in
+    `SPREAD_CACHE_BYTES`), the state and z at the start of every
+    step generated so far (a step is regenerated from there), and the records of the latest steps up to
+    `CACHE_BYTES` (at least the last step's; a small trace stays whole), whose counts are stored as
+    [E, D] in the narrowest integer type (`RoutingRecord.tokens_ED` returns them without a copy;
+    read-only).
+    """
+
+    CACHE_BYTES = 256 * 2 ** 20
+    SPREAD_CACHE_BYTES = 512 * 2 ** 20
+
+    def __init__(self, num_layers: int, num_experts: int, num_devices: int, assignments: int, num_steps: int, *,
+                 cap: float, share_skew: float, drift: float, jitter: float, device_spread: float,
+                 seed: int) -> None:
+        self.num_layers, self.num_experts, self.num_devices = num_layers, num_experts, num_devices
+        self.num_steps = num_steps
+        self._assignments, self._cap, self._share_skew = assignments, cap, share_skew
+        self._drift, self._jitter, self._spread = drift, jitter, device_spread
+        self._keep = math.sqrt(1.0 - drift * drift)
+        # The jittered latent keeps unit variance, so that σ (and with it the CV) means the same every step.
+        self._scale = 1.0 / math.sqrt(1.0 + jitter * jitter)
+        self._rng = np.random.default_rng(seed)
+        z_LE = self._rng.standard_normal((num_layers, num_experts))
+        self._spread_states: list[dict] = []
+        self._spread_cache: list[np.ndarray] | None = None
+        if 8.0 * num_layers * num_devices * num_experts <= self.SPREAD_CACHE_BYTES:
+            self._spread_cache = [np.exp(device_spread * self._rng.standard_normal((num_devices, num_experts)))
+                                  for _ in range(num_layers)]
+        else:
+            for _ in range(num_layers):        # advance past the spread, one layer at a time
+                self._spread_states.append(self._rng.bit_generator.state)
+                self._spread_rows(None)
+        self._starts = [(self._rng.bit_generator.state, z_LE)]     # generator state and z before step s
+        self._cached: dict[int, list[RoutingRecord]] = {}           # step -> records, oldest first
+
+    def _spread_rows(self, state: dict | None) -> np.ndarray | None:
+        """exp(spread[layer]) [D, E] from the generator state where that layer's spread starts (None:
+        draw and discard from the main generator, in row blocks)."""
+        D, E = self.num_devices, self.num_experts
+        if state is None:
+            block = max(1, (1 << 22) // max(E, 1))
+            for lo in range(0, D, block):
+                self._rng.standard_normal((min(block, D - lo), E))
+            return None
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state
+        return np.exp(self._spread * rng.standard_normal((D, E)))
+
+    def _generate(self, step: int) -> list[RoutingRecord]:
+        state, z_LE = self._starts[step]
+        self._rng.bit_generator.state = state
+        if step:
+            z_LE = self._keep * z_LE + self._drift * self._rng.standard_normal(z_LE.shape)
+        noisy_LE = self._scale * (z_LE + self._jitter * self._rng.standard_normal(z_LE.shape))
+        records = []
+        for layer in range(self.num_layers):
+            p_E = proportions_with_skew(noisy_LE[layer], self._share_skew, self._cap)
+            exp_spread_DE = self._spread_cache[layer] if self._spread_cache is not None else \
+                self._spread_rows(self._spread_states[layer])
+            p_DE = p_E[None, :] * exp_spread_DE
+            del exp_spread_DE
+            p_DE /= p_DE.sum(axis=1, keepdims=True)
+            counts_DE = self._rng.multinomial(self._assignments, p_DE)
+            del p_DE
+            counts_ED = np.ascontiguousarray(_narrow(counts_DE).T)
+            counts_ED.setflags(write=False)
+            records.append(RoutingRecord(step, layer, counts_DE.sum(axis=0, dtype=np.int64), counts_ED.T))
+        if step + 1 == len(self._starts) and step + 1 < self.num_steps:
+            self._starts.append((self._rng.bit_generator.state, z_LE))
+        return records
+
+    def step_records(self, step: int) -> list[RoutingRecord]:
+        """The L records of ``step`` (generating the steps before it first, when they never were)."""
+        if not 0 <= step < self.num_steps:
+            raise ValueError(f"the trace has no step {step} (steps 0..{self.num_steps - 1})")
+        records = self._cached.get(step)
+        if records is None:
+            while len(self._starts) <= step:         # the steps before it, for their end states
+                self._generate(len(self._starts) - 1)
+            records = self._cached[step] = self._generate(step)
+            step_bytes = sum(r.tokens_per_device_expert.nbytes for r in records)
+            while len(self._cached) > 1 and len(self._cached) * step_bytes > self.CACHE_BYTES:
+                del self._cached[next(iter(self._cached))]
+        return records
+
+    def record(self, step: int, layer: int) -> RoutingRecord:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"the trace has no record for step {step}, layer {layer}")
+        return self.step_records(step)[layer]
+
+    def __len__(self) -> int:
+        return self.num_steps * self.num_layers
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        i = int(index) + (len(self) if index < 0 else 0)
+        if not 0 <= i < len(self):
+            raise IndexError(index)
+        return self.record(i // self.num_layers, i % self.num_layers)
 
 
 # --------------------------------------------------------------------------------------- JSONL
