@@ -96,6 +96,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from themis_compile.layer_info import MoELayerInfo, RecordedCall
 from themis_compile.passes.joined import (JoinedPlan, describe_between, free_attribute, record_between,
                                           row_mixing_reason)
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
@@ -109,92 +110,14 @@ PROBE_SEED = 1234
 PROBE_BATCH, PROBE_SEQ = 2, 4
 
 
-@dataclass
-class MoELayerInfo:
-    """One MoE layer found in a model: where its parts are and how its experts are called."""
-
-    name: str
-    module: nn.Module
-    num_experts: int
-    top_k: int
-    experts_form: str          # "modulelist" | "stacked" | "flat" (stacked as [E * F, ...] rows) |
-                               # "moduledict" (run one by one by the block itself) |
-                               # "wrapped" (a ModuleList inside a wrapper module) |
-                               # "joined" (two stacked halves of every expert, passes.joined)
-    router: str                # how the router scores experts, e.g. "linear gate [E=8, H=64] -> softmax -> top-k"
-    activation: str
-    shared_experts: bool
-    experts_attr: str = "experts"              # attribute of ``module`` holding the experts
-    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
-                                               # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay" |
-                                               # "all-rows" | "scores-call" | "joined" | "zero-experts"
-    router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
-    score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
-    hidden_size: int = 0
-    shared_expert_names: tuple[str, ...] = ()
-    aux_losses: tuple[str, ...] = ()           # what else the forward produces: stored losses, buffer updates
-    rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
-    probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
-    skips_empty_experts: bool = False          # runs only the experts that receive tokens (skips_empty_experts)
-    zero_experts: int = 0                      # Z identity experts with ids [E, E + Z) (zero-experts rewrite)
-    call_tail: int = 0                         # sorted-rows: Nones the experts call returns after its rows
-                                               # (Megatron-Core's (output, output_bias) without bias: 1)
-    tied_to: str = ""                          # the earlier layer whose experts these are (tied weights):
-                                               # served by that layer's sharded experts
-    plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
-                                                                 # (passes.replay.ReplayPlan for "replay",
-                                                                 # AllRowsPlan for "all-rows",
-                                                                 # passes.joined.JoinedPlan for "joined")
-    probe_call: RecordedCall | None = field(default=None, repr=False, compare=False)   # the arguments it is
-                                                # probed with when hidden states alone do not run it
-
-    @property
-    def experts(self) -> nn.Module:
-        if self.rewrite == "joined":    # the two halves joined (passes.joined): held once rewritten
-            return self.plan.experts_of(self.module)
-        return getattr(self.module, self.experts_attr)
-
-    def shared_parameter_names(self) -> tuple[str, ...]:
-        """The parameters of the experts module that every expert uses (``ExpertBank.shared_names``: dense,
-        data parallel, in no expert's chunk); () when there are none or the experts are not cut into chunks."""
-        try:
-            return ExpertBank(self.experts, layer=self.name, num_experts=self.num_experts).shared_names
-        except ValueError:
-            return ()
-
-    def describe(self) -> str:
-        shared = ", ".join(self.shared_expert_names) if self.shared_expert_names else "no"
-        call = {"none": f"calls {self.experts_attr}(x, ids, weights)",
-                "inline-loop": "loops over its experts inline (rewritten to one experts call)",
-                "per-slot": f"calls {self.experts_attr}(x, ids) -> [T, K, H] (rewritten to one experts call)",
-                "sorted-rows": f"calls {self.experts_attr}(rows sorted by expert, counts) (rewritten to one "
-                               "experts call)",
-                "replay": "calls its experts one by one in an untraceable forward (capture and replay: one "
-                          "experts call between two passes of the forward)",
-                "dense-dispatch": "dispatches and combines through [T, E, C] tensors (rewritten to one experts "
-                                  "call)",
-                "dispatch-mask": f"calls {self.experts_attr}(x, one-hot mask [T, K, E], weights) (rewritten to one "
-                                 "experts call)",
-                "flatten": f"calls {self.experts_attr}(x [B, S, H], ids, weights) (rewritten to one call on flat "
-                           "x [T, H])",
-                "all-rows": f"calls {self.experts_attr}(x [E*T, H]) on every row (rewritten to one experts "
-                            "call)",
-                "scores-call": f"calls {self.experts_attr}(x, scores [T, E], weights, ids) in some order (rewritten "
-                               "to one experts(x, ids, weights) call)",
-                "joined": f"calls two halves of its experts on rows sorted by expert, row-wise code between them "
-                          f"(joined into '{self.experts_attr}', rewritten to one experts call)",
-                "zero-experts": f"calls {self.experts_attr}(x, ids, weights) with ids in [0, E + Z) (the "
-                                f"{self.zero_experts} ids >= E add weight * x, served by the rewrite; the others "
-                                "by the runtime)"}.get(self.rewrite,
-                                                                                                 self.rewrite)
-        zero = f" + {self.zero_experts} zero (identity) experts" if self.zero_experts else ""
-        text = (f"{self.num_experts} experts{zero} ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
-                f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
-        if self.aux_losses:
-            text += f"; auxiliary: {'; '.join(self.aux_losses)}"
-        if self.tied_to:
-            text += f"; experts tied to {self.tied_to!r}'s (served by its sharded experts)"
-        return text
+def shared_parameter_names(info: MoELayerInfo) -> tuple[str, ...]:
+    """The parameters of the layer's experts module that every expert uses (``ExpertBank.shared_names``:
+    dense, data parallel, in no expert's chunk); () when there are none or the experts are not cut into
+    chunks."""
+    try:
+        return ExpertBank(info.experts, layer=info.name, num_experts=info.num_experts).shared_names
+    except ValueError:
+        return ()
 
 
 # --- Step 1: structure -------------------------------------------------------------------------------
@@ -382,40 +305,6 @@ _PASS_INPUTS = ("pass example_inputs to optimize() / explain() (a tuple of posit
                 "keyword arguments for model(...)) so that it is probed with the arguments it gets in a forward "
                 "of the model")
 _NOT_CALLED = "it is not called in a forward of the model on the example inputs, so it cannot be probed"
-
-
-@dataclass(frozen=True, eq=False)
-class RecordedCall:
-    """The arguments one module got in a forward of the whole model. ``hidden`` says where its hidden
-    states are (the first floating tensor: a position in ``args`` or a key of ``kwargs``); a probe puts
-    its own there and passes the rest as recorded. Shared, never copied, by a deep copy of the module."""
-
-    args: tuple
-    kwargs: dict
-    hidden: int | str
-
-    @staticmethod
-    def of(args: tuple, kwargs: dict) -> RecordedCall | None:
-        """The call, or None when no argument is a floating tensor (nothing to put a probe in)."""
-        floating = lambda v: isinstance(v, torch.Tensor) and v.is_floating_point()  # noqa: E731
-        hidden = next((i for i, a in enumerate(args) if floating(a)), None)
-        if hidden is None:
-            keys = [k for k, v in kwargs.items() if floating(v)]
-            hidden = "hidden_states" if "hidden_states" in keys else keys[0] if keys else None
-        return None if hidden is None else RecordedCall(tuple(args), dict(kwargs), hidden)
-
-    @property
-    def hidden_states(self) -> torch.Tensor:
-        return self.args[self.hidden] if isinstance(self.hidden, int) else self.kwargs[self.hidden]
-
-    def bind(self, x: torch.Tensor) -> tuple[tuple, dict]:
-        """(args, kwargs) of the recorded call with ``x`` in place of the recorded hidden states."""
-        if isinstance(self.hidden, int):
-            return self.args[:self.hidden] + (x,) + self.args[self.hidden + 1:], dict(self.kwargs)
-        return self.args, {**self.kwargs, self.hidden: x}
-
-    def __deepcopy__(self, memo: dict) -> RecordedCall:
-        return self
 
 
 class _ProbeForward:
@@ -2897,7 +2786,7 @@ def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = 
                      f"'{info.experts_attr}'), top-{info.top_k}")
         lines.append(f"    activation:     {info.activation}")
         lines.append(f"    shared experts: {', '.join(info.shared_expert_names) or 'none'}")
-        if shared := info.shared_parameter_names():
+        if shared := shared_parameter_names(info):
             lines.append(f"    every expert uses: {', '.join(shared)} (dense, data-parallel)")
         for aux in info.aux_losses:
             lines.append(f"    auxiliary:      {aux}")
