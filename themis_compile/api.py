@@ -12,7 +12,8 @@ from torch import nn
 from themis_compile.config import ThemisConfig
 from themis_compile.export import bind_save_pretrained, guard_state_dict
 from themis_compile.passes.detect import (SEARCHED, MoELayerInfo, explain_moe_layers, find_moe_layers,
-                                          probing_as_recorded, shared_parameter_names)
+                                          shared_parameter_names)
+from themis_compile.passes.probe import probing_as_recorded
 from themis_compile.passes.schedule import schedule_model
 from themis_compile.passes.shard import prepare_moe_layers
 from themis_compile.planner import PlanCost, Placement, Topology
