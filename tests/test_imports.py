@@ -1,5 +1,5 @@
-"""Layers import downward only: no import cycle inside ``themis_compile`` and no import of
-``themis_compile.api`` from below it.
+"""Layers import downward only: every import of a ``themis_compile`` module points to its own floor of
+`LAYERS` or one below, there is no import cycle, and nothing below ``themis_compile.api`` imports it.
 
 The graph is read from the source, not from ``sys.modules``: every ``import`` and ``from ... import``
 statement of every module counts, at module level or inside a function (an import moved into a function
@@ -20,6 +20,22 @@ import pytest
 import themis_compile
 
 PACKAGE_ROOT = Path(themis_compile.__file__).parent
+
+# The floors of the package, top to bottom, as docs/architecture.md ("Layers and imports") lists them. A
+# module sits on the floor of the longest entry that names it or a package above it; it may import its
+# own floor and the floors below, never one above (TYPE_CHECKING and in-function imports included).
+# Every module of the package must sit on a floor, so a new package or top-level module is placed here.
+LAYERS = (
+    ("themis_compile", "themis_compile.__main__", "themis_compile.cli", "themis_compile.api",
+     "themis_compile.checkpoint", "themis_compile.export", "themis_compile.integrations", "themis_compile.bench",
+     "themis_compile.testing"),                          # the user-facing layer and its tools
+    ("themis_compile.sim",),                             # the simulator, `themis-compile inspect`
+    ("themis_compile.passes",),                          # detection, rewrites, scheduling, the compile backend
+    ("themis_compile.runtime",),                         # the FSSDP and EP executors, collectives, registry
+    ("themis_compile.cost_model", "themis_compile.kernels", "themis_compile.models"),
+    ("themis_compile.planner",),                         # placement, topology, Alg. 1-3
+    ("themis_compile.config", "themis_compile.layer_info", "themis_compile.attention"),   # imports torch only
+)
 
 # The user-facing layer: the package's entry points, which may import `themis_compile.api`. Everything
 # else (passes, runtime, planner, cost model, kernels, models, testing, ...) sits below it.
@@ -163,6 +179,45 @@ def test_nothing_below_api_imports_it():
     assert not upward, "imports of themis_compile.api from below it: " + ", ".join(upward)
 
 
+def floor_of(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> int | None:
+    """Index in ``layers`` (0 = top) of the longest entry naming ``module`` or a package above it."""
+    best, floor = -1, None
+    for i, entries in enumerate(layers):
+        for entry in entries:
+            if (module == entry or module.startswith(entry + ".")) and len(entry) > best:
+                best, floor = len(entry), i
+    return floor
+
+
+def upward_imports(graph: dict[str, dict[str, int]], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """Every import from a floor to a floor above it, as ``a (l.N) -> b``, sorted."""
+    return sorted(f"{m} (l.{line}) -> {target}" for m, edges in graph.items() for target, line in edges.items()
+                  if floor_of(target, layers) < floor_of(m, layers))
+
+
+def test_every_module_sits_on_a_floor():
+    unplaced = sorted(m for m in _package_graph() if floor_of(m) is None)
+    assert not unplaced, "modules on no floor of LAYERS (place them there and in docs/architecture.md): " + \
+        ", ".join(unplaced)
+
+
+def test_imports_point_down_the_layers():
+    upward = upward_imports(_package_graph())
+    assert not upward, "imports from a floor of LAYERS to one above it:\n" + "\n".join(upward)
+
+
+def test_layers_match_the_architecture_page():
+    # Under "Layers and imports" the page lists the floors in an indented block, top to bottom: a line
+    # indented 4 spaces names a floor's modules (short names), deeper lines describe it.
+    page = (PACKAGE_ROOT.parent / "docs" / "architecture.md").read_text()
+    section = page.split("## Layers and imports", 1)[1].split("\n## ", 1)[0]
+    floors = [line.strip() for line in section.splitlines()
+              if line.startswith("    ") and not line.startswith("     ")]
+    short = [", ".join(e if e == "themis_compile" else e.removeprefix("themis_compile.") for e in entries)
+             for entries in LAYERS]
+    assert floors == short
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         path = root / rel
@@ -200,3 +255,17 @@ def test_cycle_report_names_every_module(tmp_path, cycle_len):
         f"{n}.py": f"import pkg.{names[(i + 1) % cycle_len]}\n" for i, n in enumerate(names)})
     (cycle,) = find_cycles(import_graph(root))
     assert cycle[0] == cycle[-1] and sorted(cycle[:-1]) == [f"pkg.{n}" for n in names]
+
+
+def test_walker_sees_upward_imports_under_type_checking_and_in_functions(tmp_path):
+    root = tmp_path / "pkg"
+    _write(root, {
+        "__init__.py": "",
+        "top.py": "import pkg.bottom\n",
+        "bottom.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.top import T\n",
+        "mid/__init__.py": "",
+        "mid/a.py": "def f():\n    from pkg import top\n",
+    })
+    layers = (("pkg", "pkg.top"), ("pkg.mid",), ("pkg.bottom",))
+    assert floor_of("pkg.mid.a", layers) == 1 and floor_of("pkg.elsewhere", layers) == 0
+    assert upward_imports(import_graph(root), layers) == ["pkg.bottom (l.3) -> pkg.top", "pkg.mid.a (l.2) -> pkg.top"]

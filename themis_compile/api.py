@@ -12,7 +12,8 @@ from torch import nn
 from themis_compile.config import ThemisConfig
 from themis_compile.export import bind_save_pretrained, guard_state_dict
 from themis_compile.passes.detect import (SEARCHED, MoELayerInfo, explain_moe_layers, find_moe_layers,
-                                          probing_as_recorded)
+                                          shared_parameter_names)
+from themis_compile.passes.probe import probing_as_recorded
 from themis_compile.passes.schedule import schedule_model
 from themis_compile.passes.shard import prepare_moe_layers
 from themis_compile.planner import PlanCost, Placement, Topology
@@ -377,7 +378,7 @@ def explain(model: nn.Module, verbose: bool = False, *, example_inputs: tuple | 
 
 def _shared_note(info: MoELayerInfo) -> str:
     """What explain adds for a layer whose stacked experts hold parameters every expert uses."""
-    shared = info.shared_parameter_names()
+    shared = shared_parameter_names(info)
     return f"; parameters every expert uses (dense, data-parallel): {', '.join(shared)}" if shared else ""
 
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import themis_compile
-from themis_compile.passes.detect import _ProbeForward, find_moe_layers
+from themis_compile.passes.detect import find_moe_layers
+from themis_compile.passes.probe import _ProbeForward
 from tests.passes import zoo_models as zoo
 from tests.runtime.equivalence import assert_equivalent
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import themis_compile
-from themis_compile.passes import detect, shard
+from themis_compile.passes import fx_graph, probe, shard
 from themis_compile.passes.detect import find_moe_layers
 from themis_compile.passes.shard import ExpertLoop, dense_dispatch_slots, prepare_moe_layers
 from tests.passes import zoo_models as zoo
@@ -153,9 +153,9 @@ def test_top1_predicates_read_max_and_argmax_along_a_dimension_only():
         return a, b, c, d, e, f_
 
     nodes = [n for n in fx.symbolic_trace(f).graph.nodes if n.op in ("call_function", "call_method")]
-    assert [detect.is_top1(n) for n in nodes] == [True, True, True, False, False, False]
-    assert [detect.selection_k(n, {}) for n in nodes[:3]] == [1, 1, 1]
-    assert detect.selection_outputs(nodes[2]) == ([], [nodes[2]])
+    assert [fx_graph.is_top1(n) for n in nodes] == [True, True, True, False, False, False]
+    assert [fx_graph.selection_k(n, {}) for n in nodes[:3]] == [1, 1, 1]
+    assert fx_graph.selection_outputs(nodes[2]) == ([], [nodes[2]])
 
 
 @pytest.mark.parametrize("make, rewrite, k", [
@@ -174,7 +174,7 @@ def test_a_top1_found_from_recorded_calls_when_fx_fails():
             assert int(x_BSH.shape[-1]) == H     # int() of a traced shape: FX fails here
             return super().forward(x_BSH)
 
-    ks, _ = detect._recorded_topk(NoTrace(), torch.randn(2, 4, H))
+    ks, _ = fx_graph._recorded_topk(NoTrace(), torch.randn(2, 4, H))
     assert ks == [1]
     # Untraceable, so its loop is served by capture and replay, with the top-1 read from the recorded calls.
     infos, rejected = find_moe_layers(NoTrace())
@@ -247,13 +247,13 @@ def test_switch_rewrite_calls_the_experts_unweighted_and_keeps_the_post_multipli
     torch.manual_seed(0)
     block = zoo.SwitchFFN()
     info = find_moe_layers(block)[0][0]
-    traced = detect.trace_block(block, block.experts)
-    detect.record_meta(traced, block, detect.probe_input(block, H))
+    traced = fx_graph.trace_block(block, block.experts)
+    fx_graph.record_meta(traced, block, probe.probe_input(block, H))
     gm = shard.replace_expert_loop(traced, info)
     calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "experts"]
     assert len(calls) == 1 and not shard.expert_nodes(gm.graph, "experts")
     x, ids, weights = calls[0].args
-    assert ids.target == "unsqueeze" and detect.is_top1(ids.args[0].args[0])      # routes [T] -> [T, 1]
+    assert ids.target == "unsqueeze" and fx_graph.is_top1(ids.args[0].args[0])      # routes [T] -> [T, 1]
     assert weights.target == "new_ones"
     (mul,) = calls[0].users
     assert mul.target is operator.mul    # final_output * route_prob_max, as written
@@ -497,7 +497,7 @@ class UntraceableTopP(TopPRouter):
 
 
 def test_sort_cuts_are_read_along_the_sorted_dimension():
-    cut = detect.cut_length
+    cut = fx_graph.cut_length
     whole, e = slice(None), Ellipsis
     assert cut((whole, slice(None, 2)), -1) == (2, True)
     assert cut((e, slice(None, 3)), -1) == (3, True)
@@ -522,15 +522,15 @@ def test_sort_selection_predicates_on_a_traced_graph():
         e = (e_v[:, :2], e_i[:, :3])                             # cuts that disagree: no fixed k
         return a, b, c, d, e
 
-    sorts = [n for n in fx.symbolic_trace(f).graph.nodes if detect.is_sort(n)]
-    assert [detect.is_sort_selection(n) for n in sorts] == [True, True, True, False, False]
-    assert [detect.selection_k(n, {}) for n in sorts[:3]] == [2, 3, 1]
-    values, ids = detect.selection_outputs(sorts[0])
+    sorts = [n for n in fx.symbolic_trace(f).graph.nodes if fx_graph.is_sort(n)]
+    assert [fx_graph.is_sort_selection(n) for n in sorts] == [True, True, True, False, False]
+    assert [fx_graph.selection_k(n, {}) for n in sorts[:3]] == [2, 3, 1]
+    values, ids = fx_graph.selection_outputs(sorts[0])
     assert len(values) == len(ids) == 1 and values[0].args[0].args == (sorts[0], 0)
-    assert detect.selection_outputs(sorts[1]) == ([], list(sorts[1].users))
-    assert [detect.describe_selection(n) for n in sorts[:2]] == ["sort[:, :2]", "argsort[..., :3]"]
-    assert detect.selections_of(fx.symbolic_trace(f).graph) and all(
-        detect.is_sort_selection(n) for n in detect.selections_of(fx.symbolic_trace(f).graph))
+    assert fx_graph.selection_outputs(sorts[1]) == ([], list(sorts[1].users))
+    assert [fx_graph.describe_selection(n) for n in sorts[:2]] == ["sort[:, :2]", "argsort[..., :3]"]
+    assert fx_graph.selections_of(fx.symbolic_trace(f).graph) and all(
+        fx_graph.is_sort_selection(n) for n in fx_graph.selections_of(fx.symbolic_trace(f).graph))
 
 
 @pytest.mark.parametrize("make, rewrite, k, by", [
@@ -555,12 +555,12 @@ def test_each_sort_selection_is_found_with_its_k_and_rewritten_exactly(make, rew
 
 def test_recorded_calls_count_a_sort_cut_as_a_top_k_and_an_uncut_sort_as_none():
     x = torch.randn(2, 4, H)
-    rec = detect.record_calls(zoo.SortedNonzeroMoE(), x)
+    rec = fx_graph.record_calls(zoo.SortedNonzeroMoE(), x)
     assert rec.ks == [2] and "sort[:, :2]" in rec.selections
-    titan = detect.record_calls(zoo.TitanGroupedMoE(), x)        # topk, then argsort of ids by expert
+    titan = fx_graph.record_calls(zoo.TitanGroupedMoE(), x)        # topk, then argsort of ids by expert
     assert titan.ks == [2] and not any("[" in s for s in titan.selections)
-    assert detect.record_calls(SortedGShard(), x).ks == [2]      # the dense-dispatch K
-    assert detect._recorded_topk(AscendingSortTop1(), x)[0] == [1]
+    assert fx_graph.record_calls(SortedGShard(), x).ks == [2]      # the dense-dispatch K
+    assert fx_graph._recorded_topk(AscendingSortTop1(), x)[0] == [1]
 
 
 @pytest.mark.parametrize("make, why", [

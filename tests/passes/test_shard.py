@@ -11,7 +11,8 @@ from torch import nn
 
 from themis_compile.models import build_model
 from themis_compile.passes import shard
-from themis_compile.passes.detect import find_moe_layers, trace_block
+from themis_compile.passes.detect import find_moe_layers
+from themis_compile.passes.fx_graph import trace_block
 from themis_compile.passes.shard import ExpertLoop, prepare_moe_layers, rewrite_moe_layer, verify_rewrite
 from tests.passes import moe_zoo as zoo
 

@@ -36,9 +36,9 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from themis_compile.attention import is_attention_module
 from themis_compile.config import ThemisConfig
 from themis_compile.cost_model import analytic
-from themis_compile.passes.attention import is_attention_module
 
 logger = logging.getLogger(__name__)
 

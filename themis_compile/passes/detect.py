@@ -26,6 +26,10 @@ rows' width is half of every expert, joined with the second half and the block's
 the two calls (JetMoE, :mod:`themis_compile.passes.joined`). A whole-module call is accepted only
 when it computes what the sharded runtime computes (:func:`combine_mismatch`).
 
+The tools it reads blocks with live beside it: the probes in :mod:`themis_compile.passes.probe`, the
+tracers and node predicates in :mod:`themis_compile.passes.fx_graph`; the record it returns is
+:class:`themis_compile.layer_info.MoELayerInfo`.
+
 Contract:
     ``find_moe_layers(model, example_inputs)`` is read-only: probes run under ``torch.no_grad`` with the
     RNG forked and every module attribute and buffer restored afterwards. A candidate whose forward
@@ -77,136 +81,55 @@ Shape suffixes: B batch, S sequence, T tokens, H hidden size, E experts, K top-k
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import functools
-import inspect
 import itertools
 import logging
 import math
 import operator
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
+from themis_compile.layer_info import MoELayerInfo
+from themis_compile.passes.fx_graph import (TensorMeta, TracedBlock, ancestors, combine_node, descendants,
+                                            describe_selection, effective_users, expert_index, expert_nodes, is_fn,
+                                            is_inplace, is_mlp_like, is_topk, output_node, reach_by_expert, reachable,
+                                            record_calls, record_meta, router_of, score_kind, selection_k,
+                                            selection_outputs, selections_of, trace_block,
+                                            trace_block_with_method_leaves, variable_selection_reason)
 from themis_compile.passes.joined import (JoinedPlan, describe_between, free_attribute, record_between,
                                           row_mixing_reason)
+from themis_compile.passes.probe import (ExampleInputs, ExpertsStandIn, NOT_CALLED, PROBE_SEED, preserved_state,
+                                         probe_input, record_inputs, recorded_call, recorded_inputs, run_probe)
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
-                                          output_tensors, replay_mismatch, restored_attributes)
-from themis_compile.runtime.experts import (ExpertBank, declared_num_experts, expert_modules, loop_combine,
-                                            stacked_layout, wrapped_expert_list, zero_expert_rows)
+                                          output_tensors, replay_mismatch)
+from themis_compile.runtime.experts import (ExpertBank, declared_num_experts, expert_modules, stacked_layout,
+                                            wrapped_expert_list, zero_expert_rows)
 
 logger = logging.getLogger(__name__)
 
-PROBE_SEED = 1234
-PROBE_BATCH, PROBE_SEQ = 2, 4
+__all__ = ["MoELayerInfo", "SEARCHED", "find_moe_layers", "explain_moe_layers", "check_layer", "shared_parameter_names",
+           "skips_empty_experts", "combine_mismatch", "expert_call_path", "expert_list", "RuntimeReference",
+           "AllRowsPlan", "serve_all_rows", "all_rows_experts_class", "ScoresCallPlan", "scores_call_experts_class",
+           "mask_slots", "mask_call_experts_class", "flat_call_experts_class", "dense_dispatch_of"]
 
 
-@dataclass
-class MoELayerInfo:
-    """One MoE layer found in a model: where its parts are and how its experts are called."""
-
-    name: str
-    module: nn.Module
-    num_experts: int
-    top_k: int
-    experts_form: str          # "modulelist" | "stacked" | "flat" (stacked as [E * F, ...] rows) |
-                               # "moduledict" (run one by one by the block itself) |
-                               # "wrapped" (a ModuleList inside a wrapper module) |
-                               # "joined" (two stacked halves of every expert, passes.joined)
-    router: str                # how the router scores experts, e.g. "linear gate [E=8, H=64] -> softmax -> top-k"
-    activation: str
-    shared_experts: bool
-    experts_attr: str = "experts"              # attribute of ``module`` holding the experts
-    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
-                                               # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay" |
-                                               # "all-rows" | "scores-call" | "joined" | "zero-experts"
-    router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
-    score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
-    hidden_size: int = 0
-    shared_expert_names: tuple[str, ...] = ()
-    aux_losses: tuple[str, ...] = ()           # what else the forward produces: stored losses, buffer updates
-    rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
-    probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
-    skips_empty_experts: bool = False          # runs only the experts that receive tokens (skips_empty_experts)
-    zero_experts: int = 0                      # Z identity experts with ids [E, E + Z) (zero-experts rewrite)
-    call_tail: int = 0                         # sorted-rows: Nones the experts call returns after its rows
-                                               # (Megatron-Core's (output, output_bias) without bias: 1)
-    tied_to: str = ""                          # the earlier layer whose experts these are (tied weights):
-                                               # served by that layer's sharded experts
-    plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
-                                                                 # (passes.replay.ReplayPlan for "replay",
-                                                                 # AllRowsPlan for "all-rows",
-                                                                 # passes.joined.JoinedPlan for "joined")
-    probe_call: RecordedCall | None = field(default=None, repr=False, compare=False)   # the arguments it is
-                                                # probed with when hidden states alone do not run it
-
-    @property
-    def experts(self) -> nn.Module:
-        if self.rewrite == "joined":    # the two halves joined (passes.joined): held once rewritten
-            return self.plan.experts_of(self.module)
-        return getattr(self.module, self.experts_attr)
-
-    def shared_parameter_names(self) -> tuple[str, ...]:
-        """The parameters of the experts module that every expert uses (``ExpertBank.shared_names``: dense,
-        data parallel, in no expert's chunk); () when there are none or the experts are not cut into chunks."""
-        try:
-            return ExpertBank(self.experts, layer=self.name, num_experts=self.num_experts).shared_names
-        except ValueError:
-            return ()
-
-    def describe(self) -> str:
-        shared = ", ".join(self.shared_expert_names) if self.shared_expert_names else "no"
-        call = {"none": f"calls {self.experts_attr}(x, ids, weights)",
-                "inline-loop": "loops over its experts inline (rewritten to one experts call)",
-                "per-slot": f"calls {self.experts_attr}(x, ids) -> [T, K, H] (rewritten to one experts call)",
-                "sorted-rows": f"calls {self.experts_attr}(rows sorted by expert, counts) (rewritten to one "
-                               "experts call)",
-                "replay": "calls its experts one by one in an untraceable forward (capture and replay: one "
-                          "experts call between two passes of the forward)",
-                "dense-dispatch": "dispatches and combines through [T, E, C] tensors (rewritten to one experts "
-                                  "call)",
-                "dispatch-mask": f"calls {self.experts_attr}(x, one-hot mask [T, K, E], weights) (rewritten to one "
-                                 "experts call)",
-                "flatten": f"calls {self.experts_attr}(x [B, S, H], ids, weights) (rewritten to one call on flat "
-                           "x [T, H])",
-                "all-rows": f"calls {self.experts_attr}(x [E*T, H]) on every row (rewritten to one experts "
-                            "call)",
-                "scores-call": f"calls {self.experts_attr}(x, scores [T, E], weights, ids) in some order (rewritten "
-                               "to one experts(x, ids, weights) call)",
-                "joined": f"calls two halves of its experts on rows sorted by expert, row-wise code between them "
-                          f"(joined into '{self.experts_attr}', rewritten to one experts call)",
-                "zero-experts": f"calls {self.experts_attr}(x, ids, weights) with ids in [0, E + Z) (the "
-                                f"{self.zero_experts} ids >= E add weight * x, served by the rewrite; the others "
-                                "by the runtime)"}.get(self.rewrite,
-                                                                                                 self.rewrite)
-        zero = f" + {self.zero_experts} zero (identity) experts" if self.zero_experts else ""
-        text = (f"{self.num_experts} experts{zero} ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
-                f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
-        if self.aux_losses:
-            text += f"; auxiliary: {'; '.join(self.aux_losses)}"
-        if self.tied_to:
-            text += f"; experts tied to {self.tied_to!r}'s (served by its sharded experts)"
-        return text
+def shared_parameter_names(info: MoELayerInfo) -> tuple[str, ...]:
+    """The parameters of the layer's experts module that every expert uses (``ExpertBank.shared_names``:
+    dense, data parallel, in no expert's chunk); () when there are none or the experts are not cut into
+    chunks."""
+    try:
+        return ExpertBank(info.experts, layer=info.name, num_experts=info.num_experts).shared_names
+    except ValueError:
+        return ()
 
 
 # --- Step 1: structure -------------------------------------------------------------------------------
-
-def _is_mlp_like(m: nn.Module) -> bool:
-    """A small dense module: at least two weight matrices, no parameter above 2-D, no nested module lists."""
-    params = list(m.parameters())
-    if sum(p.dim() == 2 for p in params) < 2 or any(p.dim() > 2 for p in params):
-        return False
-    subs = list(m.modules())
-    return len(subs) <= 16 and not any(isinstance(s, (nn.ModuleList, nn.ModuleDict)) for s in subs)
-
 
 def _stacked_width(m: nn.Module) -> int | None:
     """E when every parameter of ``m`` is stacked along a common leading dimension E >= 2."""
@@ -237,7 +160,7 @@ def _experts_children(module: nn.Module) -> list[_ExpertsChild]:
     for attr, child in module.named_children():
         if _is_sharded(child):
             continue
-        if isinstance(child, nn.ModuleList) and len(child) >= 2 and all(_is_mlp_like(c) for c in child):
+        if isinstance(child, nn.ModuleList) and len(child) >= 2 and all(is_mlp_like(c) for c in child):
             found.append(_ExpertsChild(attr, child, len(child), "modulelist"))
         elif (E := _stacked_width(child) or _stacked_width_with_shared(child)) is not None:
             found.append(_ExpertsChild(attr, child, E, "stacked"))
@@ -257,7 +180,7 @@ def _wrapped_experts_children(module: nn.Module) -> list[_ExpertsChild]:
     found = []
     for attr, child in module.named_children():
         wrapped = None if _is_sharded(child) else wrapped_expert_list(child)
-        if wrapped is not None and len(wrapped[1]) >= 2 and all(_is_mlp_like(c) for c in wrapped[1]):
+        if wrapped is not None and len(wrapped[1]) >= 2 and all(is_mlp_like(c) for c in wrapped[1]):
             found.append(_ExpertsChild(attr, child, len(wrapped[1]), "wrapped"))
     return found
 
@@ -320,728 +243,6 @@ def _hidden_size(child: _ExpertsChild, routers: list[tuple[str, int, int]]) -> i
     return routers[0][2] if routers else None
 
 
-def _probe_dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype, p.device
-    return torch.get_default_dtype(), torch.device("cpu")
-
-
-def probe_input(module: nn.Module, hidden_size: int, flat: bool = False) -> torch.Tensor:
-    """Seeded random hidden states [2, 4, H] (or [8, H] when ``flat``) in the layer's dtype and device; of
-    the recorded hidden states' shape, dtype and device for a module probed with recorded inputs
-    (:func:`recorded_inputs`)."""
-    dtype, device = _probe_dtype_device(module)
-    gen = torch.Generator().manual_seed(PROBE_SEED)
-    shape = (PROBE_BATCH * PROBE_SEQ, hidden_size) if flat else (PROBE_BATCH, PROBE_SEQ, hidden_size)
-    if (call := recorded_call(module)) is not None:
-        # Probed with the arguments it got in a forward of the model: fresh hidden states of the
-        # recorded shape (the other arguments, position embeddings or token ids, are sized by it).
-        hidden = call.hidden_states
-        shape, dtype, device = hidden.shape, hidden.dtype, hidden.device
-    return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
-
-
-@contextlib.contextmanager
-def preserved_state(module: nn.Module) -> Iterator[None]:
-    """Run a probe without leaving traces: module attributes, buffers, modes and the RNG are restored."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    with restored_attributes(module, list(module.modules())):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, saved_b in buffers:
-                    if b.shape == saved_b.shape:
-                        b.copy_(saved_b)
-
-
-def run_probe(module: nn.Module, x: torch.Tensor, *, training: bool | None = None) -> Any:
-    """``module(x)`` seeded, without gradients, leaving no state behind (see :func:`preserved_state`)."""
-    with preserved_state(module), torch.no_grad():
-        modes = [(m, m.training) for m in module.modules()]
-        if training is not None:
-            module.train(training)
-        try:
-            torch.manual_seed(PROBE_SEED)
-            return module(x.clone())   # forwards may update their input in place (HF jitter noise)
-        finally:
-            for m, mode in modes:
-                m.training = mode
-
-
-# --- Probes with recorded inputs ---------------------------------------------------------------------
-# A block whose forward needs more than hidden states (an HF decoder layer holding the MoE itself needs
-# position embeddings and masks; hash routing needs the token ids) is probed with the arguments it got in
-# one forward of the whole model: its forward, while detection and the rewrite's verification run, is
-# ``_ProbeForward``, which puts a probe's hidden states in place of the recorded ones.
-
-ExampleInputs = tuple | dict   # positional or keyword arguments of model(...), as torch.export takes them
-SYNTHESIZED_BATCH, SYNTHESIZED_SEQ = 2, 8
-_PASS_INPUTS = ("pass example_inputs to optimize() / explain() (a tuple of positional arguments or a dict of "
-                "keyword arguments for model(...)) so that it is probed with the arguments it gets in a forward "
-                "of the model")
-_NOT_CALLED = "it is not called in a forward of the model on the example inputs, so it cannot be probed"
-
-
-@dataclass(frozen=True, eq=False)
-class RecordedCall:
-    """The arguments one module got in a forward of the whole model. ``hidden`` says where its hidden
-    states are (the first floating tensor: a position in ``args`` or a key of ``kwargs``); a probe puts
-    its own there and passes the rest as recorded. Shared, never copied, by a deep copy of the module."""
-
-    args: tuple
-    kwargs: dict
-    hidden: int | str
-
-    @staticmethod
-    def of(args: tuple, kwargs: dict) -> RecordedCall | None:
-        """The call, or None when no argument is a floating tensor (nothing to put a probe in)."""
-        floating = lambda v: isinstance(v, torch.Tensor) and v.is_floating_point()  # noqa: E731
-        hidden = next((i for i, a in enumerate(args) if floating(a)), None)
-        if hidden is None:
-            keys = [k for k, v in kwargs.items() if floating(v)]
-            hidden = "hidden_states" if "hidden_states" in keys else keys[0] if keys else None
-        return None if hidden is None else RecordedCall(tuple(args), dict(kwargs), hidden)
-
-    @property
-    def hidden_states(self) -> torch.Tensor:
-        return self.args[self.hidden] if isinstance(self.hidden, int) else self.kwargs[self.hidden]
-
-    def bind(self, x: torch.Tensor) -> tuple[tuple, dict]:
-        """(args, kwargs) of the recorded call with ``x`` in place of the recorded hidden states."""
-        if isinstance(self.hidden, int):
-            return self.args[:self.hidden] + (x,) + self.args[self.hidden + 1:], dict(self.kwargs)
-        return self.args, {**self.kwargs, self.hidden: x}
-
-    def __deepcopy__(self, memo: dict) -> RecordedCall:
-        return self
-
-
-class _ProbeForward:
-    """``module.forward`` while it is probed with recorded inputs: a call on hidden states alone (a probe)
-    runs the class's forward (rewritten or not) with the recorded arguments around them; any other call
-    passes through. A deep copy of the module (a rewrite's trial) gets one bound to the copy."""
-
-    def __init__(self, module: nn.Module, call: RecordedCall) -> None:
-        self.module, self.call = module, call
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
-            args, kwargs = self.call.bind(args[0])
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> _ProbeForward:
-        return _ProbeForward(copy.deepcopy(self.module, memo), self.call)
-
-
-def recorded_call(module: nn.Module) -> RecordedCall | None:
-    """The recorded call ``module`` is probed with now (inside :func:`recorded_inputs`), else None."""
-    forward = module.__dict__.get("forward")
-    return forward.call if isinstance(forward, _ProbeForward) else None
-
-
-@contextlib.contextmanager
-def recorded_inputs(calls: dict[nn.Module, RecordedCall]) -> Iterator[None]:
-    """While it runs, each module of ``calls`` called on hidden states alone (every probe of detection and
-    of the rewrite's verification) runs with the other arguments of its recorded call. Re-entrant: a
-    module already probed so keeps its recording."""
-    installed = [m for m, call in calls.items() if call is not None and recorded_call(m) is None]
-    for m in installed:
-        m.__dict__["forward"] = _ProbeForward(m, calls[m])
-    try:
-        yield
-    finally:
-        for m in installed:
-            if isinstance(m.__dict__.get("forward"), _ProbeForward):
-                del m.__dict__["forward"]
-
-
-def probing_as_recorded(infos: list[MoELayerInfo]) -> contextlib.AbstractContextManager:
-    """:func:`recorded_inputs` for the layers found with a recorded call (``info.probe_call``)."""
-    return recorded_inputs({info.module: info.probe_call for info in infos if info.probe_call is not None})
-
-
-def probe_arguments(module: nn.Module, x: torch.Tensor) -> list[Any]:
-    """The positional inputs of ``module``'s FX graph for a probe ``x``: ``[x]``, or with a recorded call
-    the values of every parameter of its forward in order (recorded, else defaults), ``x`` in place of
-    the hidden states."""
-    call = recorded_call(module)
-    if call is None:
-        return [x]
-    args, kwargs = call.bind(x)
-    signature = inspect.signature(type(module).forward)
-    bound = signature.bind(module, *args, **kwargs)
-    bound.apply_defaults()
-    values: list[Any] = []
-    for p in list(signature.parameters.values())[1:]:
-        if p.kind is inspect.Parameter.VAR_POSITIONAL:
-            values.extend(bound.arguments.get(p.name, ()))
-        elif p.kind is not inspect.Parameter.VAR_KEYWORD:
-            values.append(bound.arguments[p.name])
-    return values
-
-
-def _is_hf_pretrained(model: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-               for c in type(model).__mro__)
-
-
-def synthesized_inputs(model: nn.Module) -> dict | None:
-    """Keyword arguments for one forward of an HF ``PreTrainedModel``: seeded token ids
-    ``[SYNTHESIZED_BATCH, SYNTHESIZED_SEQ]`` drawn from its text config's vocabulary (the same on every
-    rank), as ``input_ids`` (``decoder_input_ids`` for a decoder that takes only those; an encoder-decoder
-    gets both), with ``use_cache=False``. None for any other model, or one without a vocabulary."""
-    if not _is_hf_pretrained(model):
-        return None
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text, "vocab_size", None)
-    params = inspect.signature(model.forward).parameters
-    name = next((n for n in ("input_ids", "decoder_input_ids") if n in params), None)
-    if not isinstance(vocab, int) or vocab < 1 or name is None:
-        return None
-    gen = torch.Generator().manual_seed(PROBE_SEED)
-    ids = torch.randint(0, vocab, (SYNTHESIZED_BATCH, SYNTHESIZED_SEQ), generator=gen)
-    ids = ids.to(_probe_dtype_device(model)[1])
-    kwargs = {name: ids}
-    if name == "input_ids" and "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
-        kwargs["decoder_input_ids"] = ids
-    if "use_cache" in params:
-        kwargs["use_cache"] = False
-    return kwargs
-
-
-class _AllRecorded(Exception):
-    """Stops the recording forward once every module asked for has been called."""
-
-
-def record_inputs(model: nn.Module, modules: list[nn.Module], example_inputs: ExampleInputs | None = None
-                  ) -> tuple[dict[nn.Module, RecordedCall], str | None]:
-    """The (args, kwargs) each of ``modules`` gets in one forward of ``model``, and why some are missing.
-
-    The forward runs on ``example_inputs`` (a tuple of positional arguments or a dict of keyword
-    arguments), else on :func:`synthesized_inputs`, with forward pre-hooks on ``modules``, under
-    ``torch.no_grad``, seeded, in the model's current mode, leaving no state behind
-    (:func:`preserved_state`); it stops once every module has been called. Returns ``({}, reason)`` when
-    there are no inputs or the forward fails before it reaches them."""
-    given = example_inputs is not None
-    inputs = example_inputs if given else synthesized_inputs(model)
-    if inputs is None:
-        return {}, _PASS_INPUTS
-    if isinstance(inputs, dict):
-        args, kwargs = (), dict(inputs)
-    elif isinstance(inputs, (tuple, list)):
-        args, kwargs = tuple(inputs), {}
-    else:
-        args, kwargs = (inputs,), {}
-    what = "example_inputs" if given else f"synthesized token ids [{SYNTHESIZED_BATCH}, {SYNTHESIZED_SEQ}]"
-    advice = "" if given else f"; {_PASS_INPUTS}"
-    calls: dict[nn.Module, RecordedCall] = {}
-    wanted = {id(m) for m in modules}
-    seen: set[int] = set()
-
-    def hook(m: nn.Module, a: tuple, k: dict) -> None:
-        if id(m) in seen:
-            return
-        seen.add(id(m))
-        if (call := RecordedCall.of(a, k)) is not None:
-            calls[m] = call
-        if seen >= wanted:
-            raise _AllRecorded
-
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
-    failure = None
-    try:
-        with preserved_state(model), torch.no_grad():
-            torch.manual_seed(PROBE_SEED)
-            model(*args, **kwargs)
-    except _AllRecorded:
-        pass
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        failure = f"a forward of the model on {what} fails before it is called ({error}){advice}"
-    finally:
-        for h in handles:
-            h.remove()
-    if failure is None and len(calls) < len(modules):
-        failure = f"{_NOT_CALLED} ({what}){advice}"
-    logger.debug("recorded the inputs of %d of %d modules in a forward of %s", len(calls), len(modules),
-                 type(model).__name__)
-    return calls, failure
-
-
-# --- Step 2: tracing ---------------------------------------------------------------------------------
-
-class _MutableProxy(fx.Proxy):
-    """A Proxy that also records ``proxy[index] = value`` (``out[idx] += y`` in expert loops)."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
-
-
-class _LeafTracer(fx.Tracer):
-    """Keeps the given modules (and torch.nn's own) as call_module leaves; records branches on traced
-    values (taken as False) so that a rewrite can check they only guarded the expert loop."""
-
-    def __init__(self, leaves: set[int]) -> None:
-        super().__init__()
-        self._leaves = leaves
-        self.branch_nodes: list[fx.Node] = []
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return id(m) in self._leaves or super().is_leaf_module(m, module_qualified_name)
-
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        return _MutableProxy(node, self)
-
-    def to_bool(self, obj: fx.Proxy) -> bool:
-        self.branch_nodes.append(obj.node)
-        return False
-
-
-@dataclass
-class TracedBlock:
-    """The FX graph of one block's forward, traced in one mode (``training``)."""
-
-    gm: fx.GraphModule
-    training: bool
-    branch_nodes: list[fx.Node]
-    attr_stores: dict[tuple[str, str], Any]      # (submodule path, attribute) -> Node / constant set by forward
-    meta: dict[fx.Node, Any] = field(default_factory=dict)   # node -> (shape, dtype) per tensor, from a probe
-    owner_input: bool = False    # the graph's first input is the block itself (methods traced as leaves)
-
-
-def leaf_modules(module: nn.Module, experts: nn.Module) -> set[int]:
-    leaves = {id(experts)}
-    if isinstance(experts, nn.ModuleList):
-        leaves |= {id(e) for e in experts}
-    leaves |= {id(c) for c in module.children() if c is not experts and _is_mlp_like(c)}
-    return leaves
-
-
-def trace_block(module: nn.Module, experts: nn.Module, *, training: bool | None = None) -> TracedBlock:
-    """FX-trace ``module.forward`` with experts, each expert and MLP-like children as leaves.
-
-    Raises whatever FX raises when the forward is not symbolically traceable."""
-    tracer = _LeafTracer(leaf_modules(module, experts))
-    mode = module.training if training is None else training
-    with preserved_state(module):
-        modes = [(m, m.training) for m in module.modules()]
-        module.train(mode)
-        try:
-            graph = tracer.trace(module)
-            stores = _attribute_stores(module)
-            # Built before the state is restored: tensor constants the tracer put on the module go with it.
-            gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
-        finally:
-            for m, old in modes:
-                m.training = old
-    return TracedBlock(gm=gm, training=mode, branch_nodes=tracer.branch_nodes, attr_stores=stores)
-
-
-def _attribute_stores(module: nn.Module) -> dict[tuple[str, str], Any]:
-    """Attributes whose current value holds a Proxy: the forward stored a traced value there."""
-    stores = {}
-    for path, m in module.named_modules():
-        for key, value in m.__dict__.items():
-            if isinstance(value, fx.Proxy):
-                stores[(path, key)] = value.node
-    return stores
-
-
-class TensorMeta(NamedTuple):
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-class _MetaRecorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.meta: dict[fx.Node, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        self.meta[n] = tree_map(
-            lambda v: TensorMeta(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None, out)
-        return out
-
-
-def record_meta(traced: TracedBlock, module: nn.Module, x: torch.Tensor) -> None:
-    """Run the traced graph on a probe and keep each node's (shape, dtype)."""
-    rec = _MetaRecorder(traced.gm)
-    with preserved_state(module), torch.no_grad():
-        torch.manual_seed(PROBE_SEED)
-        rec.run(*((module,) if traced.owner_input else ()), *probe_arguments(module, x.clone()))
-    traced.meta = rec.meta
-
-
-# Node predicates.
-_TOPK = {torch.topk, torch.Tensor.topk}
-_SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax}
-_SIGMOID = {torch.sigmoid, F.sigmoid, torch.Tensor.sigmoid, torch.special.expit}
-_INPLACE_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
-
-
-def _is_fn(node: fx.Node, fns: set, method: str) -> bool:
-    return ((node.op == "call_function" and node.target in fns)
-            or (node.op == "call_method" and node.target == method))
-
-
-def is_topk(node: fx.Node) -> bool:
-    return _is_fn(node, _TOPK, "topk")
-
-
-def is_inplace(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.startswith("_")
-    return node.op == "call_function" and node.target in _INPLACE_FUNCTIONS
-
-
-def _score_kind(node: fx.Node) -> str | None:
-    if _is_fn(node, _SOFTMAX, "softmax"):
-        return "softmax"
-    if _is_fn(node, _SIGMOID, "sigmoid"):
-        return "sigmoid"
-    return None
-
-
-def topk_outputs(topk: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(values nodes, indices nodes) taken from a topk node by index or by name."""
-    values, indices = [], []
-    for u in topk.users:
-        if u.op == "call_function" and u.target is operator.getitem:
-            (values if u.args[1] == 0 else indices).append(u)
-        elif u.op == "call_function" and u.target is getattr:
-            (values if u.args[1] == "values" else indices).append(u)
-    return values, indices
-
-
-def effective_users(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """Data-flow successors with in-place mutation taken into account: a node that reads a tensor after
-    an in-place op on it (``out.index_add_(...)``, ``out[i] = v``) depends on that op, not on the
-    tensor's allocation, so that a chain of in-place updates reads as the value flowing through it."""
-    base: dict[fx.Node, fx.Node] = {}
-    version: dict[fx.Node, fx.Node] = {}
-    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in graph.nodes}
-    for n in graph.nodes:
-        for a in dict.fromkeys(n.all_input_nodes):
-            src = version.get(base.get(a, a), a)
-            if n not in users[src]:
-                users[src].append(n)
-        if is_inplace(n) and n.args and isinstance(n.args[0], fx.Node):
-            b = base.get(n.args[0], n.args[0])
-            base[n] = b
-            version[b] = n
-    return users
-
-
-def reachable(starts: list[fx.Node], succ: Callable[[fx.Node], list[fx.Node]], *, avoid: fx.Node | None = None
-              ) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = [s for s in starts if s is not avoid]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(u for u in succ(n) if u is not avoid and u not in seen)
-    return seen
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    return reachable([node], lambda n: n.all_input_nodes) - {node}
-
-
-def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
-    return reachable(nodes, lambda n: list(n.users))
-
-
-def _router_of(gm: fx.GraphModule, topk: fx.Node) -> tuple[str, int, int] | None:
-    """(path, E, H) of the learned weight nearest before the top-k: a Linear leaf or a 2-D weight."""
-    best = None
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for n in _ancestors(topk) | {topk}:
-        hit = None
-        if n.op == "call_module":
-            mod = gm.get_submodule(n.target)
-            if isinstance(mod, nn.Linear):
-                hit = (n.target, mod.out_features, mod.in_features)
-        elif n.op == "get_attr":
-            try:
-                t = gm.get_parameter(n.target)
-            except AttributeError:
-                t = None
-            if t is not None and t.dim() == 2:
-                hit = (n.target, t.shape[0], t.shape[1])
-        if hit is not None and (best is None or order[n] > best[0]):
-            best = (order[n], hit)
-    return None if best is None else best[1]
-
-
-def _topk_k(node: fx.Node, meta: dict) -> int | None:
-    k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
-    if isinstance(k, int):
-        return k
-    m = meta.get(node)
-    return m[0].shape[-1] if m else None
-
-
-# A top-1 selection: ``torch.max(scores, dim)`` (values and ids) or ``torch.argmax(scores, dim)`` (ids), the
-# Switch / GShard routers. It counts as a selection wherever a top-k does, with k = 1.
-_TOP1 = {torch.max, torch.Tensor.max, torch.argmax, torch.Tensor.argmax}
-
-
-def _has_dim(args: tuple, kwargs: dict) -> bool:
-    """A reduction along one dimension (``max(x, -1)``, ``max(x, dim=1)``), not ``max(a, b)`` or ``max(x)``."""
-    return (len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool)) or "dim" in kwargs
-
-
-def is_top1(node: fx.Node) -> bool:
-    """``torch.max`` / ``torch.argmax`` along one dimension (a top-1 selection)."""
-    named = ((node.op == "call_function" and node.target in (torch.max, torch.argmax))
-             or (node.op == "call_method" and node.target in ("max", "argmax")))
-    return named and _has_dim(node.args, node.kwargs)
-
-
-def selections_of(graph: fx.Graph) -> list[fx.Node]:
-    """The selections of a traced forward, in graph order: its top-k nodes and its sorts cut to a fixed K
-    (:func:`is_sort_selection`), else (neither) its top-1 selections. A block with a top-k that also takes
-    a max (statistics, capacity) selects by the top-k."""
-    topks = [n for n in graph.nodes if is_topk(n) or is_sort_selection(n)]
-    return topks or [n for n in graph.nodes if is_top1(n)]
-
-
-def selection_outputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(values nodes, ids nodes) of a selection: a top-k's or max's outputs, an argmax itself (no values),
-    a sort's cuts to K (an argsort's: ids only)."""
-    if is_sort(node):
-        return sort_cuts(node)
-    if node.target in (torch.argmax, "argmax"):
-        return [], [node]
-    return topk_outputs(node)
-
-
-def selection_k(node: fx.Node, meta: dict) -> int | None:
-    """k of a selection: a top-k's k, a sort's cut length (None when the probe's shapes, if given, show
-    the cut is not along the last dimension), 1 for max / argmax."""
-    if is_sort(node):
-        tokens = selection_tokens(node, meta) if meta else None
-        return sort_cut_k(node) if not meta or tokens is not None else None
-    return _topk_k(node, meta) if is_topk(node) else 1
-
-
-def selection_tokens(node: fx.Node, meta: dict) -> tuple[tuple[int, ...], int] | None:
-    """(token shape, k) of a selection from the probe's shapes: ``[T, K]`` values of a top-k (or a sort's
-    cut ids) give ``((T,), K)``; a top-1's ``[T]`` ids (or a sort's ids at position 0) give ``((T,), 1)``.
-    None when the probe did not record it."""
-    if is_sort(node):
-        values, ids = sort_cuts(node)
-        cut, k = next(iter(ids or values), None), sort_cut_k(node)
-        m, scores = meta.get(cut), meta.get(node.args[0]) if node.args else None
-        if not (isinstance(m, TensorMeta) and isinstance(scores, TensorMeta) and k is not None and scores.shape):
-            return None
-        if _sort_dim(node.args, node.kwargs) % len(scores.shape) != len(scores.shape) - 1:
-            return None            # sorted along another dimension than the experts'
-        if _cut_keeps_dim(cut):
-            return (m.shape[:-1], k) if m.shape == scores.shape[:-1] + (k,) else None
-        return (m.shape, 1) if m.shape == scores.shape[:-1] else None
-    m = meta.get(node)
-    if m is None:
-        return None
-    if is_topk(node):
-        return m[0].shape[:-1], m[0].shape[-1]
-    ids = m if isinstance(m, TensorMeta) else m[1]
-    return ids.shape, 1
-
-
-# A top-K selection by sorting (``scores.sort(dim=-1, descending=True)``, ``torch.sort``, ``argsort``), cut
-# to K entries along the sorted dimension: ``[..., :K]`` / ``[:, :K]`` (descending), ``[..., -K:]``
-# (ascending), or one entry, ``[:, 0]`` / ``[:, -1]`` (top-1). The cut is the selection: its values and
-# ids are what a top-k's would be, up to the order of ties. A sort that is not cut (tokens sorted by
-# expert, torchtitan / MegaBlocks; a top-p cumulative threshold) selects nothing.
-_SORTS = {torch.sort: "sort", torch.Tensor.sort: "sort", torch.argsort: "argsort", torch.Tensor.argsort: "argsort"}
-
-
-def is_sort(node: fx.Node) -> bool:
-    """``torch.sort`` / ``Tensor.sort`` / ``torch.argsort`` / ``Tensor.argsort``."""
-    return ((node.op == "call_function" and node.target in _SORTS)
-            or (node.op == "call_method" and node.target in ("sort", "argsort")))
-
-
-def _sort_dim(args: tuple, kwargs: dict) -> Any:
-    """The dimension a sort runs along (``sort(x, dim=-1, descending=False)``; default -1)."""
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
-    return dim if isinstance(dim, int) and not isinstance(dim, bool) else None
-
-
-def cut_length(index: Any, dim: int) -> tuple[int, bool] | None:
-    """(K, keeps the dimension) when ``t[index]`` cuts dimension ``dim`` of ``t`` to its first or last K
-    entries and keeps every other dimension whole: ``[..., :K]``, ``[:, :K]``, ``[..., -K:]``, ``[:, 0]``
-    (K = 1, dimension dropped). None for any other index (a gather, a mask, an unknown position)."""
-    entries = index if isinstance(index, tuple) else (index,)
-    if dim < 0:
-        if Ellipsis not in entries and dim != -1:
-            return None
-        pos = len(entries) + dim if Ellipsis in entries else len(entries) - 1
-        if Ellipsis in entries[pos + 1:]:
-            return None
-    else:
-        if Ellipsis in entries[:dim + 1]:
-            return None
-        pos = dim
-    if not 0 <= pos < len(entries):
-        return None
-    if any(not (e is Ellipsis or (isinstance(e, slice) and e == slice(None))) for i, e in enumerate(entries)
-           if i != pos):
-        return None
-    cut = entries[pos]
-    if isinstance(cut, int) and not isinstance(cut, bool):
-        return (1, False) if cut in (0, -1) else None
-    if not isinstance(cut, slice) or cut.step not in (None, 1):
-        return None
-    start, stop = cut.start, cut.stop
-    if start in (None, 0) and isinstance(stop, int) and stop > 0:
-        return stop, True
-    if isinstance(start, int) and start < 0 and stop is None:
-        return -start, True
-    return None
-
-
-def _cuts_of(sort: fx.Node) -> list[tuple[fx.Node, str, tuple[int, bool]]]:
-    """(cut node, "values" | "ids", (K, keeps dim)) of every fixed-length cut of a sort's outputs along the
-    sorted dimension."""
-    dim = _sort_dim(sort.args, sort.kwargs)
-    if dim is None:
-        return []
-    if sort.target in (torch.argsort, torch.Tensor.argsort, "argsort"):
-        outputs = [(sort, "ids")]
-    else:
-        values, ids = topk_outputs(sort)
-        outputs = [(v, "values") for v in values] + [(i, "ids") for i in ids]
-    cuts = []
-    for out, kind in outputs:
-        for u in out.users:
-            if u.op == "call_function" and u.target is operator.getitem and u.args[0] is out:
-                if (length := cut_length(u.args[1], dim)) is not None:
-                    cuts.append((u, kind, length))
-    return cuts
-
-
-def is_sort_selection(node: fx.Node) -> bool:
-    """A sort whose values or ids are cut to one fixed K along the sorted dimension (a top-K)."""
-    return is_sort(node) and len({length[0] for _, _, length in _cuts_of(node)}) == 1
-
-
-def sort_cuts(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(values cuts, ids cuts) of a sort selection: the nodes that hold its top-K values and ids."""
-    cuts = _cuts_of(node)
-    return [c for c, kind, _ in cuts if kind == "values"], [c for c, kind, _ in cuts if kind == "ids"]
-
-
-def sort_cut_k(node: fx.Node) -> int | None:
-    """K of a sort selection (None when its cuts disagree or there is none)."""
-    lengths = {length[0] for _, _, length in _cuts_of(node)}
-    return next(iter(lengths)) if len(lengths) == 1 else None
-
-
-def _cut_keeps_dim(cut: fx.Node) -> bool:
-    sort = cut.args[0] if is_sort(cut.args[0]) else cut.args[0].args[0]
-    length = cut_length(cut.args[1], _sort_dim(sort.args, sort.kwargs))
-    return bool(length and length[1])
-
-
-def index_text(index: Any) -> str:
-    """An index as written: ``[:, :2]``, ``[..., -1]``."""
-    def entry(e: Any) -> str:
-        if e is Ellipsis:
-            return "..."
-        if isinstance(e, slice):
-            return "".join(("" if e.start is None else str(e.start), ":", "" if e.stop is None else str(e.stop)))
-        return str(e)
-    return "[" + ", ".join(entry(e) for e in (index if isinstance(index, tuple) else (index,))) + "]"
-
-
-def describe_selection(node: fx.Node) -> str:
-    """How a selection node selects, for the router's description: the sort and its cut as written
-    (``sort[:, :2]``, ``argsort[..., :2]``), or "" (a top-k or a max / argmax, which the top-k already says)."""
-    cuts = _cuts_of(node) if is_sort(node) else []
-    if not cuts:
-        return ""
-    return f"{_SORTS.get(node.target, node.target)}{index_text(cuts[0][0].args[1])}"
-
-
-_COMPARISONS = {operator.gt: ">", operator.ge: ">=", operator.lt: "<", operator.le: "<=", torch.gt: ">",
-                torch.ge: ">=", torch.lt: "<", torch.le: "<=", torch.greater: ">", torch.greater_equal: ">=",
-                torch.less: "<", torch.less_equal: "<="}
-_COMPARISON_METHODS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "greater": ">", "greater_equal": ">=",
-                       "less": "<", "less_equal": "<="}
-
-
-def variable_selection_reason(gm: fx.GraphModule, num_experts: int) -> str | None:
-    """Why a block without a fixed-k selection cannot be sharded, when it selects experts another way:
-    a threshold on its router's scores (``probs > 0.2``, Top-Any / dynamic routing) or a sort of them
-    that is never cut to a fixed k (a top-p cumulative threshold). Either gives each token a number of
-    experts that varies with its scores, where FSSDP's dispatch routes exactly k per token. None when
-    the graph has neither (the block is then not told apart from a dense one here)."""
-    for n in gm.graph.nodes:
-        op = (_COMPARISONS.get(n.target) if n.op == "call_function" else
-              _COMPARISON_METHODS.get(n.target) if n.op == "call_method" else None)
-        sort = is_sort(n) and not is_sort_selection(n) and _sort_dim(n.args, n.kwargs) is not None
-        if not (op or sort) or (router := _router_of(gm, n)) is None or router[1] != num_experts:
-            continue
-        if sort:
-            kind = _SORTS.get(n.target, n.target)
-            what = f"sorts the scores of router '{router[0]}' ({kind}) but never cuts them to a fixed k"
-        else:
-            what = f"selects experts by comparing the scores of router '{router[0]}' with a threshold ({op})"
-        return (f"{what}: the number of experts per token varies with the scores (top-p / threshold routing), "
-                "and FSSDP routes every token to exactly k experts; select a fixed k with torch.topk or a sort cut "
-                "to k (scores.sort(dim=-1, descending=True) then [..., :k])")
-    return None
-
-
-_SELECTIONS = {torch.max: "max", torch.Tensor.max: "max", torch.argmax: "argmax", torch.Tensor.argmax: "argmax"}
-
-
-class _CallRecorder(TorchFunctionMode):
-    """Records, in order, the top-k, other selections (max, argmax, sorts and their cuts) and score
-    functions a forward calls (at the torch-function level)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ks: list[int] = []       # k of every top-k and of every sort cut to k (record_sort_cut)
-        self.topk_inputs: list[tuple[tuple[int, ...], int]] = []   # (input shape, dim) of every top-k
-        self.scores: list[str] = []
-        self.selections: list[str] = []
-        self.top1 = 0                 # top-1 selections (max / argmax along a dimension)
-        self.sorted: dict[int, tuple[torch.Tensor, str, int, int]] = {}   # id(output) -> (output, kind, dim, call)
-        self.uncut_sorts: list[str] = []    # sorts along a dimension whose outputs were never cut to a fixed k
-        self._cut: set[int] = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _SORTS or func is torch.Tensor.__getitem__:
-            return record_sort_cut(self, func, args, kwargs)
-        if func in _TOPK:
-            k = args[1] if len(args) > 1 else kwargs.get("k")
-            self.ks.append(int(k))
-            scores = args[0] if args else kwargs.get("input")
-            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-            if isinstance(scores, torch.Tensor) and isinstance(dim, int) and scores.dim():
-                self.topk_inputs.append((tuple(scores.shape), dim % scores.dim()))
-            self.selections.append(f"topk(k={int(k)})")
-        elif func in _SOFTMAX:
-            self.scores.append("softmax")
-        elif func in _SIGMOID:
-            self.scores.append("sigmoid")
-        elif func in _SELECTIONS and (len(args) > 1 or "dim" in kwargs):
-            self.selections.append(_SELECTIONS[func])
-            if func in _TOP1 and _has_dim(args, kwargs):
-                self.top1 += 1
-        return func(*args, **kwargs)
-
-
 def expert_choice_reason(scores_shape: tuple[int, ...], dim: int, num_experts: int, num_tokens: int) -> str | None:
     """Why a top-k over ``scores_shape`` along ``dim`` is experts choosing tokens (expert-choice routing,
     Zhou et al. 2022: ``topk(scores_TE.t(), capacity)``), not tokens choosing experts; None otherwise.
@@ -1058,75 +259,9 @@ def expert_choice_reason(scores_shape: tuple[int, ...], dim: int, num_experts: i
             "with a top-k over the experts dimension of [T, E] scores to shard it (left data-parallel)")
 
 
-def record_sort_cut(rec: _CallRecorder, func: Callable, args: tuple, kwargs: dict) -> Any:
-    """Run a sort or an indexing under ``rec``: a sort's outputs are remembered, and the first cut of one
-    of them to k entries along the sorted dimension (:func:`cut_length`) counts as a top-k with that k,
-    the selection recorded with its cut (``sort[:, :2]``, ``argsort[..., :2]``). A sort never cut stays
-    in ``uncut_sorts`` (tokens sorted by expert, or a variable-k cumulative threshold)."""
-    out = func(*args, **kwargs)
-    if func in _SORTS:
-        dim = _sort_dim(args, kwargs)
-        if dim is not None:
-            call = len(rec.uncut_sorts)
-            rec.uncut_sorts.append(_SORTS[func])
-            outputs = [("ids", out)] if _SORTS[func] == "argsort" else [("values", out[0]), ("ids", out[1])]
-            for kind, t in outputs:
-                rec.sorted[id(t)] = (t, _SORTS[func], dim % max(t.dim(), 1), call)
-        return out
-    source = rec.sorted.get(id(args[0])) if args else None
-    if source is not None and source[0] is args[0] and source[3] not in rec._cut:
-        t, kind, dim, call = source
-        length = cut_length(args[1], dim - t.dim()) if dim == t.dim() - 1 else None
-        if length is not None and tuple(out.shape) == tuple(t.shape[:-1]) + ((length[0],) if length[1] else ()):
-            rec._cut.add(call)
-            rec.ks.append(length[0])
-            rec.selections.append(f"{kind}{index_text(args[1])}")
-            rec.uncut_sorts[call] = ""
-    return out
-
-
-def record_calls(module: nn.Module, x: torch.Tensor) -> _CallRecorder:
-    """The selections and score functions ``module(x)`` calls on a probe, in call order."""
-    rec = _CallRecorder()
-    with preserved_state(module), torch.no_grad(), rec:
-        torch.manual_seed(PROBE_SEED)
-        module(x.clone())
-    return rec
-
-
-def _recorded_topk(module: nn.Module, x: torch.Tensor) -> tuple[list[int], list[str]]:
-    """When FX cannot trace the forward (``len(proxy)``, iterating a traced tensor ...): record it while it
-    runs on a probe. ``make_fx`` is no help there: it stops at the same data-dependent code (``one_hot``,
-    ``nonzero`` loops). Returns the k of every top-k and sort cut to k (1 for each max / argmax when
-    there is neither) and the score functions seen, in call order."""
-    rec = _CallRecorder()
-    with preserved_state(module), torch.no_grad(), rec:
-        torch.manual_seed(PROBE_SEED)
-        module(x.clone())
-    return rec.ks or [1] * rec.top1, rec.scores   # no top-k: each max / argmax selects one expert
-
+# Step 2 (tracing) and the graph reading of step 3 are in passes.fx_graph, the probes in passes.probe.
 
 # --- Step 4: how the experts are called --------------------------------------------------------------
-
-class _ExpertsStandIn(nn.Module):
-    """Stands in for a layer's experts during a probe: records how it is called and answers with the
-    interface ``(x_TH, ids_TK, weights_TK) -> out_TH`` computed by the original experts."""
-
-    def __init__(self, experts: nn.Module) -> None:
-        super().__init__()
-        self.inner = experts
-        self.calls: list[tuple] = []
-        self.outputs: list[Any] = []
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.calls.append(tuple(args) + tuple(kwargs.values()))
-        if isinstance(self.inner, nn.ModuleList):
-            out = loop_combine(self.inner, *args, *kwargs.values())
-        else:
-            out = self.inner(*args, **kwargs)
-        self.outputs.append(out)
-        return out
-
 
 class RuntimeReference(nn.Module):
     """What the sharded runtime computes for ``experts(x_TH, ids_TK, weights_TK)``, in one process:
@@ -1281,14 +416,12 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
             experts; skips = some expert was never called
         capture and replay: what its probe found (ReplayPlan.skips_empty)
     """
-    from themis_compile.runtime.experts import expert_modules
-
     module, experts, attr = info.module, info.experts, info.experts_attr
     if expert_modules(experts) is None:       # (a ModuleDict found by behaviour is per-expert modules too)
         return False
     x = probe_input(module, info.hidden_size, flat=info.probe_flat)
     if info.rewrite == "none" and type(experts).forward is not nn.Module.forward:
-        stand_in = _ExpertsStandIn(experts)
+        stand_in = ExpertsStandIn(experts)
         setattr(module, attr, stand_in)
         try:
             run_probe(module, x)
@@ -1322,8 +455,6 @@ def _skipped_expert_gradient(experts: nn.Module, x_TH: torch.Tensor, ids_TK: tor
                              weights_TK: torch.Tensor, E: int) -> bool:
     """Whether ``experts(x, ids, weights)`` leaves expert 0 without gradient when no id names it (it
     runs only the experts that receive tokens)."""
-    from themis_compile.runtime.experts import expert_modules
-
     ids_TK = torch.where(ids_TK == 0, torch.ones_like(ids_TK), ids_TK) if E > 1 else ids_TK
     params = [p for p in expert_modules(experts)[0].parameters() if p.requires_grad]
     if not params:
@@ -1344,7 +475,7 @@ def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int 
     that interface, the module must also compute what the runtime computes (:func:`combine_mismatch`)."""
     experts = getattr(module, attr)
     expected = run_probe(module, x)
-    stand_in = _ExpertsStandIn(experts)
+    stand_in = ExpertsStandIn(experts)
     error = None
     setattr(module, attr, stand_in)
     try:
@@ -1386,51 +517,6 @@ def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int 
                            "top-k ids and floating weights [T, K]) and let them return the weighted sum")
 
 
-# --- The combined value of inline expert calls (used by the description and by passes.shard) -----------
-
-def expert_index(node: fx.Node, attr: str) -> str | None:
-    """The expert a node belongs to (``experts.3`` or ``experts.3.w1.weight`` -> "3"), else None."""
-    if node.op in ("call_module", "get_attr") and isinstance(node.target, str) and node.target.startswith(attr + "."):
-        return node.target[len(attr) + 1:].split(".")[0]
-    return None
-
-
-def expert_nodes(graph: fx.Graph, attr: str) -> list[fx.Node]:
-    return [n for n in graph.nodes if expert_index(n, attr) is not None]
-
-
-def output_node(graph: fx.Graph) -> fx.Node:
-    return next(n for n in reversed(graph.nodes) if n.op == "output")
-
-
-def reach_by_expert(calls: list[fx.Node], attr: str, succ: dict[fx.Node, list[fx.Node]]
-                     ) -> dict[str, set[fx.Node]]:
-    groups: dict[str, list[fx.Node]] = {}
-    for c in calls:
-        groups.setdefault(expert_index(c, attr), []).append(c)
-    return {e: reachable(cs, lambda n: succ[n]) for e, cs in groups.items()}
-
-
-def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
-    """Y: the nearest node every expert's output flows through on its way to the output (the combined
-    value), following in-place updates as versions. None when there is none besides the output."""
-    graph = traced.gm.graph
-    calls = expert_nodes(graph, attr)
-    if not calls:
-        return None
-    succ = effective_users(graph)
-    out = output_node(graph)
-    reach = reach_by_expert(calls, attr, succ)
-    common = set.intersection(*reach.values())
-    if out not in common:
-        return None
-    for y in graph.nodes:  # topological order: the first post-dominator is the nearest
-        if y in common and y not in calls and y is not out:
-            if out not in reachable(calls, lambda n: succ[n], avoid=y):
-                return y
-    return None
-
-
 # --- Step 5: description -----------------------------------------------------------------------------
 
 _ACTIVATIONS = {F.silu: "silu", F.gelu: "gelu", F.relu: "relu", torch.relu: "relu", torch.tanh: "tanh",
@@ -1468,10 +554,10 @@ def describe_activation(expert: nn.Module) -> str:
         elif n.op == "call_method" and n.target in ("relu", "sigmoid", "tanh"):
             acts.append(n.target)
     for n in gm.graph.nodes:
-        if _is_fn(n, {operator.mul, torch.mul}, "mul") and len(n.all_input_nodes) == 2:
+        if is_fn(n, {operator.mul, torch.mul}, "mul") and len(n.all_input_nodes) == 2:
             a, b = n.all_input_nodes
-            if (_ancestors(a) | {a}) & {m for m in gm.graph.nodes if m.op == "call_module"} and \
-                    (_ancestors(b) | {b}) & {m for m in gm.graph.nodes if m.op == "call_module"}:
+            if (ancestors(a) | {a}) & {m for m in gm.graph.nodes if m.op == "call_module"} and \
+                    (ancestors(b) | {b}) & {m for m in gm.graph.nodes if m.op == "call_module"}:
                 gated = True
     if not acts:
         return "unknown"
@@ -1492,11 +578,11 @@ def _shared_experts(traced: TracedBlock, module: nn.Module, combined: list[fx.No
     for n in traced.gm.graph.nodes:
         if n.op != "call_module" or "." in n.target or n.target == experts_attr:
             continue
-        if not _is_mlp_like(module.get_submodule(n.target)):
+        if not is_mlp_like(module.get_submodule(n.target)):
             continue
         mine = reachable([n], lambda m: succ[m])
         for add in mine & after_experts:
-            if _is_fn(add, _ADDS, "add") or _is_fn(add, _ADDS, "add_"):
+            if is_fn(add, _ADDS, "add") or is_fn(add, _ADDS, "add_"):
                 inputs = [p for p, us in succ.items() if add in us]
                 from_shared = any(i in mine and i not in after_experts for i in inputs)
                 if from_shared and any(i in after_experts for i in inputs):
@@ -1591,7 +677,7 @@ def parallel_expert_lists_reason(module: nn.Module) -> str | None:
     selects (a top-k, a sort cut to k, a top-1 ``max`` / ``argmax``). The runtime shards, gathers and
     runs whole expert modules; here no module is an expert."""
     lists = [(attr, child) for attr, child in module.named_children()
-             if isinstance(child, nn.ModuleList) and len(child) >= 2 and not _is_mlp_like(child[0])
+             if isinstance(child, nn.ModuleList) and len(child) >= 2 and not is_mlp_like(child[0])
              and all(type(c) is type(child[0]) and any(True for _ in c.parameters()) for c in child)]
     # Bare weights per expert (``w_in[e]`` applied with F.linear): ParameterLists of one shape each.
     lists += [(attr, child) for attr, child in module.named_children()
@@ -2243,7 +1329,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                     probe_errors.append(f"{list(x.shape)}: {type(exc).__name__}: {exc}".splitlines()[0][:160])
                 continue
             probe_ran = True
-            stand_in = _ExpertsStandIn(child.module)
+            stand_in = ExpertsStandIn(child.module)
             setattr(module, child.attr, stand_in)
             try:
                 run_probe(module, x)
@@ -2460,7 +1546,7 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
                           "block or its router, and its experts are not called once as experts(x, ids, weights); "
                           "select with topk, max or argmax, or "
                           "call the experts that way (integer ids [T, K], weights [T, K])")
-        router = _router_of(traced.gm, topks[-1])
+        router = router_of(traced.gm, topks[-1])
         if router is None:
             raise _Reject("the top-k does not select over scores of a learned router (no Linear or weight [E, H] "
                           "before it)")
@@ -2503,8 +1589,8 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
             raise _Reject(why)
         router_path, width, H_router = router
         values, indices = selection_outputs(topk)
-        before = {_score_kind(n) for n in _ancestors(topk)} - {None}
-        after = {_score_kind(n) for n in _descendants(values)} - {None}
+        before = {score_kind(n) for n in ancestors(topk)} - {None}
+        after = {score_kind(n) for n in descendants(values)} - {None}
         succ = effective_users(traced.gm.graph)
         if not any(n.op == "output" for n in reachable(values + indices, lambda n: succ[n])):
             raise _Reject("the top-k weights and ids never reach the output (no weighted combine); the output must "
@@ -2578,73 +1664,7 @@ def _inspect_routing(name: str, module: nn.Module) -> MoELayerInfo | None:
     )
 
 
-# --- Dense dispatch tensors (GShard, fairseq Top2Gate) ------------------------------------------------
-
-OWNER_INPUT = "_themis_self"   # the block itself, first input of a graph traced with its methods as leaves
-
-
-def _own_methods(module: nn.Module) -> list[str]:
-    """Names of the plain methods the block's own classes define (not ``forward``, not torch's)."""
-    names: list[str] = []
-    for cls in type(module).__mro__:
-        if cls is nn.Module or cls.__module__.startswith("torch."):
-            break
-        names += [k for k, v in vars(cls).items() if inspect.isfunction(v) and not k.startswith("__")
-                  and k != "forward" and k not in names]
-    return names
-
-
-class _MethodLeafTracer(_LeafTracer):
-    """A :class:`_LeafTracer` for blocks whose routing helper holds Python-level shape code that FX cannot
-    trace (``math.ceil`` of a shape, ``torch.finfo(x.dtype)``, ``one_hot(num_classes=capacity)``): the
-    block's own methods are recorded as calls on the block, which becomes the graph's first input (so a
-    rewritten forward runs them as written), its child modules that hold no experts (a DeepSpeed
-    ``TopKGate``) are kept as calls too, and ``x.chunk(n)`` with a constant ``n`` can be iterated
-    (``zip(x.chunk(E), self.experts)``)."""
-
-    def __init__(self, leaves: set[int]) -> None:
-        super().__init__(leaves)
-        self.owner: fx.Proxy | None = None
-
-    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
-        self.owner = self.create_proxy("placeholder", OWNER_INPUT, (), {})
-        return super().create_args_for_root(root_fn, is_module, concrete_args)
-
-    def call_own_method(self, name: str, *args: Any, **kwargs: Any) -> fx.Proxy:
-        return self.create_proxy("call_method", name, (self.owner, *args), kwargs)
-
-    def iter(self, obj: fx.Proxy) -> Iterator:
-        n = obj.node
-        count = None
-        if (n.op == "call_method" and n.target == "chunk") or (n.op == "call_function" and n.target is torch.chunk):
-            count = n.args[1] if len(n.args) > 1 else n.kwargs.get("chunks")
-        if isinstance(count, int):
-            return iter([obj[i] for i in range(count)])
-        return super().iter(obj)
-
-
-def trace_block_with_method_leaves(module: nn.Module, experts: nn.Module, *, training: bool | None = None
-                                   ) -> TracedBlock:
-    """:func:`trace_block` with the block's own methods kept as calls (see :class:`_MethodLeafTracer`);
-    the graph takes the block as its first input (``traced.owner_input``)."""
-    routing_children = {id(c) for c in module.children() if not any(m is experts for m in c.modules())}
-    tracer = _MethodLeafTracer(leaf_modules(module, experts) | routing_children)
-    mode = module.training if training is None else training
-    with preserved_state(module):
-        modes = [(m, m.training) for m in module.modules()]
-        module.train(mode)
-        for name in _own_methods(module):
-            module.__dict__[name] = functools.partial(tracer.call_own_method, name)
-        try:
-            graph = tracer.trace(module)
-            stores = _attribute_stores(module)
-            gm = fx.GraphModule(module, graph, class_name=type(module).__name__)
-        finally:
-            for m, old in modes:
-                m.training = old
-    return TracedBlock(gm=gm, training=mode, branch_nodes=tracer.branch_nodes, attr_stores=stores,
-                       owner_input=True)
-
+# --- Dense dispatch tensors (GShard, fairseq Top2Gate) -----------------------------------------------
 
 @dataclass(frozen=True)
 class DenseDispatch:
@@ -2793,7 +1813,7 @@ def find_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = Non
         if name in again_why:
             reasons[name] = f"{again_why[name]} (probed with the arguments recorded in a forward of the model)"
         elif name not in recorded:
-            reasons[name] = f"{first_why[name]}; {failure or _NOT_CALLED}"
+            reasons[name] = f"{first_why[name]}; {failure or NOT_CALLED}"
     found_names = {info.name for info in again}
     rejected = [(name, reasons.get(name, why)) for name, why in rejected if name not in found_names]
     order = {name or "<root>": i for i, name in enumerate(modules)}
@@ -2897,7 +1917,7 @@ def explain_moe_layers(model: nn.Module, example_inputs: ExampleInputs | None = 
                      f"'{info.experts_attr}'), top-{info.top_k}")
         lines.append(f"    activation:     {info.activation}")
         lines.append(f"    shared experts: {', '.join(info.shared_expert_names) or 'none'}")
-        if shared := info.shared_parameter_names():
+        if shared := shared_parameter_names(info):
             lines.append(f"    every expert uses: {', '.join(shared)} (dense, data-parallel)")
         for aux in info.aux_losses:
             lines.append(f"    auxiliary:      {aux}")

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from themis_compile.passes.attention import REGION_KEY, is_attention_module
+from themis_compile.attention import REGION_KEY, is_attention_module
 
 logger = logging.getLogger(__name__)
 

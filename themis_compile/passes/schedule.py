@@ -72,7 +72,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from themis_compile.passes.attention import REGION_KEY, class_calls_attention, is_attention_module, mark_attention
+from themis_compile.attention import REGION_KEY, class_calls_attention, is_attention_module, mark_attention
 from themis_compile.passes.ops import (
     eager_reduction_fence,
     install_compile_boundaries,

@@ -59,46 +59,43 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from themis_compile.layer_info import MoELayerInfo
 from themis_compile.passes.detect import (
-    AllRowsPlan,
-    all_rows_experts_class,
-    serve_all_rows,
-    PROBE_SEED,
     SEARCHED,
-    MoELayerInfo,
+    AllRowsPlan,
     RuntimeReference,
-    TensorMeta,
-    TracedBlock,
-    expert_nodes,
-    reach_by_expert,
+    ScoresCallPlan,
+    all_rows_experts_class,
     check_layer,
-    combine_node,
-    effective_users,
-    find_moe_layers,
-    probing_as_recorded,
-    is_inplace,
-    is_topk,
-    probe_input,
-    reachable,
-    record_meta,
-    run_probe,
-    trace_block,
-    PROBE_SEED,
     dense_dispatch_of,
     expert_call_path,
     expert_list,
+    find_moe_layers,
     flat_call_experts_class,
     mask_call_experts_class,
-    ScoresCallPlan,
-    scores_call_experts_class,
     mask_slots,
-    preserved_state,
+    scores_call_experts_class,
+    serve_all_rows,
+)
+from themis_compile.passes.fx_graph import (
+    TensorMeta,
+    TracedBlock,
+    combine_node,
+    effective_users,
+    expert_nodes,
+    is_inplace,
+    is_topk,
+    reach_by_expert,
+    reachable,
+    record_meta,
     selection_outputs,
     selection_tokens,
     selections_of,
+    trace_block,
     trace_block_with_method_leaves,
 )
 from themis_compile.passes.joined import apply_joined
+from themis_compile.passes.probe import PROBE_SEED, preserved_state, probe_input, probing_as_recorded, run_probe
 from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch, output_tensors
 from themis_compile.runtime.experts import loop_combine, with_zero_rows_gradient, wrapped_expert_list
 

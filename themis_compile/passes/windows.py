@@ -43,7 +43,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from themis_compile.passes.attention import is_attention_module
+from themis_compile.attention import is_attention_module
 from themis_compile.passes.ops import eager_reduction_fence, start_spag
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from torch import nn
 from themis_compile.config import ThemisConfig
 
 if TYPE_CHECKING:
-    from themis_compile.passes.detect import MoELayerInfo
+    from themis_compile.layer_info import MoELayerInfo
     from themis_compile.runtime.fssdp import FSSDPState, LayerStats
     from themis_compile.runtime.reshard import ReshardScheduler
 
