@@ -66,7 +66,7 @@ class MoELayerInfo:
 
     @property
     def experts(self) -> nn.Module:
-        if self.rewrite == "joined":    # the two halves joined (passes.joined): held once rewritten
+        if self.rewrite in ("joined", "parallel-lists"):   # joined (passes.joined, passes.parallel_lists)
             return self.plan.experts_of(self.module)
         return getattr(self.module, self.experts_attr)
 
@@ -91,6 +91,8 @@ class MoELayerInfo:
                                "to one experts(x, ids, weights) call)",
                 "joined": f"calls two halves of its experts on rows sorted by expert, row-wise code between them "
                           f"(joined into '{self.experts_attr}', rewritten to one experts call)",
+                "parallel-lists": f"calls entry e of each of two parallel ModuleLists per expert (joined into "
+                                  f"'{self.experts_attr}', capture and replay: one experts call)",
                 "zero-experts": f"calls {self.experts_attr}(x, ids, weights) with ids in [0, E + Z) (the "
                                 f"{self.zero_experts} ids >= E add weight * x, served by the rewrite; the others "
                                 "by the runtime)"}.get(self.rewrite,

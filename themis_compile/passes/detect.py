@@ -104,6 +104,7 @@ from themis_compile.passes.fx_graph import (TensorMeta, TracedBlock, ancestors, 
                                             trace_block_with_method_leaves, variable_selection_reason)
 from themis_compile.passes.joined import (JoinedPlan, describe_between, free_attribute, record_between,
                                           row_mixing_reason)
+from themis_compile.passes.parallel_lists import apply_parallel_lists, parallel_lists_plan
 from themis_compile.passes.probe import (ExampleInputs, ExpertsStandIn, NOT_CALLED, PROBE_SEED, preserved_state,
                                          probe_input, record_inputs, recorded_call, recorded_inputs, run_probe)
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
@@ -429,7 +430,7 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
             setattr(module, attr, experts)
         x_TH, ids_TK, weights_TK = stand_in.calls[0]
         return _skipped_expert_gradient(experts, x_TH, ids_TK, weights_TK, info.num_experts)
-    if info.rewrite == "replay":
+    if info.rewrite in ("replay", "parallel-lists"):
         return bool(getattr(info.plan, "skips_empty", False))     # decided by capture and replay's probe
     if info.rewrite not in ("none", "inline-loop", "sorted-rows") or info.top_k >= info.num_experts:
         return False
@@ -664,18 +665,17 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         raise reject
     if (why := inline_expert_weights_reason(module)) is not None:
         raise _Reject(why)
+    if (found := _parallel_lists_layer(name, module)) is not None:
+        return found
     if (why := parallel_expert_lists_reason(module)) is not None:
         raise _Reject(why)
     return None
 
 
-def parallel_expert_lists_reason(module: nn.Module) -> str | None:
-    """Why a block whose experts are spread over parallel ModuleLists of single layers (``up[e]``,
-    ``down[e]``: expert e is one entry of each) or ParameterLists of bare weights (``F.linear(x, w_in[e])``)
-    cannot be sharded; None for any other module. It is when
-    two or more such lists of E >= 2 entries sit next to a router of E experts and a forward on a probe
-    selects (a top-k, a sort cut to k, a top-1 ``max`` / ``argmax``). The runtime shards, gathers and
-    runs whole expert modules; here no module is an expert."""
+def _parallel_lists(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, tuple[str, nn.Module]] | None:
+    """(lists, E, router) of a block whose experts may be spread over parallel ModuleLists of single layers
+    (``up[e]``, ``down[e]``) or ParameterLists of bare weights: two or more such lists of E >= 2 entries next
+    to a Linear router of E outputs; None for any other module."""
     lists = [(attr, child) for attr, child in module.named_children()
              if isinstance(child, nn.ModuleList) and len(child) >= 2 and not is_mlp_like(child[0])
              and all(type(c) is type(child[0]) and any(True for _ in c.parameters()) for c in child)]
@@ -689,8 +689,74 @@ def parallel_expert_lists_reason(module: nn.Module) -> str | None:
     E = sizes.pop()
     router = next(((n, c) for n, c in module.named_children() if isinstance(c, nn.Linear) and c.out_features == E),
                   None)
-    if router is None:
+    return None if router is None else (lists, E, router)
+
+
+def _parallel_lists_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """The layer of a block whose expert e is entry e of each of two parallel ModuleLists, called
+    ``second[e](between(first[e](rows)))`` with row-wise code ``between`` of the block's own
+    (:mod:`themis_compile.passes.parallel_lists`): joined into one ModuleList of experts and served by
+    capture and replay (``rewrite == "parallel-lists"``). None when the block is not of that shape or its
+    calls are not read so (:func:`parallel_expert_lists_reason` then says why it stays data-parallel);
+    raises _Reject when they are read so but capture and replay cannot serve the joined block."""
+    found = _parallel_lists(module)
+    if found is None:
         return None
+    lists, E, (router_name, router) = found
+    if len(lists) != 2 or not all(isinstance(child, nn.ModuleList) for _, child in lists):
+        return None
+    if (why := _non_identical_reason(lists[0][1])) or (why := _non_identical_reason(lists[1][1])):
+        return None
+    H = router.in_features
+    try:
+        x = probe_input(module, H)
+        run_probe(module, x)
+    except Exception:  # noqa: BLE001 - not a block run on hidden states
+        return None
+    attr = free_attribute(module)
+    plan, reasons = None, []
+    for (first, _), (second, _) in (lists, lists[::-1]):
+        plan, why = parallel_lists_plan(module, first, second, lambda: run_probe(module, x), H, attr)
+        if plan is not None:
+            break
+        reasons.append(why)
+    if plan is None:
+        return None
+    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    trial = copy.deepcopy(module, shared)
+    apply_parallel_lists(trial, plan)
+    replay_plan, why = replay_mismatch(trial, attr, x, PROBE_SEED, allow_skipping=True)
+    head = (f"its {E} experts (scored by '{router_name}') are spread over parallel ModuleLists '{plan.first}' and "
+            f"'{plan.second}' (expert e: {plan.second}[e] after {plan.first}[e], "
+            f"{describe_between(plan.between)} between them)")
+    if why is not None:
+        raise _Reject(f"{head}, and capture and replay cannot serve them joined: {why}")
+    T = x.shape[:-1].numel()
+    K = min(E, max(1, -(-captured_rows(trial, attr, x, PROBE_SEED) // T)))
+    rec = record_calls(module, x)
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    plan = dataclasses.replace(plan, replay=replay_plan)
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=K, experts_form="parallel-lists",
+        router=(f"'{router_name}' [E={E}, H={H}]: scores {scores}, selection {selection}, {K} row(s) per token "
+                f"seen at the expert calls (behaviour)"),
+        activation=f"{plan.first}[e] -> {describe_between(plan.between)} -> {plan.second}[e]", shared_experts=False,
+        experts_attr=attr, rewrite="parallel-lists", router_path=router_name,
+        score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=x.dim() == 2, plan=plan)
+
+
+def parallel_expert_lists_reason(module: nn.Module) -> str | None:
+    """Why a block whose experts are spread over parallel ModuleLists of single layers (``up[e]``,
+    ``down[e]``: expert e is one entry of each) or ParameterLists of bare weights (``F.linear(x, w_in[e])``)
+    cannot be sharded; None for any other module. It is when
+    two or more such lists of E >= 2 entries sit next to a router of E experts and a forward on a probe
+    selects (a top-k, a sort cut to k, a top-1 ``max`` / ``argmax``). The runtime shards, gathers and
+    runs whole expert modules; here no module is an expert."""
+    found = _parallel_lists(module)
+    if found is None:
+        return None
+    lists, E, router = found
     try:
         rec = record_calls(module, probe_input(module, router[1].in_features))
     except Exception:  # noqa: BLE001 - not a block run on hidden states: not this case

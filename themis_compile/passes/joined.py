@@ -67,6 +67,13 @@ _VALUE_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, t
                 torch.Tensor.__float__, torch.Tensor.__index__}
 
 
+def _in_place(func: Any, kwargs: dict) -> bool:
+    """Whether ``func`` writes into its input: ``mul_``, ``__iadd__``, ``inplace=True`` (``F.relu``,
+    ``F.dropout``); a function that returns its input untouched (dropout with p = 0) is not."""
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.startswith("__") or name.startswith("__i") or bool(kwargs.get("inplace"))
+
+
 class BetweenRecorder(TorchFunctionMode):
     """Records, as an FX graph of one input, the torch functions applied to ``root`` (the first half's
     output) and to everything computed from it, until :meth:`finish` names the tensor given to the second
@@ -95,8 +102,11 @@ class BetweenRecorder(TorchFunctionMode):
             if untracked:
                 self.reason = (f"{name} uses a tensor {list(untracked[0].shape)} that is not computed from the first "
                                "half's rows (a parameter of the block, a routing value)")
-            elif func is torch.Tensor.__setitem__ or any(out is v for v in flat if isinstance(v, torch.Tensor)):
+            elif func is torch.Tensor.__setitem__ or (
+                    any(out is v for v in flat if isinstance(v, torch.Tensor)) and _in_place(func, kwargs)):
                 self.reason = f"{name} modifies rows in place"
+            elif any(out is v for v in flat if isinstance(v, torch.Tensor)):
+                return out      # returns its input as it is (dropout in eval mode or with p = 0): nothing to replay
             elif func in _VALUE_READS:
                 # Python control flow on the rows' values would be replayed as the probe took it.
                 self.reason = f"{name} reads values of the rows into Python (a branch or a count on them)"

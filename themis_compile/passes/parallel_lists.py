@@ -1,0 +1,306 @@
+"""Experts spread over parallel ModuleLists (``up[e]``, ``down[e]``), joined into one ModuleList of experts.
+
+Step / Hunyuan-style blocks and much research code hold expert e as entry e of two parallel
+``nn.ModuleList`` s of single layers, and run the block's own code between the two calls::
+
+    for e, rows in enumerate(x_sorted.split(counts)):       # or a loop over nonzero(ids == e)
+        h = self.dropout(F.gelu(self.up[e](rows)))           # the block's code between the calls
+        outs.append(self.down[e](h))
+
+No module is an expert; the pair is: expert e is ``down[e] ∘ between ∘ up[e]``, ``[N, H] -> [N, H]``,
+as long as ``between`` treats every row alone. This module reads ``between`` off a probe (the torch
+functions applied to ``up[e]``'s output until ``down[e]`` is called, recorded as an FX graph by
+``passes.joined.BetweenRecorder``), checks that every pair of calls on the probe computes ``down``'s input
+from ``up``'s output so and that the code is row-wise (``passes.joined.row_mixing_reason``), and joins
+entry e of each list into :class:`ListsExpert` e of a :class:`ParallelListsExperts` (an ``nn.ModuleList``
+of E identical experts: ``runtime.experts.ExpertBank`` form ``"modulelist"``, parameters
+``<e>.up.weight`` ...; the same module and parameter objects as the user's lists).
+
+The block's forward runs as written (routing, sort, counts, combine). While it runs, ``self.up`` and
+``self.down`` are :class:`PairedLists` views: ``up[e](rows)`` is the call ``experts[e](rows)`` (the whole
+expert on those rows), its result kept, and answers a zero placeholder of ``up``'s width, on which the
+block's code between the calls runs to no effect; ``down[e](h)`` answers the kept result. With those
+views the block calls ``experts[e](rows)`` one by one, which is what capture and replay
+(``passes.replay``) serves with one ``experts(x, ids, weights)`` call: the rewrite is that view (the
+class of :func:`paired_block_class`) under ``passes.replay.apply_replay``.
+
+Contract:
+    :func:`parallel_lists_plan` is read-only (the lists are restored whatever the probe does) and says
+    why the block cannot be joined so, or gives the plan; ``passes.detect`` then proves capture and
+    replay on the joined trial and ``passes.shard.prepare_moe_layers`` verifies the rewritten block,
+    each expert run alone as the runtime runs it, against the original (values and gradients).
+    :func:`apply_parallel_lists` moves the lists' entries into ``block.<attr>`` (the lists leave the
+    block) and keeps the block's state-dict keys the user's (``up.3.weight``: :class:`ListsKeys`).
+
+Shape suffixes: N rows, H hidden size, W ``up``'s output width, E experts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from themis_compile.passes.joined import BetweenRecorder, row_mixing_reason
+
+
+# --- The experts -------------------------------------------------------------------------------------
+
+class ListsExpert(nn.Module):
+    """Expert e of parallel lists: entry e of the first list, the block's row-wise code, entry e of the
+    second, children under the lists' own names (``up``, ``down``). ``between`` is not a child (it holds
+    no tensors; every expert shares it)."""
+
+    def __init__(self, first_name: str, first: nn.Module, second_name: str, second: nn.Module,
+                 between: fx.GraphModule) -> None:
+        super().__init__()
+        self.first_name, self.second_name = first_name, second_name
+        self.add_module(first_name, first)
+        self.add_module(second_name, second)
+        self.__dict__["between"] = between
+
+    def forward(self, rows_NH: torch.Tensor) -> torch.Tensor:
+        return self._modules[self.second_name](self.between(self._modules[self.first_name](rows_NH)))
+
+
+class ParallelListsExperts(nn.ModuleList):
+    """The E experts of a block whose expert e is entry e of each of its parallel lists
+    (:class:`ListsExpert`); a ModuleList of identical experts called ``experts[e](rows)``."""
+
+
+@dataclass(frozen=True)
+class ParallelListsPlan:
+    """How a block's parallel lists are joined: ``block.<attr>`` will hold the :class:`ParallelListsExperts`
+    of ``block.<first>`` and ``block.<second>`` (``width``: ``first``'s output width W); ``replay`` is the
+    capture-and-replay plan of the joined block (set by detection)."""
+
+    attr: str
+    first: str
+    second: str
+    between: fx.GraphModule
+    width: int
+    num_experts: int
+    replay: Any = None
+
+    @property
+    def skips_empty(self) -> bool:
+        return bool(getattr(self.replay, "skips_empty", False))
+
+    def experts_of(self, block: nn.Module) -> nn.Module:
+        """The joined experts of ``block``: the ones it holds once rewritten, else new ones of its lists
+        (which it leaves where they are)."""
+        if self.first not in block._modules:
+            return block._modules[self.attr]
+        firsts, seconds = block._modules[self.first], block._modules[self.second]
+        return ParallelListsExperts(ListsExpert(self.first, a, self.second, b, self.between)
+                                    for a, b in zip(firsts, seconds))
+
+
+# --- Reading the lists on a probe --------------------------------------------------------------------
+
+class _RecordingList:
+    """One parallel list as the block's forward sees it on the probe: the real entries, each call logged
+    (``(which, e, input, output)``); the first list's first output starts a :class:`BetweenRecorder`, the
+    second list's call of the same entry ends it."""
+
+    def __init__(self, entries: nn.ModuleList, first: bool, log: dict) -> None:
+        self._entries, self._first, self._log = entries, first, log
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Callable]:
+        return iter([self[e] for e in range(len(self._entries))])
+
+    def __getitem__(self, e: Any) -> Callable:
+        e = int(e)
+        if not 0 <= e < len(self._entries):
+            raise IndexError(e)
+        return lambda *args, **kwargs: self._call(e, args, kwargs)
+
+    def _call(self, e: int, args: tuple, kwargs: dict) -> Any:
+        log = self._log
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+            log.setdefault("reason", f"entry {e} is called with {len(args)} positional and {len(kwargs)} keyword "
+                                     "arguments, not on rows alone")
+        rec = log.get("recorder")
+        if not self._first and log.get("open") and e == log["root"]:
+            rec.__exit__(None, None, None)
+            log["open"] = False
+            log["between"] = rec.finish(args[0]) if isinstance(args[0], torch.Tensor) else None
+        out = self._entries[e](*args, **kwargs)
+        log["calls"].append(("first" if self._first else "second", e, args[0] if args else None, out))
+        if self._first and isinstance(out, torch.Tensor) and "recorder" not in log:
+            rec = log["recorder"] = BetweenRecorder(out)
+            log["root"], log["open"] = e, True
+            rec.__enter__()
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"the list is read as .{name} inside the forward; only len, [e], iteration and "
+                             "entry(rows) calls are served")
+
+
+def parallel_lists_plan(module: nn.Module, first: str, second: str, run: Callable[[], Any], hidden: int,
+                        attr: str) -> tuple[ParallelListsPlan | None, str]:
+    """(plan, "") when ``module.<first>`` and ``module.<second>`` hold expert e as entry e of each, called
+    ``second[e](between(first[e](rows)))`` with ``between`` row-wise, on the probe ``run()``; else (None, why).
+    Read-only: both lists are restored."""
+    lists = module._modules[first], module._modules[second]
+    log: dict = {"calls": []}
+    module.__dict__[first] = _RecordingList(lists[0], True, log)
+    module.__dict__[second] = _RecordingList(lists[1], False, log)
+    try:
+        with torch.no_grad():
+            run()
+    except Exception as exc:  # noqa: BLE001 - the forward relies on more than entry(rows) calls
+        return None, f"its forward fails with recording lists ({type(exc).__name__}: {exc})".splitlines()[0][:300]
+    finally:
+        if log.get("open"):
+            log["recorder"].__exit__(None, None, None)
+        module.__dict__.pop(first, None)
+        module.__dict__.pop(second, None)
+    if "reason" in log:
+        return None, log["reason"]
+    rec = log.get("recorder")
+    between = log.get("between")
+    if rec is None:
+        return None, f"'{first}' is never called on a probe"
+    if between is None:
+        return None, (f"the code between '{first}[e]' and '{second}[e]' cannot be part of an expert: "
+                      f"{rec.reason or f'{second} is never called after {first}'}")
+    # Pair the calls: each entry's calls of the second list follow its calls of the first, in order.
+    pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    pairs = []
+    for which, e, x_in, out in log["calls"]:
+        if which == "first":
+            if not (isinstance(x_in, torch.Tensor) and x_in.dim() >= 1 and x_in.shape[-1] == hidden
+                    and isinstance(out, torch.Tensor) and out.shape[:-1] == x_in.shape[:-1]):
+                return None, (f"'{first}[{e}]' maps {list(getattr(x_in, 'shape', []))} to "
+                              f"{list(getattr(out, 'shape', []))}, not rows [N, {hidden}] to rows")
+            pending.setdefault(e, []).append((x_in, out))
+            continue
+        if not pending.get(e):
+            return None, f"'{second}[{e}]' is called without '{first}[{e}]' called before it"
+        x_NH, h_NW = pending[e].pop(0)
+        if not (isinstance(out, torch.Tensor) and out.shape == x_NH.shape):
+            return None, (f"'{second}[{e}]' returns {list(getattr(out, 'shape', []))}, not the "
+                          f"{list(x_NH.shape)} rows '{first}[{e}]' got")
+        pairs.append((e, x_NH, h_NW, x_in))
+    if any(pending.values()) or not pairs:
+        return None, f"some call of '{first}[e]' is not followed by a call of '{second}[e]'"
+    W = pairs[0][2].shape[-1]
+    for e, _, h, given in pairs:
+        if h.shape[-1] != W:
+            return None, f"'{first}[{e}]' gives rows of width {h.shape[-1]}, '{first}[{pairs[0][0]}]' of {W}"
+        try:
+            same = torch.allclose(between(h).double(), given.double(), rtol=1e-5, atol=1e-6)
+        except Exception:  # noqa: BLE001
+            same = False
+        if not same:
+            return None, (f"the rows given to '{second}[{e}]' are not the code recorded between '{first}' and "
+                          f"'{second}' applied to the output of '{first}[{e}]'")
+    h_all = torch.cat([h.reshape(-1, W) for _, _, h, _ in pairs])
+    if (why := row_mixing_reason(between, h_all)) is not None:
+        return None, f"the code between '{first}[e]' and '{second}[e]' cannot be part of an expert: {why}"
+    return ParallelListsPlan(attr=attr, first=first, second=second, between=between, width=int(W),
+                             num_experts=len(lists[0])), ""
+
+
+# --- The rewrite -------------------------------------------------------------------------------------
+
+class PairedLists:
+    """``self.<first>`` or ``self.<second>`` in the rewritten block's forward: ``first[e](rows)`` calls
+    ``experts[e](rows)`` (whatever ``self.<attr>`` is then: the experts, or capture and replay's view of
+    them), keeps its result and answers zeros ``[..., W]``; ``second[e](h)`` answers the kept result."""
+
+    def __init__(self, block: nn.Module, plan: ParallelListsPlan, first: bool, kept: dict) -> None:
+        self._block, self._plan, self._first, self._kept = block, plan, first, kept
+
+    def __len__(self) -> int:
+        return self._plan.num_experts
+
+    def __iter__(self) -> Iterator[Callable]:
+        return iter([self[e] for e in range(self._plan.num_experts)])
+
+    def __getitem__(self, e: Any) -> Callable:
+        e = int(e)
+        if not 0 <= e < self._plan.num_experts:
+            raise IndexError(e)
+        return lambda rows: self._call(e, rows)
+
+    def _call(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        if self._first:
+            experts = self._block.__dict__.get(self._plan.attr)
+            experts = self._block._modules[self._plan.attr] if experts is None else experts
+            y = experts[e](rows)
+            self._kept.setdefault(e, []).append(y)
+            return rows.new_zeros((*rows.shape[:-1], self._plan.width))
+        kept = self._kept.get(e)
+        if not kept:
+            raise RuntimeError(f"{self._plan.second}[{e}] is called without {self._plan.first}[{e}] before it")
+        y = kept.pop(0)
+        if y.shape[:-1] != rows.shape[:-1]:
+            raise RuntimeError(f"{self._plan.second}[{e}] is called on {list(rows.shape)} rows, "
+                               f"{self._plan.first}[{e}] on {list(y.shape)}")
+        return y
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"the list is read as .{name} inside the forward; only len, [e], iteration and "
+                             "entry(rows) calls are served once its entries are sharded")
+
+
+class ListsKeys:
+    """A state-dict hook: the joined experts' keys ``<block>.<attr>.<e>.<list>.<name>`` are the user's
+    ``<block>.<list>.<e>.<name>`` when saving (``loading=False``), and back when loading."""
+
+    def __init__(self, attr: str, lists: Sequence[str], loading: bool) -> None:
+        self.attr, self.lists, self.loading = attr, tuple(lists), loading
+        names = "|".join(map(re.escape, self.lists))
+        self._inner = re.compile(rf"^{re.escape(attr)}\.(\d+)\.({names})\.(.+)$")
+        self._outer = re.compile(rf"^({names})\.(\d+)\.(.+)$")
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            rest = key[len(prefix):]
+            if self.loading and (m := self._outer.match(rest)):
+                state_dict[f"{prefix}{self.attr}.{m[2]}.{m[1]}.{m[3]}"] = state_dict.pop(key)
+            elif not self.loading and (m := self._inner.match(rest)):
+                state_dict[f"{prefix}{m[2]}.{m[1]}.{m[3]}"] = state_dict.pop(key)
+
+
+def paired_block_class(block_cls: type, plan: ParallelListsPlan) -> type:
+    """A subclass of ``block_cls`` whose forward is its own with ``self.<first>`` / ``self.<second>`` seen
+    as :class:`PairedLists` over ``self.<attr>`` (inside the forward only)."""
+
+    def block_forward(self, *args, **kwargs):
+        kept: dict = {}
+        self.__dict__[plan.first] = PairedLists(self, plan, True, kept)
+        self.__dict__[plan.second] = PairedLists(self, plan, False, kept)
+        try:
+            return block_cls.forward(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(plan.first, None)
+            self.__dict__.pop(plan.second, None)
+
+    block_forward.__doc__ = (f"{block_cls.__name__}.forward with {plan.first}[e] and {plan.second}[e] served by "
+                             f"{plan.attr}[e].")
+    return type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
+                                                   "_themis_original_class": block_cls})
+
+
+def apply_parallel_lists(block: nn.Module, plan: ParallelListsPlan) -> None:
+    """Rewrite ``block`` in place: the entries of its two lists move into ``block.<attr>`` (a
+    :class:`ParallelListsExperts`, the same modules and parameter objects), its class gets the forward of
+    :func:`paired_block_class`, and its state-dict keys stay the user's (:class:`ListsKeys`). Capture and
+    replay (``passes.replay.apply_replay``) goes on top."""
+    experts = plan.experts_of(block)
+    del block._modules[plan.first], block._modules[plan.second]
+    block.add_module(plan.attr, experts)
+    block.__class__ = paired_block_class(type(block), plan)
+    block.register_state_dict_post_hook(ListsKeys(plan.attr, (plan.first, plan.second), loading=False))
+    block.register_load_state_dict_pre_hook(ListsKeys(plan.attr, (plan.first, plan.second), loading=True))
