@@ -265,12 +265,26 @@ class ListsKeys:
         self._outer = re.compile(rf"^({names})\.(\d+)\.(.+)$")
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            rest = key[len(prefix):]
-            if self.loading and (m := self._outer.match(rest)):
-                state_dict[f"{prefix}{self.attr}.{m[2]}.{m[1]}.{m[3]}"] = state_dict.pop(key)
-            elif not self.loading and (m := self._inner.match(rest)):
-                state_dict[f"{prefix}{m[2]}.{m[1]}.{m[3]}"] = state_dict.pop(key)
+        if self.loading:
+            for key in [k for k in state_dict if k.startswith(prefix)]:
+                if m := self._outer.match(key[len(prefix):]):
+                    state_dict[f"{prefix}{self.attr}.{m[2]}.{m[1]}.{m[3]}"] = state_dict.pop(key)
+            return
+        # Saving: the user's order too, each list's entries in turn (where the joined experts' keys were).
+        items = list(state_dict.items())
+        inner = [(i, m) for i, (k, _) in enumerate(items)
+                 if k.startswith(prefix) and (m := self._inner.match(k[len(prefix):]))]
+        if not inner:
+            return
+        renamed = sorted(((self.lists.index(m[2]), int(m[1]), i), f"{prefix}{m[2]}.{m[1]}.{m[3]}", items[i][1])
+                         for i, m in inner)
+        at, drop = inner[0][0], {i for i, _ in inner}
+        state_dict.clear()
+        for i, (k, v) in enumerate(items):
+            if i == at:
+                state_dict.update((key, value) for _, key, value in renamed)
+            if i not in drop:
+                state_dict[k] = v
 
 
 def paired_block_class(block_cls: type, plan: ParallelListsPlan) -> type:
