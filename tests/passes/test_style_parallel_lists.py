@@ -226,3 +226,17 @@ def test_parallel_lists_train_like_one_process_on_2_ranks():
         delta_p = per_rank[0][3]
         if policy != "ep":
             assert any(d > 0 for d in delta_p), f"{style} under {policy}: no replica was made ({delta_p})"
+
+
+def test_random_code_between_the_lists_stays_rejected():
+    """Dropout with p > 0 between the two calls draws other numbers when replayed as part of an expert:
+    not joined, the block stays data-parallel with the old reason."""
+    def block():
+        moe = ParallelListsMoE()
+        moe.dropout.p = 0.1
+        return moe
+
+    torch.manual_seed(0)
+    text = themis_compile.explain(zoo.ZooLM("dropout", blocks={"dropout": block}))
+    assert text.startswith("0 MoE layer(s) found"), text
+    assert "are spread over parallel ModuleLists 'up' (4 x Linear), 'down' (4 x Linear)" in text, text

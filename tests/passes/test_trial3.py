@@ -9,7 +9,8 @@
 - ``ExpertChoiceMoE`` (Zhou et al. 2022, experts pick their top-C tokens): was found as "top-E" and
   dispatched every token to every expert; now rejected with the reason and left data-parallel;
 - ``ParallelListsMoE`` (each expert entry e of parallel ModuleLists ``up`` / ``down``): was neither found
-  nor rejected, so ``explain`` said nothing of it; now rejected with the reason;
+  nor rejected, so ``explain`` said nothing of it; then rejected with the reason; now sharded (entry e of
+  each list joined into expert e, ``rewrite == "parallel-lists"``, tests/passes/test_style_parallel_lists.py);
 - ``GShardMoE`` (top-2 by argmax with a capacity and token dropping by position, stacked ``wi`` / ``wo``
   of the block itself, einsum dispatch / combine): was rejected with no reason in ``explain``;
 - ``TitanGroupedMMMoE`` (torchtitan's ``MoE`` as it is now: ``torch.histc`` counts, a float vector,
@@ -234,11 +235,12 @@ def _reference(style: str):
     losses = zoo.train_losses(model, STEPS, BATCH, SEQ)
     experts = {}
     for info in infos:
-        module = getattr(info.module, info.experts_attr)
+        module = info.experts     # (parallel lists joined: built from the lists, which the model holds)
         bank = ExpertBank(module)
         for e in range(bank.num_experts):
             experts[(info.name, e)] = [t.detach().clone() for t in bank.chunk(module, e)]
-    prefixes = tuple(f"{i.name}.{i.experts_attr}." for i in infos)
+    prefixes = tuple(f"{i.name}.{a}." for i in infos for a in (
+        (i.plan.first, i.plan.second) if i.rewrite == "parallel-lists" else (i.experts_attr,)))
     return losses, zoo.dense_params(model, lambda n: n.startswith(prefixes)), experts
 
 
@@ -274,7 +276,7 @@ def _in_sync(rank: int, world_size: int, style: str) -> tuple[list[str], bool]:
 
 TRAINED = [("research_dataclass", "themis"), ("research_dataclass", "ep"), ("gshard", "themis"),
            ("parallel_lists", "themis"), ("titan_grouped_mm", "themis")]
-DATA_PARALLEL = ("gshard", "parallel_lists")     # rejected: trained data-parallel
+DATA_PARALLEL = ("gshard",)     # rejected: trained data-parallel
 
 
 def _ranks(rank: int, world_size: int):
@@ -323,11 +325,12 @@ def test_gshard_inline_stacked_weights_are_rejected_with_the_reason():
     assert "wi [4, 32, 32], wo [4, 32, 32]" in text
 
 
-def test_parallel_expert_lists_are_rejected_with_the_reason():
+def test_parallel_expert_lists_are_found():
+    """Once rejected ("spread over parallel ModuleLists"), now joined: expert e is down[e] after up[e]."""
     text = themis_compile.explain(_model("parallel_lists"))
-    assert text.startswith("0 MoE layer(s) found"), text
-    assert ("rejected layers.1.moe: its 4 experts (scored by 'router') are spread over parallel ModuleLists "
-            "'up' (4 x Linear), 'down' (4 x Linear)") in text, text
+    assert text.startswith("2 MoE layer(s) found"), text
+    assert "4 experts (parallel-lists, 'experts'), top-2" in text, text
+    assert "activation up[e] -> gelu -> down[e]" in text, text
 
 
 def test_grouped_mm_experts_with_histc_counts_are_found():
@@ -337,8 +340,8 @@ def test_grouped_mm_experts_with_histc_counts_are_found():
 
 
 def test_trial_blocks_train_like_one_process_on_2_ranks():
-    """One process group: the dataclass and torchtitan grouped-mm blocks sharded (themis, ep) and the GShard and parallel-lists blocks
-    left data-parallel train like one process on the whole batch; the expert-choice block is left
+    """One process group: the dataclass, parallel-lists and torchtitan grouped-mm blocks sharded (themis, ep)
+    and the GShard block left data-parallel train like one process on the whole batch; the expert-choice block is left
     data-parallel (its routing depends on the whole batch, so only that is checked: the ranks stay in sync)."""
     from themis_compile.testing.multirank import run_multirank
 

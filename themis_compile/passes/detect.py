@@ -716,11 +716,16 @@ def _parallel_lists_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     attr = free_attribute(module)
     plan, reasons = None, []
     for (first, _), (second, _) in (lists, lists[::-1]):
-        plan, why = parallel_lists_plan(module, first, second, lambda: run_probe(module, x), H, attr)
+        plan, why = parallel_lists_plan(module, first, second, lambda: run_probe(module, x, training=True), H, attr)
         if plan is not None:
             break
         reasons.append(why)
     if plan is None:
+        return None
+    # One expert for both modes: the code between the calls must not depend on the block's training mode.
+    in_eval, _ = parallel_lists_plan(module, plan.first, plan.second, lambda: run_probe(module, x, training=False),
+                                     H, attr)
+    if in_eval is None or in_eval.between.code != plan.between.code:
         return None
     shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
     trial = copy.deepcopy(module, shared)
