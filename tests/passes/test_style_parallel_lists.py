@@ -5,7 +5,9 @@ blocks write them:
 - ``SortedSplitMoE``: tokens sorted by expert id (``argsort``), split by ``bincount(...).tolist()`` counts,
   ``down_proj[i](act(up_proj[i](chunk)))`` per split, the result scattered back and combined per slot;
 - ``NonzeroLoopMoE`` (``tests/passes/test_trial3.py``'s ``ParallelListsMoE``): a loop over the experts with
-  ``nonzero`` and ``index_add_``, biases and dropout, skipping experts without tokens.
+  ``nonzero`` and ``index_add_``, biases and dropout, skipping experts without tokens;
+- ``AllUpsFirstMoE``: every up projection first (a list comprehension over the splits), then every down
+  projection, the lists named ``experts_up`` / ``experts_down``.
 
 Neither holds an expert as one module, so ``optimize`` used to leave them data-parallel ("spread over parallel
 ModuleLists"). Now entry e of each list is joined into expert e of a ModuleList of experts and the block is
@@ -66,9 +68,31 @@ class SortedSplitMoE(nn.Module):
         return y.view(b, s, d)
 
 
-BLOCKS = {"sorted_split": SortedSplitMoE, "nonzero_loop": ParallelListsMoE}
-LISTS = {"sorted_split": ("up_proj", "down_proj"), "nonzero_loop": ("up", "down")}
-ROUTER = {"sorted_split": "gate", "nonzero_loop": "router"}
+class AllUpsFirstMoE(nn.Module):
+    """Every up projection first (a list comprehension over the splits), then every down projection; lists
+    whose names say "experts" (which detection also tries as one experts child)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts_up = nn.ModuleList(nn.Linear(H, FFN) for _ in range(E))
+        self.experts_down = nn.ModuleList(nn.Linear(FFN, H) for _ in range(E))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, x = x.shape, x.reshape(-1, H)
+        w, ids = self.router(x).softmax(-1).topk(K, -1)
+        order = ids.flatten().argsort(stable=True)
+        chunks = x[order // K].split(torch.bincount(ids.flatten(), minlength=E).tolist())
+        hs = [F.relu(up(c)) for up, c in zip(self.experts_up, chunks)]
+        ys = torch.cat([down(h) for down, h in zip(self.experts_down, hs)])
+        y = torch.zeros_like(ys).index_copy(0, order, ys).view(-1, K, H)
+        return (y * w.unsqueeze(-1)).sum(1).view(shape)
+
+
+BLOCKS = {"sorted_split": SortedSplitMoE, "nonzero_loop": ParallelListsMoE, "all_ups_first": AllUpsFirstMoE}
+LISTS = {"sorted_split": ("up_proj", "down_proj"), "nonzero_loop": ("up", "down"),
+         "all_ups_first": ("experts_up", "experts_down")}
+ROUTER = {"sorted_split": "gate", "nonzero_loop": "router", "all_ups_first": "router"}
 LAYERS = ["layers.0.moe", "layers.1.moe"]
 
 
