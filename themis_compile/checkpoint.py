@@ -60,6 +60,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import state_dict as _dsd
 
 from themis_compile.export import full_state_dict, gather_view, rank_view, save_pretrained
+from themis_compile.passes.parallel_lists import internal_keys, to_user_keys, user_key
 from themis_compile.planner import Placement
 from themis_compile.runtime import deadline
 from themis_compile.runtime.ep import (ShardedExperts, expert_sharded_tensor, expert_slice, leading_rows,
@@ -104,8 +105,9 @@ def get_state_dict(
     optimizers = _as_tuple(optimizers)
     for optimizer in optimizers:
         _initial_state_of_unstepped_experts(runtime, optimizer)
-    with _schedule_paused(runtime), rank_view():
+    with _schedule_paused(runtime), rank_view(), internal_keys():
         model_sd, optim_sd = _dsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
+    _parallel_lists_keys(model, model_sd, optim_sd, loading=False)
     if optimizers:
         _stack_optimizer_state(optim_sd, _stacked_layers(model, runtime), runtime.config.collective_timeout_s)
         optim_sd[RUNTIME_STATE_KEY] = json.dumps(runtime_state_dict(model))
@@ -141,7 +143,9 @@ def set_state_dict(
         optim_state_dict = _shallow_copy(optim_state_dict)
         runtime_state = optim_state_dict.pop(RUNTIME_STATE_KEY, None)
         _unstack_optimizer_state(optim_state_dict, _stacked_layers(model, runtime))
-    with _schedule_paused(runtime), rank_view():
+    model_state_dict = dict(model_state_dict)
+    _parallel_lists_keys(model, model_state_dict, optim_state_dict, loading=True)
+    with _schedule_paused(runtime), rank_view(), internal_keys():
         result = _dsd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
                                      optim_state_dict=optim_state_dict, options=options)
     if runtime_state is not None:
@@ -533,6 +537,22 @@ def _unstack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer]) -> Non
 
 
 # ---------------------------------------------------------------------------------- helpers
+def _parallel_lists_keys(model: nn.Module, model_sd: dict, optim_sd: dict | None, *, loading: bool) -> None:
+    """The user's keys for blocks whose experts were spread over parallel lists
+    (``passes.parallel_lists``): torch's functions name them by module path; in place, both state dicts
+    (``loading``: the user's keys back to the module paths, before torch's functions load them)."""
+    to_user_keys(model, model_sd, loading=loading)
+    if not optim_sd:
+        return
+    if _is_flat(optim_sd):
+        to_user_keys(model, optim_sd, heads=("state.", "param_groups."), loading=loading)
+        return
+    to_user_keys(model, optim_sd[_STATE], loading=loading)
+    for group in optim_sd[_PG]:
+        group[_PARAMS] = [user_key(model, fqn, loading=loading) if isinstance(fqn, str) else fqn
+                          for fqn in group[_PARAMS]]
+
+
 def _runtime(model: nn.Module) -> ThemisRuntime:
     runtime = getattr(model, "_themis_runtime", None)
     if runtime is None:

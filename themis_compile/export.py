@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import re
 import sys
 import types
 from typing import Any
@@ -112,9 +111,13 @@ def guard_state_dict(model: nn.Module) -> None:
 def _local_state_dict(model: nn.Module) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    with rank_view():
+    from themis_compile.passes.parallel_lists import internal_keys, to_user_keys
+
+    with rank_view(), internal_keys():
         # torch's function: the unmodified names (no torch.compile or wrapper prefixes), this rank's view.
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False, cpu_offload=False))
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False, cpu_offload=False))
+    to_user_keys(model, sd)             # experts of parallel lists under the user's keys
+    return sd
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
@@ -171,44 +174,29 @@ def gather_view(local: dict[str, Any], runtime: ThemisRuntime, *, rank0_only: bo
 
 
 def _key_order(views: list[list[str]]) -> list[str]:
-    """All keys: the longest view's order, each other view's own keys placed before the next key it shares
-    with it (a rank's experts of a ModuleList between its neighbours)."""
-    base = list(max(views, key=len))
-    seen = set(base)
-    for view in views:
-        pending: list[str] = []
+    """All keys of the ranks' views in the unmodified model's order: the keys as a tree of their dotted
+    parts, each node's children in the order they first appear (the longest view first), except that
+    numbered children (a list's entries: ``experts.5`` owned by one rank, ``experts.0`` by another) go by
+    number."""
+    tree: dict = {}
+    for view in sorted(views, key=len, reverse=True):
         for key in view:
-            if key not in seen:
-                pending.append(key)
-            elif pending:
-                at = base.index(key)
-                base[at:at] = pending
-                seen.update(pending)
-                pending = []
-        base += pending
-        seen.update(pending)
-    return _experts_in_order(base)
-
-
-_INDEXED = re.compile(r"^(.*\.)(\d+)\.[^.]")      # the prefix before a key's last index, and that index
-
-
-def _experts_in_order(keys: list[str]) -> list[str]:
-    """Consecutive keys under one list (``experts.5.w1``, ``experts.0.w1``, ...) by index, as the unmodified
-    model lists them (a rank holds its experts in the order it came to own them)."""
+            node = tree
+            for part in key.split("."):
+                node = node.setdefault(part, {})
+            node[None] = key                    # a key may also be the prefix of others
     out: list[str] = []
-    run: list[tuple[int, int, str]] = []
-    head = None
-    for i, key in enumerate(keys + [""]):
-        m = _INDEXED.match(key)
-        prefix = m.group(1) if m else None
-        if prefix is None or prefix != head:
-            out += [k for _, _, k in sorted(run)]
-            run, head = [], prefix
-        if prefix is not None:
-            run.append((int(m.group(2)), i, key))
-        elif key:
-            out.append(key)
+
+    def walk(node: dict) -> None:
+        if None in node:
+            out.append(node[None])
+        children = [c for c in node if c is not None]
+        if children and all(c.isdigit() for c in children):
+            children.sort(key=int)
+        for c in children:
+            walk(node[c])
+
+    walk(tree)
     return out
 
 

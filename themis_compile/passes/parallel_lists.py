@@ -37,6 +37,8 @@ Shape suffixes: N rows, H hidden size, W ``up``'s output width, E experts.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -265,6 +267,11 @@ class ListsKeys:
         self._outer = re.compile(rf"^({names})\.(\d+)\.(.+)$")
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        if not _INTERNAL_KEYS.get():
+            self.apply(state_dict, prefix)
+
+    def apply(self, state_dict: dict, prefix: str) -> None:
+        """Rename the keys under ``prefix`` of ``state_dict`` in place (see the class)."""
         if self.loading:
             for key in [k for k in state_dict if k.startswith(prefix)]:
                 if m := self._outer.match(key[len(prefix):]):
@@ -287,6 +294,51 @@ class ListsKeys:
                 state_dict[k] = v
 
 
+# torch.distributed.checkpoint's state-dict functions name every entry by its module path
+# (``<block>.<attr>.<e>.<list>.<name>``: they check state-dict keys against parameter names), and the user's
+# key swaps two of its parts, which no ``_fqn_modifiers`` can express. So within `internal_keys` the hooks
+# stand aside, and `to_user_keys` renames the results of those functions afterwards (and back before a load).
+_INTERNAL_KEYS = contextvars.ContextVar("themis_parallel_lists_internal_keys", default=False)
+
+
+@contextlib.contextmanager
+def internal_keys():
+    """Within it, state dicts of rewritten blocks keep the joined experts' module paths as keys."""
+    token = _INTERNAL_KEYS.set(True)
+    try:
+        yield
+    finally:
+        _INTERNAL_KEYS.reset(token)
+
+
+def _joined_blocks(model: nn.Module) -> list[tuple[str, ParallelListsPlan]]:
+    """(key prefix without wrapper names, plan) of every rewritten block in ``model``."""
+    out = []
+    for path, module in model.named_modules():
+        plan = getattr(type(module), "_themis_parallel_lists", None)
+        if plan is not None:
+            fqn = ".".join(part for part in path.split(".") if part not in ("_orig_mod", "_checkpoint_wrapped_module"))
+            out.append((f"{fqn}." if fqn else "", plan))
+    return out
+
+
+def to_user_keys(model: nn.Module, state_dict: dict, *, heads: Sequence[str] = ("",), loading: bool = False) -> None:
+    """Rename in place the keys of ``state_dict`` (a model state dict, or an optimizer's ``state`` dict, or
+    a flattened optimizer state dict with ``heads=("state.", "param_groups.")``) from the joined experts'
+    module paths to the user's keys, or back with ``loading=True``."""
+    for prefix, plan in _joined_blocks(model):
+        hook = ListsKeys(plan.attr, (plan.first, plan.second), loading)
+        for head in heads:
+            hook.apply(state_dict, head + prefix)
+
+
+def user_key(model: nn.Module, key: str, *, loading: bool = False) -> str:
+    """One key renamed as `to_user_keys` renames it."""
+    d = {key: None}
+    to_user_keys(model, d, loading=loading)
+    return next(iter(d))
+
+
 def paired_block_class(block_cls: type, plan: ParallelListsPlan) -> type:
     """A subclass of ``block_cls`` whose forward is its own with ``self.<first>`` / ``self.<second>`` seen
     as :class:`PairedLists` over ``self.<attr>`` (inside the forward only)."""
@@ -304,7 +356,8 @@ def paired_block_class(block_cls: type, plan: ParallelListsPlan) -> type:
     block_forward.__doc__ = (f"{block_cls.__name__}.forward with {plan.first}[e] and {plan.second}[e] served by "
                              f"{plan.attr}[e].")
     return type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
-                                                   "_themis_original_class": block_cls})
+                                                   "_themis_original_class": block_cls,
+                                                   "_themis_parallel_lists": plan})
 
 
 def apply_parallel_lists(block: nn.Module, plan: ParallelListsPlan) -> None:
