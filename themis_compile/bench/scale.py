@@ -50,6 +50,7 @@ ANCHORS_MS = {
     "vLLM EPLB (8 ranks)": [(8, 10.0), (8, 44.0)],
 }
 TARGET_PLAN_US = 200.0          # per layer step on a rank at 1,024 ranks, one core
+OVERLAP_DEGREE, MATERIALIZATION_BUDGET = 32, 2     # t > m: Alg. 1's LPT branch, at most 2 replicas a device
 
 
 def _rss_mb() -> float:
@@ -102,7 +103,7 @@ class GeneratedCounts:
         N, rank = self.N, layer.rank
         load_E = self.load_E[layer.layer]
         copies_H = 1 + np.bincount(layer._planned_added // N, minlength=self.E)[held_H]
-        share_H = np.floor(load_E[held_H] / (N * copies_H)).astype(np.int64)
+        share_H = np.ceil(load_E[held_H] / (N * copies_H)).astype(np.int64)
         recv_SH = np.broadcast_to(share_H, (N, held_H.size)).copy()
         start = sum(send_splits_W[:rank])
         recv_SH[rank] = send_P[start:start + held_H.size].numpy()       # what this rank sends itself
@@ -133,7 +134,10 @@ def run_one(num_ranks: int, num_experts: int, top_k: int, steps: int, layers: in
     batch, seq = 2, 16
     model = build_model("tiny-moe", d_model=16, n_heads=2, d_ffn=16, n_layers=layers, num_experts=num_experts,
                         top_k=top_k, vocab_size=64, seq_len=seq, experts_form="stacked", router_skew=1.0)
-    config = themis_compile.ThemisConfig(dense_parallel="fsdp2", reshard_interval=0, schedule=False)
+    # Nodes of 8 devices; t and m fixed (a profile would make them depend on this machine's timing).
+    config = themis_compile.ThemisConfig(dense_parallel="fsdp2", reshard_interval=0, schedule=False,
+                                         devices_per_node=min(8, num_ranks), overlap_degree=OVERLAP_DEGREE,
+                                         materialization_budget=MATERIALIZATION_BUDGET)
     start = time.perf_counter()
     model = themis_compile.optimize(model, config)
     optimize_s = time.perf_counter() - start
@@ -143,7 +147,7 @@ def run_one(num_ranks: int, num_experts: int, top_k: int, steps: int, layers: in
     state.counts = counts
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(seed)
-    plan_us, rss = [], []
+    plan_us, comm_us, rss = [], [], []
     warmup = min(10, steps // 10)
     for step in range(steps):
         tokens = torch.randint(0, 64, (batch, seq), generator=g)
@@ -153,6 +157,7 @@ def run_one(num_ranks: int, num_experts: int, top_k: int, steps: int, layers: in
         opt.zero_grad(set_to_none=True)
         if step >= warmup:
             plan_us += [layer.plan_ns / 1e3 for layer in runtime.layers.values()]
+            comm_us += [layer.comm_plan_ns / 1e3 for layer in runtime.layers.values()]
         rss.append(_rss_mb())
     half = steps // 2
     growth = float(np.polyfit(np.arange(half, steps), rss[half:], 1)[0] * 1000) if steps - half >= 2 else 0.0
@@ -186,6 +191,7 @@ def run_one(num_ranks: int, num_experts: int, top_k: int, steps: int, layers: in
     record = {
         "ranks": num_ranks, "experts": E, "top_k": top_k, "layers": len(runtime.layers), "steps": steps,
         "plan_us_median": round(_percentile(plan_us, 50), 1), "plan_us_p95": round(_percentile(plan_us, 95), 1),
+        "comm_plan_us_median": round(_percentile(comm_us, 50), 1),
         "metadata_bytes_per_layer_step": int(metadata),
         "metadata_bytes_full_gather": int(8 * (2 * E + 2) * (num_ranks - 1)),
         "rss_mb": round(rss[-1], 1), "rss_growth_mb_per_1000_steps": round(growth, 2),

@@ -69,6 +69,12 @@ from themis_compile.planner import (
 )
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
+from themis_compile.runtime.comm_plan import (
+    ChunkLayout,
+    plan_sparse_all_gather,
+    plan_sparse_reduce_scatter,
+    rank_schedule,
+)
 from themis_compile.runtime.ep import ShardedExperts
 from themis_compile.runtime.exchange import dispatch_compute_combine, exchange_held_counts
 from themis_compile.runtime.experts import ExpertBank
@@ -431,10 +437,11 @@ class FSSDPExperts(ShardedExperts):
         self.cost = cost
         self.predictor = LoadPredictor(1, self.num_experts, window=predictor_window)
         self.iteration = 0
-        # Host time of this layer's planning in its latest iteration, ns: Alg. 1 and the SpAG plan (step 1-2),
-        # calibration and the rank's row of Alg. 3 (4-5), the statistics (7) and the SpRS plan (8); the
-        # time the collectives and the experts take is not in it.
+        # Host time of this layer's planning in its latest iteration, ns: Alg. 1 and the SpAG / SpRS message
+        # plans (step 1), calibration and the rank's row of Alg. 3 (4-5) and the statistics (7); starting and
+        # waiting for collectives and running the experts are not in it.
         self.plan_ns = 0
+        self.comm_plan_ns = 0     # the part of plan_ns spent on the SpAG / SpRS message plans
         self._planned: Placement | None = None
         self._planned_added = np.zeros(0, dtype=np.int64)        # ΔP of _planned, flat ids
         self._spag = None
@@ -471,9 +478,25 @@ class FSSDPExperts(ShardedExperts):
             added_X = _added_pairs(shard.owners(), full_J, replicas_X, self.world_size)
             planned = _placement_of(shard, full_J, added_X)
         self._planned, self._planned_added = planned, added_X
+        spag_ns = time.perf_counter_ns()
+        self._plan_collectives(planned)
+        end_ns = time.perf_counter_ns()
+        self.plan_ns, self.comm_plan_ns = end_ns - start_ns, end_ns - spag_ns
         with record_function("themis::spag"):
             self._spag = self._gather(planned)
-        self.plan_ns = time.perf_counter_ns() - start_ns
+
+    def _plan_collectives(self, placement: Placement) -> None:
+        """The message plans of this layer step's SpAG and SpRS, and this rank's part of each, computed
+        here (the collectives find them in their plan cache) so that `plan_ns` holds them apart from
+        starting the collectives. The SpRS plan is the one of trainable experts' full chunks, the common
+        case; a layer with frozen tensors plans its own when it reduces."""
+        if placement is self.shard_placement:
+            return
+        layout = ChunkLayout.from_spec(self.bank.spec)
+        topology = self.state.topology
+        rank_schedule(plan_sparse_all_gather(self.shard_placement, placement, topology, layout), layout, self.rank)
+        rank_schedule(plan_sparse_reduce_scatter(placement, self.shard_placement, topology, layout), layout,
+                      self.rank)
 
     def _gather(self, placement: Placement, out=None):
         chunks = {e: [p.detach() for p in c] for e, c in self.local_chunks().items()}
@@ -576,16 +599,22 @@ class FSSDPExperts(ShardedExperts):
         start_ns = time.perf_counter_ns()
         if self.state.calibrate:
             with record_function("themis::calibrate"):
-                # The Alg. 3 compute model needs the whole T (full_stats); else the loads' even split.
+                # The compute model is Alg. 3 on T: the whole T under full_stats, else every source with an
+                # equal share of each expert's tokens (a zero-stride [E, D] view of load_E // D, no copy).
+                model_ED = tokens_ED if tokens_ED is not None else \
+                    np.broadcast_to((load_E // self.world_size)[:, None], (self.num_experts, self.world_size))
                 merged = calibrate(self.shard_placement, placement, load_E, self.overlap_degree,
-                                   self.materialization_budget, self.state.topology, self.cost, tokens_ED)
+                                   self.materialization_budget, self.state.topology, self.cost, model_ED)
             if merged != placement:
-                # Gather exactly the pairs calibration adds: SpAG(P, P ∪ (P'' \ P')).
-                extra = Placement(self.shard_placement.mask | (merged.mask & ~placement.mask))
-                with record_function("themis::spag_calibration"):
-                    replicas.update(self._gather(extra).wait())
                 placement, calibrated = merged, True
                 added_X = np.flatnonzero(merged.mask & ~self.shard_placement.mask)
+                self._plan_collectives(merged)
+                self.plan_ns += time.perf_counter_ns() - start_ns
+                # Gather exactly the pairs calibration adds: SpAG(P, P ∪ (P'' \ P')).
+                extra = Placement(self.shard_placement.mask | (merged.mask & ~self._planned.mask))
+                with record_function("themis::spag_calibration"):
+                    replicas.update(self._gather(extra).wait())
+                start_ns = time.perf_counter_ns()
         if self.state.check_plans:
             self._check_plan_digest(placement)
         with record_function("themis::dispatch_plan"):
@@ -763,13 +792,11 @@ class FSSDPExperts(ShardedExperts):
             for e in experts:
                 per_expert[e] = [g if g is not None else torch.zeros_like(held[e][i])
                                  for i, g in zip(trainable_E[e], it)]
-            start_ns = time.perf_counter_ns()
             with record_function("themis::sprs"):
                 # Scaled by 1/world size on the owner, once, after the sum: the copies travel unscaled.
                 handle = sparse_reduce_scatter(per_expert, placement, self.shard_placement, state.topology,
                                                state.comm_group, spec=spec, layer=self.layer,
                                                timeout_s=state.timeout_s, scale=scale)
-            self.plan_ns += time.perf_counter_ns() - start_ns
             state.pending.append((self, _TrainableReduction(handle, trainable_E, owned, n)))
             state.queue_finish()
             self._prefetch_previous_layer()
