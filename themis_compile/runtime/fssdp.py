@@ -56,7 +56,6 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.profiler import record_function
 
-from themis_compile import kernels
 from themis_compile.planner import (
     LoadPredictor,
     Placement,
@@ -64,8 +63,8 @@ from themis_compile.planner import (
     Topology,
     calibrate,
     dispatch_device_load,
-    dispatch_rows,
     materialize_pairs,
+    own_row_entries,
 )
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
@@ -267,6 +266,40 @@ class _Holdings:
         return np.rint(np.bincount(self.holder_P, weights=share_P, minlength=len(self.splits_W))).astype(np.int64)
 
 
+@dataclass(frozen=True, eq=False)
+class _OwnRow:
+    """This rank's row R[:, rank, :] of Alg. 3 as entries (`planner.own_row_entries`): expert e's pairs go
+    to ``dest_Y[start_E[e]:start_E[e + 1]]`` (ascending) in the counts ``count_Y``. O(E + |ΔP|)."""
+
+    start_E: np.ndarray
+    dest_Y: np.ndarray
+    count_Y: np.ndarray
+
+    def counts_of(self, expert_P: np.ndarray, holder_P: np.ndarray, num_devices: int) -> np.ndarray:
+        """[P] the rank's pairs for each (expert, holder) pair (0 where the row sends none)."""
+        expert_Y = np.repeat(np.arange(self.start_E.size - 1, dtype=np.int64), np.diff(self.start_E))
+        keys_Y = expert_Y * num_devices + self.dest_Y           # ascending: by expert, then destination
+        keys_P = expert_P * num_devices + holder_P
+        at_P = np.minimum(np.searchsorted(keys_Y, keys_P), max(keys_Y.size - 1, 0))
+        if not keys_Y.size:
+            return np.zeros(keys_P.size, dtype=np.int64)
+        return np.where(keys_Y[at_P] == keys_P, self.count_Y[at_P], 0)
+
+    def destinations(self, ids_TK: torch.Tensor) -> torch.Tensor:
+        """[T, K] destination of every pair: of expert e's pairs, in flattened pair order, the first
+        ``count_Y[start_E[e]]`` go to ``dest_Y[start_E[e]]``, the next to the next entry, and so on (what
+        `kernels.assign_destinations` makes of the dense row, without the [E, D] row)."""
+        flat_N = ids_TK.reshape(-1)
+        order_N = torch.argsort(flat_N, stable=True)          # pairs by expert, then pair index
+        # Entries are ordered by expert, and expert e's counts sum to its pairs: the q-th pair in that
+        # order falls in the entry whose running total first exceeds q.
+        ends_Y = torch.from_numpy(np.cumsum(self.count_Y)).to(ids_TK.device)
+        entry_N = torch.searchsorted(ends_Y, torch.arange(flat_N.numel(), device=ids_TK.device), right=True)
+        dest_N = torch.empty_like(flat_N)
+        dest_N[order_N] = torch.from_numpy(self.dest_Y).to(ids_TK.device)[entry_N]
+        return dest_N.view_as(ids_TK)
+
+
 def _added_pairs(owners_E: np.ndarray, full_J: np.ndarray, replicas_X: np.ndarray, num_devices: int) -> np.ndarray:
     """ΔP as ascending flat ids e·D + d, from Alg. 1's sparse form (`materialize_pairs`): the experts
     every device holds (less their owners) and the other replicas."""
@@ -404,7 +437,7 @@ class _ForwardRecord:
 
     placement: Placement
     local_E: np.ndarray                      # this rank's tokens per expert, T[:, rank]
-    splits_ED: torch.Tensor
+    row: _OwnRow                             # this rank's row of Alg. 3
     recv_counts_SE: torch.Tensor             # [S, H] rows of each held expert every source sends
     recv_experts_H: list[int]                # the experts this rank holds in P'
     held: dict[int, list[torch.Tensor]]
@@ -619,13 +652,13 @@ class FSSDPExperts(ShardedExperts):
             self._check_plan_digest(placement)
         with record_function("themis::dispatch_plan"):
             holdings = _Holdings.of(self.shard_placement.owners(), added_X, self.world_size, self.rank)
-            splits_ED = self._dispatch_plan(placement, local_E)
-            send_P = splits_ED[torch.from_numpy(holdings.expert_P), torch.from_numpy(holdings.holder_P)]
+            row = self._dispatch_plan(added_X, local_E)
+            send_P = row.counts_of(holdings.expert_P, holdings.holder_P, self.world_size)
         self.plan_ns += time.perf_counter_ns() - start_ns
-        recv_counts_SE = self.state.counts.receive_counts(self, send_P.to(ids_TK.device), holdings.splits_W,
-                                                          holdings.held_H).cpu()
+        recv_counts_SE = self.state.counts.receive_counts(self, torch.from_numpy(send_P).to(ids_TK.device),
+                                                          holdings.splits_W, holdings.held_H).cpu()
         held_H = holdings.held_H.tolist()
-        dest_TK = kernels.assign_destinations(ids_TK, splits_ED.to(ids_TK.device), backend=self.kernels_backend)
+        dest_TK = row.destinations(ids_TK)
 
         owned = self.local_chunks()
         # Decided the same way on every rank: a rank holding only replicas (it may own no expert of this
@@ -652,7 +685,7 @@ class FSSDPExperts(ShardedExperts):
         if track and self.state.rematerialize and placement != self.shard_placement and not last:
             released = self._release_replicas(held, replicas, placement, out_TH)
         if ckpt.mode == "forward":
-            self._remember(ckpt, _ForwardRecord(placement, local_E, splits_ED, recv_counts_SE, held_H, held,
+            self._remember(ckpt, _ForwardRecord(placement, local_E, row, recv_counts_SE, held_H, held,
                                                 released))
         # Only training forwards feed the load predictor (evaluation must not steer the next plans).
         start_ns = time.perf_counter_ns()
@@ -714,8 +747,7 @@ class FSSDPExperts(ShardedExperts):
             with record_function("themis::rematerialize_for_recompute"):
                 self._rematerialize(record.released)
         held = record.held
-        dest_TK = kernels.assign_destinations(ids_TK, record.splits_ED.to(ids_TK.device),
-                                              backend=self.kernels_backend)
+        dest_TK = record.row.destinations(ids_TK)
         return dispatch_compute_combine(
             x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
             lambda rows, counts: self.run_experts(held, rows, counts),
@@ -723,18 +755,21 @@ class FSSDPExperts(ShardedExperts):
             recv_counts_SE=record.recv_counts_SE, recv_experts_H=record.recv_experts_H,
         )
 
-    def _dispatch_plan(self, placement: Placement, local_E: np.ndarray) -> torch.Tensor:
-        """Alg. 3 for this rank: ``splits_ED`` = R[:, rank, :], where this rank's pairs of every expert go.
+    def _dispatch_plan(self, added_X: np.ndarray, local_E: np.ndarray) -> _OwnRow:
+        """Alg. 3 for this rank: R[:, rank, :], where this rank's pairs of every expert go, as entries.
 
         The row depends only on P' and the rank's own counts T[:, rank] (Alg. 3 splits every source's
-        tokens by itself), so no rank needs the others' counts and none builds the [E, D, D] plan; what
-        every source sends this rank comes from the sources (`CountExchange.receive_counts`).
+        tokens by itself), so no rank needs the others' counts and none builds the [E, D, D] plan or even
+        an [E, D] array; what every source sends this rank comes from the sources
+        (`CountExchange.receive_counts`).
         """
-        E, D = placement.shape
-        # T as Alg. 3 reads it for this row: every column is T[:, rank] (a zero-stride view, no [E, D] copy).
-        tokens_ED = np.lib.stride_tricks.as_strided(local_E, shape=(E, D), strides=(local_E.strides[0], 0))
-        row_ED = dispatch_rows(placement, tokens_ED, self.state.topology, self.rank)
-        return torch.from_numpy(np.ascontiguousarray(row_ED))
+        owners_E, D = self.shard_placement.owners(), self.world_size
+        copies_E = np.bincount(added_X // D, minlength=self.num_experts) + 1
+        full_J = np.flatnonzero(copies_E == D) if D > 1 else np.zeros(0, dtype=np.int64)
+        replicas_X = added_X[copies_E[added_X // D] < D] if full_J.size else added_X
+        start_E, dest_Y, count_Y = own_row_entries(owners_E, full_J, replicas_X, local_E, self.state.topology,
+                                                   self.rank)
+        return _OwnRow(start_E, dest_Y, count_Y)
 
     def _check_plan_digest(self, placement: Placement) -> None:
         digests = deadline.all_gather_object(placement.digest(), group=self.group, timeout_s=self.timeout_s,
