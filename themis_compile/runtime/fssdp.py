@@ -111,6 +111,11 @@ class LayerStats:
         mask_ED.reshape(-1)[self.added_X] = True
         return mask_ED.tolist()
 
+    def held_on(self, rank: int) -> int:
+        """How many experts ``rank`` held in P' (owned and replicas)."""
+        D = self.device_load.size
+        return int(np.count_nonzero(self.owners_E == rank) + np.count_nonzero(self.added_X % D == rank))
+
     @property
     def nbytes(self) -> int:
         """Bytes this record holds of its own (the shared owners array is not counted)."""
@@ -572,18 +577,19 @@ class FSSDPExperts(ShardedExperts):
         for e, params in self.local_chunks().items():     # the owner's frozen tensors, for every rank
             local[E + 2 + e] = sum(1 << i for i, p in enumerate(params) if not p.requires_grad)
         local_E = local[:E].numpy().copy()
+        flags_2 = local[E:E + 2].clone()          # the exchange may sum into ``local`` in place
         if self.world_size == 1:
             exchanged = local[None] if self.state.full_stats else local
         else:   # (on the group's device: NCCL needs CUDA tensors)
             exchanged = self.state.counts.layer_counts(self, local.to(ids_TK.device)).cpu()
         summed = exchanged.sum(0) if exchanged.dim() == 2 else exchanged
         if summed[E] or summed[E + 1]:
-            self._raise_router_error(exchanged, local, int(summed[E]) > 0)
+            self._raise_router_error(exchanged, flags_2, int(summed[E]) > 0)
         self._frozen_E = summed[E + 2:].tolist()           # only the owner's entry is non-zero
         tokens_ED = exchanged[:, :E].t().numpy().copy() if exchanged.dim() == 2 else None   # [E, D]
         return local_E, summed[:E].numpy().copy(), tokens_ED
 
-    def _raise_router_error(self, exchanged: torch.Tensor, local: torch.Tensor, non_finite: bool) -> None:
+    def _raise_router_error(self, exchanged: torch.Tensor, flags_2: torch.Tensor, non_finite: bool) -> None:
         """Raise on every rank, naming the ranks whose router failed (the sum says only that some did; an
         all-gather of the two flags, on this failure path only, says which)."""
         E = self.num_experts
@@ -591,10 +597,10 @@ class FSSDPExperts(ShardedExperts):
             flags_D2 = exchanged[:, E:E + 2]
         elif self.world_size > 1 and type(self.state.counts) is CountExchange:
             flags_D2 = torch.tensor(deadline.all_gather_object(
-                local[E:E + 2].tolist(), group=self.group, timeout_s=self.timeout_s,
-                purpose="router flags", layer=self.layer))
+                flags_2.tolist(), group=self.group, timeout_s=self.timeout_s, purpose="router flags",
+                layer=self.layer))
         else:
-            flags_D2 = local[None, E:E + 2]
+            flags_D2 = flags_2[None]
         if non_finite:
             bad = torch.nonzero(flags_D2[:, 0]).flatten().tolist()
             raise FloatingPointError(f"MoE layer {self.layer!r}: non-finite router output on ranks {bad} "
