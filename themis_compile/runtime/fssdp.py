@@ -212,6 +212,7 @@ class FSSDPState:
     layer_order: list["FSSDPExperts"] = field(default_factory=list)
     pending: list[tuple["FSSDPExperts", Any]] = field(default_factory=list)
     callback_queued: bool = False
+    fired_hooks: list = field(default_factory=list)   # gradient hooks that fired in this backward (removed at its end)
     stats: StatsLog = field(default_factory=StatsLog)
     # ThemisConfig.full_stats: all-gather the whole count table T[e, d] every layer step and keep it in
     # the statistics (O(E·D) per rank); otherwise per-expert totals are all-reduced (O(E)).
@@ -232,6 +233,9 @@ class FSSDPState:
     def finish_backward(self) -> None:
         self.callback_queued = False
         pending, self.pending = self.pending, []
+        fired, self.fired_hooks = self.fired_hooks, []
+        for hook in fired:
+            hook.remove()
         for layer, handle in pending:
             layer.accumulate_reduced(handle)
 
@@ -823,26 +827,33 @@ class FSSDPExperts(ShardedExperts):
         if not experts:
             return        # holds nothing trainable: this rank has no part in this layer's SpRS
         leaves = [held[e][i] for e in experts for i in trainable_E[e]]
+        # The hook keeps the leaves' shapes, not the leaves, and is removed at the end of the backward that
+        # fired it: torch's multi-grad hook holds the leaves' gradient accumulators, which hold the leaves,
+        # which hold the hook (a cycle through C++ the garbage collector cannot see): every step's held
+        # tensors would stay alive.
+        like = [(t.shape, t.dtype, t.device) for t in leaves]
+        registered = []
         owned = sorted(self.local_chunks())
         state = self.state
         scale = 1.0 / self.world_size
 
         def on_grads(grads: Sequence[torch.Tensor | None]) -> None:
-            it = iter(grads)
+            it = iter(zip(grads, like))
             per_expert = {}
             for e in experts:
-                per_expert[e] = [g if g is not None else torch.zeros_like(held[e][i])
-                                 for i, g in zip(trainable_E[e], it)]
+                per_expert[e] = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                                 for _, (g, (shape, dtype, device)) in zip(trainable_E[e], it)]
             with record_function("themis::sprs"):
                 # Scaled by 1/world size on the owner, once, after the sum: the copies travel unscaled.
                 handle = sparse_reduce_scatter(per_expert, placement, self.shard_placement, state.topology,
                                                state.comm_group, spec=spec, layer=self.layer,
                                                timeout_s=state.timeout_s, scale=scale)
             state.pending.append((self, _TrainableReduction(handle, trainable_E, owned, n)))
+            state.fired_hooks += registered
             state.queue_finish()
             self._prefetch_previous_layer()
 
-        torch.autograd.graph.register_multi_grad_hook(leaves, on_grads, mode="all")
+        registered.append(torch.autograd.graph.register_multi_grad_hook(leaves, on_grads, mode="all"))
 
     def accumulate_reduced(self, handle) -> None:
         with record_function("themis::sprs_wait"):
