@@ -116,9 +116,10 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_one(num_ranks: int, num_experts: int, top_k: int, steps: int, layers: int, seed: int,
-            rank: int = 0) -> dict[str, Any]:
+            rank: int = 0, stats_max_bytes: int | None = None) -> dict[str, Any]:
     """One rank of ``num_ranks`` on the fake process group: optimize, ``steps`` training steps, one
-    re-sharding. Returns the size's record (see the module docstring)."""
+    re-sharding. Returns the size's record (see the module docstring). ``stats_max_bytes``: the
+    statistics log's bound (`ThemisConfig.stats_max_bytes`; None: its default)."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -138,6 +139,8 @@ def run_one(num_ranks: int, num_experts: int, top_k: int, steps: int, layers: in
     config = themis_compile.ThemisConfig(dense_parallel="fsdp2", reshard_interval=0, schedule=False,
                                          devices_per_node=min(8, num_ranks), overlap_degree=OVERLAP_DEGREE,
                                          materialization_budget=MATERIALIZATION_BUDGET)
+    if stats_max_bytes is not None:
+        config = config.replace(stats_max_bytes=stats_max_bytes)
     start = time.perf_counter()
     model = themis_compile.optimize(model, config)
     optimize_s = time.perf_counter() - start
@@ -196,6 +199,7 @@ def run_one(num_ranks: int, num_experts: int, top_k: int, steps: int, layers: in
         "metadata_bytes_full_gather": int(8 * (2 * E + 2) * (num_ranks - 1)),
         "rss_mb": round(rss[-1], 1), "rss_growth_mb_per_1000_steps": round(growth, 2),
         "stats_records": len(state.stats), "stats_bytes": int(state.stats.nbytes),
+        "stats_max_bytes": int(state.stats.max_bytes),
         "optimize_s": round(optimize_s, 3), "reshard_s": round(reshard_s, 3), "reshard_moved": int(moved),
     }
     dist.destroy_process_group()
