@@ -4,22 +4,24 @@ Forward of layer l, iteration i:
   1. plan   P'_l = Alg1(P_l, predicted load F_l, t, m)            (same on every rank: integer inputs)
   2. start  SpAG(P_l, P'_l)                                        (``start_materialization``; a scheduling
                                                                      pass may call it before attention l)
-  3. router -> top-k -> local counts, all-gathered into T[e, d]    (every rank holds the same T)
+  3. router -> top-k -> local counts T[:, rank], all-reduced into per-expert totals (the same on every
+     rank; O(E) per rank — the whole T[e, d] is all-gathered only under ``ThemisConfig.full_stats``)
   4. (calibration) re-plan on the actual loads with the remaining budget; gather the extra replicas
-  5. wait SpAG; R = Alg3(P'_l, T); every pair gets a destination holding its expert (and every rank reads
-     off R what it receives: the token exchange needs no count all-to-all)
+  5. wait SpAG; this rank's row R[:, rank, :] = Alg3(P'_l, T[:, rank]) as entries (it needs only the rank's
+     own counts): every pair gets a destination holding its expert; each holder learns what every source
+     sends it from the sources (the held experts' counts only, `exchange.exchange_held_counts`)
   6. permute -> all-to-all -> experts (owned + materialized) -> all-to-all -> combine
-  7. record the actual loads for the predictor and the load statistics
+  7. record the actual loads for the predictor and the load statistics (`StatsLog`, bounded in bytes)
 Backward of layer l:
   8. gradients of every copy land in per-iteration leaf tensors; once all are computed, start
      SpRS(P'_l, P_l), which sums each expert's copies into its owner
   9. at the end of the backward pass wait for every SpRS and accumulate into the owned parameters' .grad
      (scaled by 1/world size, like EP, once on the owner after the sum; dense parameters are averaged by DDP)
 Frozen expert tensors (``requires_grad=False`` on the owner, agreed by every rank through the count
-all-gather of step 3) get no gradient: their copies are no autograd leaves, the SpRS carries only
+all-reduce of step 3) get no gradient: their copies are no autograd leaves, the SpRS carries only
 trainable tensors, and an expert frozen whole has no replica in it (P restricted to it).
 Experts without tokens: where the user's experts module runs only the experts that receive tokens
-(``skips_empty_experts``, found by detection), an expert whose global count in T is 0 gets no gradient
+(``skips_empty_experts``, found by detection), an expert whose global count is 0 gets no gradient
 from that forward, as in one process (where AdamW then skips it: no momentum step, no weight decay): it
 is reduced like an expert frozen whole for that forward, so its ``.grad`` stays None unless another
 forward before the optimizer step routed a token to it.
@@ -28,7 +30,7 @@ just before the layer's backward, prefetched when the next layer's backward fini
 
 Activation checkpointing (torch's non-reentrant ``checkpoint`` around a block, ``apply_activation_checkpointing``,
 HF ``gradient_checkpointing_enable()``): the recomputation inside backward replays the forward it pairs with
-(``_replay``): the same realized P', T and dispatch splits, the same held tensors (re-gathered first under
+(``_replay``): the same realized P', own counts and dispatch row, the same held tensors (re-gathered first under
 re-materialization); no planning, no count all-gather, no predictor or statistics update, no second SpRS. Only
 the token all-to-alls run again, on every rank, because every rank recomputes the same blocks in the same order.
 
