@@ -29,7 +29,9 @@ class ThemisConfig:
         predictor_window: w, the sliding window of the load predictor (paper: 5).
         reshard_interval: iterations between heterogeneous re-shardings with Alg. 2 (paper: 100);
             0 disables re-sharding.
-        calibrate: run the calibration stage of §4.2 after the gate has produced the actual loads.
+        calibrate: run the calibration stage of §4.2 after the gate has produced the actual loads (its
+            compute model: Alg. 3 on the whole count table under ``full_stats``, otherwise on each
+            expert's total split evenly over the source ranks).
         devices_per_node: ranks per node for the topology; ``None`` reads LOCAL_WORLD_SIZE (torchrun).
         intra_node_bw, inter_node_bw: link bandwidths in bytes/s used when no profile exists.
         dense_parallel: how dense (non-expert) parameters are data-parallel: ``"fsdp2"`` (torch's
