@@ -256,7 +256,8 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
         runtime = None
         names = [f"moe{i}" for i in range(len(model.moe_layers()))]
     else:
-        config = themis_compile.ThemisConfig(policy=policy, collective_timeout_s=args.timeout)
+        # full_stats: the demo plots every rank's tokens per expert (LayerStats.tokens_per_device_expert).
+        config = themis_compile.ThemisConfig(policy=policy, collective_timeout_s=args.timeout, full_stats=True)
         try:
             model = themis_compile.optimize(model, config)
         except NotImplementedError as exc:

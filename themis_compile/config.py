@@ -29,7 +29,9 @@ class ThemisConfig:
         predictor_window: w, the sliding window of the load predictor (paper: 5).
         reshard_interval: iterations between heterogeneous re-shardings with Alg. 2 (paper: 100);
             0 disables re-sharding.
-        calibrate: run the calibration stage of §4.2 after the gate has produced the actual loads.
+        calibrate: run the calibration stage of §4.2 after the gate has produced the actual loads (its
+            compute model: Alg. 3 on the whole count table under ``full_stats``, otherwise on each
+            expert's total split evenly over the source ranks).
         devices_per_node: ranks per node for the topology; ``None`` reads LOCAL_WORLD_SIZE (torchrun).
         intra_node_bw, inter_node_bw: link bandwidths in bytes/s used when no profile exists.
         dense_parallel: how dense (non-expert) parameters are data-parallel: ``"fsdp2"`` (torch's
@@ -51,8 +53,15 @@ class ThemisConfig:
             broadcast, the first cost-model exchanges) wait at least 300 s, since ranks reach them after
             rank-local work of any length. Keep the process group's ``timeout`` (``init_process_group``)
             at least this long, or its error (wrapped with the same names) comes first.
-        check_plans: cross-check a digest of every plan across ranks, and the token counts each rank
-            reads off its Alg. 3 plan against a count all-to-all (debugging; two extra collectives).
+        check_plans: cross-check a digest of every plan across ranks (debugging; one extra collective
+            per layer step).
+        full_stats: keep the whole count table in the load statistics (``LayerStats.
+            tokens_per_device_expert``, [D][E]) and model calibration's compute time on it. Every rank then
+            all-gathers the [D, 2E + 2] count table every layer step (O(E·D) bytes and memory per rank);
+            without it the counts are all-reduced per expert (O(E)) and each statistics record holds
+            summaries only: per-expert totals, device loads, ΔP, the imbalance.
+        stats_max_bytes: the most bytes the statistics log (``runtime.stats``) keeps; older records are
+            dropped first (and at most 10,000 records are kept).
         schedule: place SpAG/SpRS into the preceding attention's compute window (the scheduling pass).
         profile_path: JSON cache of profiled cost-model inputs (T_attn, bw); ``None`` uses the default
             cache location.
@@ -82,6 +91,8 @@ class ThemisConfig:
     schedule: bool = True
     profile_path: str | None = None
     expert_row_block: int | str | None = "auto"
+    full_stats: bool = False
+    stats_max_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -103,6 +114,8 @@ class ThemisConfig:
         block = self.expert_row_block
         if block != "auto" and block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
             raise ValueError(f"ThemisConfig.expert_row_block must be 'auto', None or an int >= 1, got {block!r}")
+        if self.stats_max_bytes < 0:
+            raise ValueError(f"ThemisConfig.stats_max_bytes must be >= 0, got {self.stats_max_bytes}")
         if self.collective_timeout_s <= 0:
             raise ValueError("ThemisConfig.collective_timeout_s must be > 0")
 

@@ -72,7 +72,7 @@ CASES = {
                       "all_reduce (global tokens per expert) of MoE layer 'blocks.0.moe'"),
     "routing check": ({"policy": "ep"}, "_check_routing", "all_reduce (routing check) of MoE layer 'blocks.0.moe'"),
     "global tokens": ({"policy": "themis"}, "_global_tokens",
-                      "all_gather (tokens per expert and router flags) of MoE layer 'blocks.0.moe'"),
+                      "all_reduce (tokens per expert and router flags) of MoE layer 'blocks.0.moe'"),
     "plan digest": ({"policy": "themis", "check_plans": True}, "_check_plan_digest",
                     "all_gather (plan digest) of MoE layer 'blocks.0.moe'"),
     "themis backward": ({"policy": "themis-rm"}, "backward",

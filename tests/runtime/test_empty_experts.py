@@ -247,7 +247,8 @@ def _run(rank: int, world_size: int, cases):
     return [_case(rank, world_size, config, ckpt) for config, ckpt in cases]
 
 
-FSSDP = dict(reshard_interval=2, overlap_degree=8, materialization_budget=2, check_plans=True)
+# full_stats: the test reads every rank's tokens per expert off the statistics.
+FSSDP = dict(reshard_interval=2, overlap_degree=8, materialization_budget=2, check_plans=True, full_stats=True)
 CONFIGS = [
     dict(policy="themis", **FSSDP),
     dict(policy="themis-rm", dense_parallel="ddp", **FSSDP),

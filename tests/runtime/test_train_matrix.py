@@ -246,7 +246,7 @@ DEADLINE_CASES = {
     "mixtral": ("ep", "exchange_counts", "all_to_all (count exchange) of MoE layer 'model.layers.0.mlp'"),
     "qwen3-moe": ("themis-rm", "backward", "all_to_all (token combine, backward) of MoE layer 'model.layers.1.mlp'"),
     "deepseek-v3": ("themis", "_global_tokens",
-                    "all_gather (tokens per expert and router flags) of MoE layer 'model.layers.1.mlp'"),
+                    "all_reduce (tokens per expert and router flags) of MoE layer 'model.layers.1.mlp'"),
 }
 
 

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "step": "themis_compile.bench.step",
     "overlap": "themis_compile.bench.overlap",
     "simulator": "themis_compile.bench.simulator",
+    "scale": "themis_compile.bench.scale",
 }
 
 

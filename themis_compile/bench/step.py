@@ -465,7 +465,7 @@ class _PolicyRun:
                 if s.iteration == step:
                     self.delta.append(s.delta_p)
                     self.imbalance.append(s.imbalance)
-                    held = sum(1 for row in s.placement if row[rank])
+                    held = s.held_on(rank)
                     layer = self.runtime.layers[s.layer]
                     self.replica_bytes = max(self.replica_bytes, (held - len(layer.owned_experts())) * layer.bank.chunk_bytes)
 

@@ -485,7 +485,8 @@ def _common(shard: Placement, placement: Placement, topology: Topology | None, g
     require_placements(shard, placement)
     if topology is None:
         topology = _single_node(shard.num_devices)
-    key = (shard, placement, topology.devices_per_node, rank, world)
+    # Keyed by digests, not the placements: an entry must not keep a P' mask alive (64 MB at 4,096 ranks).
+    key = (shard.digest(), placement.digest(), topology.devices_per_node, rank, world)
     local = _LOCAL_CACHE.get(key)
     if local is not None:
         return topology, rank, local

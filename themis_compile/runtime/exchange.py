@@ -68,6 +68,24 @@ def exchange_counts(counts_WE: torch.Tensor, group, world_size: int, *, layer: s
     return out
 
 
+def exchange_held_counts(send_P: torch.Tensor, send_splits_W: list[int], num_held: int, group, world_size: int, *,
+                         layer: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.Tensor:
+    """Send every rank the counts of the experts it holds; return what every source sent us, ``[S, H]``.
+
+    ``send_P`` lists, destination by destination (``send_splits_W[d]`` entries for rank d), this rank's
+    pairs for each expert that d holds, in ascending expert order; ``num_held`` is H, the experts this rank
+    holds. Every rank knows who holds what (P'), so only held experts' counts travel: E + |ΔP| entries
+    sent and D·H received per rank, where the dense count all-to-all (`exchange_counts`) moves D·E each way.
+    """
+    if world_size == 1:
+        return send_P.view(1, num_held)
+    out = send_P.new_empty(world_size * num_held)
+    with record_function("themis::count_exchange"):
+        deadline.all_to_all_single(out, send_P.contiguous(), [num_held] * world_size, send_splits_W, group=group,
+                                   timeout_s=timeout_s, purpose="count exchange", layer=layer)
+    return out.view(world_size, num_held)
+
+
 def expert_major_order(counts_SE: torch.Tensor) -> torch.Tensor:
     """Indices that reorder rows received grouped (source, expert) into (expert, source) order."""
     S, E = counts_SE.shape
@@ -104,6 +122,7 @@ def dispatch_compute_combine(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     kernels_backend: str | None = None,
     recv_counts_SE: torch.Tensor | None = None,
+    recv_experts_H: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Serve every (token, k) pair on rank ``dest_TK`` and return the weighted combine ``[T, H]``.
 
@@ -114,7 +133,8 @@ def dispatch_compute_combine(
     ``"auto"``, ``"torch"``, ``"triton"``; None: the process default, `kernels.set_backend`).
     ``recv_counts_SE``: ``[S, E]`` rows of every expert that every source rank sends to this one, when the
     caller knows them (Themis: every rank computes the same Alg. 3 plan); the count all-to-all is then
-    skipped. They must equal what the sources' ``dest_TK`` send, or the exchange fails.
+    skipped. They must equal what the sources' ``dest_TK`` send, or the exchange fails. With
+    ``recv_experts_H`` (ascending) its columns are only those experts, ``[S, H]``: nothing else arrives.
     """
     with record_function("themis::dispatch"):
         counts_WE, dst_row_TK, _ = kernels.routing_metadata(ids_TK, dest_TK, num_experts, world_size,
@@ -134,7 +154,12 @@ def dispatch_compute_combine(
         order = expert_major_order(recv_counts_SE)
         rows_NH = recv_NH.index_select(0, order)
     with record_function("themis::experts"):
-        y_NH = compute(rows_NH, recv_counts_SE.sum(0).tolist())
+        counts_E = recv_counts_SE.sum(0).tolist()
+        if recv_experts_H is not None:
+            counts_H, counts_E = counts_E, [0] * num_experts
+            for e, n in zip(recv_experts_H, counts_H):
+                counts_E[e] = n
+        y_NH = compute(rows_NH, counts_E)
     with record_function("themis::combine"):
         y_recv_NH = y_NH.index_select(0, invert_permutation(order))
         if world_size > 1:

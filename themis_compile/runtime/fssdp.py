@@ -4,22 +4,24 @@ Forward of layer l, iteration i:
   1. plan   P'_l = Alg1(P_l, predicted load F_l, t, m)            (same on every rank: integer inputs)
   2. start  SpAG(P_l, P'_l)                                        (``start_materialization``; a scheduling
                                                                      pass may call it before attention l)
-  3. router -> top-k -> local counts, all-gathered into T[e, d]    (every rank holds the same T)
+  3. router -> top-k -> local counts T[:, rank], all-reduced into per-expert totals (the same on every
+     rank; O(E) per rank — the whole T[e, d] is all-gathered only under ``ThemisConfig.full_stats``)
   4. (calibration) re-plan on the actual loads with the remaining budget; gather the extra replicas
-  5. wait SpAG; R = Alg3(P'_l, T); every pair gets a destination holding its expert (and every rank reads
-     off R what it receives: the token exchange needs no count all-to-all)
+  5. wait SpAG; this rank's row R[:, rank, :] = Alg3(P'_l, T[:, rank]) as entries (it needs only the rank's
+     own counts): every pair gets a destination holding its expert; each holder learns what every source
+     sends it from the sources (the held experts' counts only, `exchange.exchange_held_counts`)
   6. permute -> all-to-all -> experts (owned + materialized) -> all-to-all -> combine
-  7. record the actual loads for the predictor and the load statistics
+  7. record the actual loads for the predictor and the load statistics (`StatsLog`, bounded in bytes)
 Backward of layer l:
   8. gradients of every copy land in per-iteration leaf tensors; once all are computed, start
      SpRS(P'_l, P_l), which sums each expert's copies into its owner
   9. at the end of the backward pass wait for every SpRS and accumulate into the owned parameters' .grad
      (scaled by 1/world size, like EP, once on the owner after the sum; dense parameters are averaged by DDP)
 Frozen expert tensors (``requires_grad=False`` on the owner, agreed by every rank through the count
-all-gather of step 3) get no gradient: their copies are no autograd leaves, the SpRS carries only
+all-reduce of step 3) get no gradient: their copies are no autograd leaves, the SpRS carries only
 trainable tensors, and an expert frozen whole has no replica in it (P restricted to it).
 Experts without tokens: where the user's experts module runs only the experts that receive tokens
-(``skips_empty_experts``, found by detection), an expert whose global count in T is 0 gets no gradient
+(``skips_empty_experts``, found by detection), an expert whose global count is 0 gets no gradient
 from that forward, as in one process (where AdamW then skips it: no momentum step, no weight decay): it
 is reduced like an expert frozen whole for that forward, so its ``.grad`` stays None unless another
 forward before the optimizer step routed a token to it.
@@ -28,7 +30,7 @@ just before the layer's backward, prefetched when the next layer's backward fini
 
 Activation checkpointing (torch's non-reentrant ``checkpoint`` around a block, ``apply_activation_checkpointing``,
 HF ``gradient_checkpointing_enable()``): the recomputation inside backward replays the forward it pairs with
-(``_replay``): the same realized P', T and dispatch splits, the same held tensors (re-gathered first under
+(``_replay``): the same realized P', own counts and dispatch row, the same held tensors (re-gathered first under
 re-materialization); no planning, no count all-gather, no predictor or statistics update, no second SpRS. Only
 the token all-to-alls run again, on every rank, because every rank recomputes the same blocks in the same order.
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -55,7 +58,6 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.profiler import record_function
 
-from themis_compile import kernels
 from themis_compile.planner import (
     LoadPredictor,
     Placement,
@@ -63,37 +65,135 @@ from themis_compile.planner import (
     Topology,
     calibrate,
     dispatch_device_load,
-    dispatch_rows,
-    sparse_materialization,
-    topology_aware_dispatch,
+    materialize_pairs,
+    own_row_entries,
 )
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
+from themis_compile.runtime.comm_plan import (
+    ChunkLayout,
+    plan_sparse_all_gather,
+    plan_sparse_reduce_scatter,
+    rank_schedule,
+)
 from themis_compile.runtime.ep import ShardedExperts
-from themis_compile.runtime.exchange import dispatch_compute_combine, exchange_counts
+from themis_compile.runtime.exchange import dispatch_compute_combine, exchange_held_counts
 from themis_compile.runtime.experts import ExpertBank
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class LayerStats:
-    """Load statistics of one layer in one iteration (what logging, the demo and the simulator read)."""
+    """Load statistics of one layer in one iteration (what logging, the demo and the benchmarks read).
+
+    Bounded in bytes by default: O(E + D + |ΔP|) per record, as numpy arrays (a summary). The full
+    matrices ``tokens_per_device_expert`` [D][E] exist only under ``ThemisConfig.full_stats`` (which
+    also makes every rank all-gather the whole count table, O(E·D) per layer and step); without it
+    they are None. ``placement`` (P' as [E][D] lists) is rebuilt on demand from the owners and ΔP.
+    """
 
     iteration: int
     layer: str
-    tokens_per_device_expert: list[list[int]]   # [D][E]: tokens each rank's router sent to each expert
-    tokens_per_expert: list[int]                # [E] global
-    device_load: list[int]                      # [D] rows each rank computed under the realized plan
+    tokens_per_expert: np.ndarray               # [E] int64 global tokens per expert
+    device_load: np.ndarray                     # [D] int64 rows each rank computed under the realized plan
     delta_p: int                                # |ΔP| = replicas added this iteration
-    placement: list[list[bool]]                 # realized P' as [E][D]
+    owners_E: np.ndarray                        # [E] int64 shard owners (read-only, shared until re-sharding)
+    added_X: np.ndarray                         # [X] int64 ΔP as ascending flat ids e·D + d
+    imbalance: float                            # max / mean rows computed per device (1.0 = balanced)
     calibrated: bool = False
+    tokens_per_device_expert: list[list[int]] | None = None   # [D][E], only under ThemisConfig.full_stats
 
     @property
-    def imbalance(self) -> float:
-        """max / mean rows computed per device (1.0 = perfectly balanced)."""
-        mean = sum(self.device_load) / max(len(self.device_load), 1)
-        return max(self.device_load) / mean if mean else 1.0
+    def placement(self) -> list[list[bool]]:
+        """The realized P' as [E][D] booleans (built on every call: O(E·D))."""
+        E, D = self.owners_E.size, self.device_load.size
+        mask_ED = np.zeros((E, D), dtype=bool)
+        mask_ED[np.arange(E), self.owners_E] = True
+        mask_ED.reshape(-1)[self.added_X] = True
+        return mask_ED.tolist()
+
+    def held_on(self, rank: int) -> int:
+        """How many experts ``rank`` held in P' (owned and replicas)."""
+        D = self.device_load.size
+        return int(np.count_nonzero(self.owners_E == rank) + np.count_nonzero(self.added_X % D == rank))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this record holds of its own (the shared owners array is not counted)."""
+        full = 0 if self.tokens_per_device_expert is None else \
+            sys.getsizeof(self.tokens_per_device_expert) + sum(sys.getsizeof(r) + 8 * len(r)
+                                                               for r in self.tokens_per_device_expert)
+        return _RECORD_OVERHEAD + self.tokens_per_expert.nbytes + self.device_load.nbytes + self.added_X.nbytes + full
+
+
+# What a LayerStats costs besides its arrays (the object, its dict, three array headers), roughly.
+_RECORD_OVERHEAD = 1024
+
+
+class StatsLog:
+    """The newest ``LayerStats`` of a model, oldest first, bounded in records and in bytes.
+
+    A deque that drops its oldest records once more than ``max_records`` are kept or their
+    ``nbytes`` exceed ``max_bytes``: at thousands of ranks a record of E per-expert totals is tens of
+    KB, so a record count alone would let the log grow to GBs. Iterable, sized and indexable like the
+    deque it replaces.
+    """
+
+    def __init__(self, max_records: int = 10000, max_bytes: int = 16 << 20) -> None:
+        self.max_records, self.max_bytes = int(max_records), int(max_bytes)
+        self._records: deque[LayerStats] = deque()
+        self.nbytes = 0
+
+    def append(self, record: LayerStats) -> None:
+        self._records.append(record)
+        self.nbytes += record.nbytes
+        while len(self._records) > 1 and (len(self._records) > self.max_records or self.nbytes > self.max_bytes):
+            self.nbytes -= self._records.popleft().nbytes
+
+    def clear(self) -> None:
+        self._records.clear()
+        self.nbytes = 0
+
+    def __iter__(self):
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, i: int) -> LayerStats:
+        return self._records[i]
+
+    def __bool__(self) -> bool:
+        return bool(self._records)
+
+
+class CountExchange:
+    """The two count exchanges of one FSSDP layer step, as collectives on the layer's group.
+
+    ``layer_counts`` (step 3) sums every rank's counts and flags (`FSSDPExperts._global_tokens`), or
+    gathers every rank's row under ``full_stats``; ``receive_counts`` (step 6) tells every holder how many
+    rows of each expert it holds each source sends (`exchange.exchange_held_counts`). A benchmark that
+    runs one rank of N on a fake process group (whose collectives carry no data) replaces this object on
+    `FSSDPState` to feed the planner the counts a real job would see (`bench/scale.py`).
+    """
+
+    def layer_counts(self, layer: "FSSDPExperts", local_C: torch.Tensor) -> torch.Tensor:
+        """``local_C`` [2E + 2] int64 -> the sum over the ranks [2E + 2], or [D, 2E + 2] under full_stats."""
+        if not layer.state.full_stats:
+            deadline.all_reduce(local_C, group=layer.group, timeout_s=layer.timeout_s,
+                                purpose="tokens per expert and router flags", layer=layer.layer)
+            return local_C
+        parts = [torch.empty_like(local_C) for _ in range(layer.world_size)]
+        deadline.all_gather(parts, local_C, group=layer.group, timeout_s=layer.timeout_s,
+                            purpose="tokens per expert and router flags", layer=layer.layer)
+        return torch.stack(parts)
+
+    def receive_counts(self, layer: "FSSDPExperts", send_P: torch.Tensor, send_splits_W: list[int],
+                       held_H: np.ndarray) -> torch.Tensor:
+        """[S, H] rows of each expert of ``held_H`` that every source sends this rank."""
+        return exchange_held_counts(send_P, send_splits_W, int(held_H.size), layer.group, layer.world_size,
+                                    layer=layer.layer, timeout_s=layer.timeout_s)
 
 
 @dataclass
@@ -114,7 +214,17 @@ class FSSDPState:
     layer_order: list["FSSDPExperts"] = field(default_factory=list)
     pending: list[tuple["FSSDPExperts", Any]] = field(default_factory=list)
     callback_queued: bool = False
-    stats: deque = field(default_factory=lambda: deque(maxlen=10000))
+    fired_hooks: list = field(default_factory=list)   # gradient hooks that fired in this backward (removed at its end)
+    stats: StatsLog = field(default_factory=StatsLog)
+    # ThemisConfig.full_stats: all-gather the whole count table T[e, d] every layer step and keep it in
+    # the statistics (O(E·D) per rank); otherwise per-expert totals are all-reduced (O(E)).
+    full_stats: bool = False
+    counts: CountExchange = field(default_factory=CountExchange)   # the count exchanges of steps 3 and 6
+
+    def configure_stats(self, full_stats: bool, max_bytes: int) -> None:
+        """Adopt ``ThemisConfig.full_stats`` and ``stats_max_bytes`` (the records kept so far stay)."""
+        self.full_stats = bool(full_stats)
+        self.stats.max_bytes = int(max_bytes)
 
     def queue_finish(self) -> None:
         """Make sure ``finish_backward`` runs once at the end of the current backward pass."""
@@ -125,14 +235,101 @@ class FSSDPState:
     def finish_backward(self) -> None:
         self.callback_queued = False
         pending, self.pending = self.pending, []
+        fired, self.fired_hooks = self.fired_hooks, []
+        for hook in fired:
+            hook.remove()
         for layer, handle in pending:
             layer.accumulate_reduced(handle)
 
 
 _MAX_PENDING_FORWARDS = 64
-# Up to this many entries E·D·D, every rank computes the whole Alg. 3 plan R[e, d, d'] and reads off what
-# it receives (no count all-to-all); beyond, it computes only its own rows and exchanges the counts.
-_FULL_PLAN_MAX_ENTRIES = 1 << 16
+
+
+@dataclass(frozen=True, eq=False)
+class _Holdings:
+    """P' of one layer step as pairs, what the rank's own planning reads instead of the [E, D] mask.
+
+    ``added_X``: ΔP = P' \\ P as ascending flat ids e·D + d; ``expert_P`` / ``holder_P``: every
+    (expert, holder) pair of P', by holder then expert; ``splits_W``: pairs per holder; ``held_H``: the
+    experts this rank holds, ascending. O(E + |ΔP|) to build and to keep.
+    """
+
+    added_X: np.ndarray
+    expert_P: np.ndarray
+    holder_P: np.ndarray
+    splits_W: list[int]
+    held_H: np.ndarray
+
+    @classmethod
+    def of(cls, owners_E: np.ndarray, added_X: np.ndarray, num_devices: int, rank: int) -> "_Holdings":
+        E, D = owners_E.size, num_devices
+        keys_P = np.concatenate([owners_E * E + np.arange(E, dtype=np.int64), (added_X % D) * E + added_X // D])
+        keys_P.sort()
+        holder_P, expert_P = np.divmod(keys_P, E)
+        lo, hi = np.searchsorted(keys_P, [rank * E, (rank + 1) * E])
+        return cls(added_X, expert_P, holder_P, np.bincount(holder_P, minlength=D).tolist(), expert_P[lo:hi])
+
+    def device_load(self, load_E: np.ndarray) -> np.ndarray:
+        """[D] int64 rows every device computes when each expert's tokens split evenly over its holders
+        (Alg. 3 without the whole T; exact for experts with one holder)."""
+        copies_E = np.bincount(self.expert_P, minlength=load_E.size)
+        share_P = load_E[self.expert_P] / copies_E[self.expert_P]
+        return np.rint(np.bincount(self.holder_P, weights=share_P, minlength=len(self.splits_W))).astype(np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class _OwnRow:
+    """This rank's row R[:, rank, :] of Alg. 3 as entries (`planner.own_row_entries`): expert e's pairs go
+    to ``dest_Y[start_E[e]:start_E[e + 1]]`` (ascending) in the counts ``count_Y``. O(E + |ΔP|)."""
+
+    start_E: np.ndarray
+    dest_Y: np.ndarray
+    count_Y: np.ndarray
+
+    def counts_of(self, expert_P: np.ndarray, holder_P: np.ndarray, num_devices: int) -> np.ndarray:
+        """[P] the rank's pairs for each (expert, holder) pair (0 where the row sends none)."""
+        expert_Y = np.repeat(np.arange(self.start_E.size - 1, dtype=np.int64), np.diff(self.start_E))
+        keys_Y = expert_Y * num_devices + self.dest_Y           # ascending: by expert, then destination
+        keys_P = expert_P * num_devices + holder_P
+        at_P = np.minimum(np.searchsorted(keys_Y, keys_P), max(keys_Y.size - 1, 0))
+        if not keys_Y.size:
+            return np.zeros(keys_P.size, dtype=np.int64)
+        return np.where(keys_Y[at_P] == keys_P, self.count_Y[at_P], 0)
+
+    def destinations(self, ids_TK: torch.Tensor) -> torch.Tensor:
+        """[T, K] destination of every pair: of expert e's pairs, in flattened pair order, the first
+        ``count_Y[start_E[e]]`` go to ``dest_Y[start_E[e]]``, the next to the next entry, and so on (what
+        `kernels.assign_destinations` makes of the dense row, without the [E, D] row)."""
+        flat_N = ids_TK.reshape(-1)
+        order_N = torch.argsort(flat_N, stable=True)          # pairs by expert, then pair index
+        # Entries are ordered by expert, and expert e's counts sum to its pairs: the q-th pair in that
+        # order falls in the entry whose running total first exceeds q.
+        ends_Y = torch.from_numpy(np.cumsum(self.count_Y)).to(ids_TK.device)
+        entry_N = torch.searchsorted(ends_Y, torch.arange(flat_N.numel(), device=ids_TK.device), right=True)
+        dest_N = torch.empty_like(flat_N)
+        dest_N[order_N] = torch.from_numpy(self.dest_Y).to(ids_TK.device)[entry_N]
+        return dest_N.view_as(ids_TK)
+
+
+def _added_pairs(owners_E: np.ndarray, full_J: np.ndarray, replicas_X: np.ndarray, num_devices: int) -> np.ndarray:
+    """ΔP as ascending flat ids e·D + d, from Alg. 1's sparse form (`materialize_pairs`): the experts
+    every device holds (less their owners) and the other replicas."""
+    if not full_J.size:
+        return replicas_X
+    D = num_devices
+    full_JD = full_J[:, None] * D + np.arange(D, dtype=np.int64)
+    full_X = full_JD[np.arange(D) != owners_E[full_J][:, None]]
+    return np.sort(np.concatenate([full_X, replicas_X]))
+
+
+def _placement_of(shard: Placement, full_J: np.ndarray, added_X: np.ndarray) -> Placement:
+    """P' = shard ∪ ΔP as the Placement the sparse collectives take."""
+    if not added_X.size:
+        return shard
+    mask_ED = shard.mask.copy()
+    mask_ED.reshape(-1)[added_X] = True
+    copies_E = np.bincount(added_X // shard.num_devices, minlength=shard.num_experts) + 1
+    return Placement.adopt(mask_ED, copies_E)
 
 
 @dataclass(eq=False)
@@ -245,14 +442,15 @@ class _ForwardRecord:
     """What one forward of a layer decided, for its recomputation under activation checkpointing.
 
     The recomputation must save tensors of exactly the forward's shapes, so it reuses the realized P'
-    (after calibration), the global counts T, this rank's dispatch rows R[:, rank, :] and the very tensors
+    (after calibration), this rank's counts T[:, rank], its dispatch rows R[:, rank, :] and the very tensors
     the experts ran with (owned aliases and replicas: the leaves the SpRS hook watches).
     """
 
     placement: Placement
-    tokens_ED: np.ndarray
-    splits_ED: torch.Tensor
-    recv_counts_SE: torch.Tensor | None
+    local_E: np.ndarray                      # this rank's tokens per expert, T[:, rank]
+    row: _OwnRow                             # this rank's row of Alg. 3
+    recv_counts_SE: torch.Tensor             # [S, H] rows of each held expert every source sends
+    recv_experts_H: list[int]                # the experts this rank holds in P'
     held: dict[int, list[torch.Tensor]]
     released: _Released | None = None       # themis-rm: the replicas' storage to gather again first
 
@@ -283,7 +481,13 @@ class FSSDPExperts(ShardedExperts):
         self.cost = cost
         self.predictor = LoadPredictor(1, self.num_experts, window=predictor_window)
         self.iteration = 0
+        # Host time of this layer's planning in its latest iteration, ns: Alg. 1 and the SpAG / SpRS message
+        # plans (step 1), calibration and the rank's row of Alg. 3 (4-5) and the statistics (7); starting and
+        # waiting for collectives and running the experts are not in it.
+        self.plan_ns = 0
+        self.comm_plan_ns = 0     # the part of plan_ns spent on the SpAG / SpRS message plans
         self._planned: Placement | None = None
+        self._planned_added = np.zeros(0, dtype=np.int64)        # ΔP of _planned, flat ids
         self._spag = None
         self._replicas: dict[int, list[torch.Tensor]] | None = None
         self._released: list[_Released] = []
@@ -309,13 +513,34 @@ class FSSDPExperts(ShardedExperts):
         if self.layer_index == 0 and self.state.budget_controller is not None:
             # Iteration start on every rank: adopt a finished cost-model profile (collective).
             self.state.budget_controller.maybe_update()
+        start_ns = time.perf_counter_ns()
         with record_function("themis::plan"):
             load_E = self.predictor.predict(0)
-            planned = sparse_materialization(self.shard_placement, load_E, self.overlap_degree,
-                                             self.materialization_budget, self.state.topology)
-        self._planned = planned
+            shard = self.shard_placement
+            full_J, replicas_X = materialize_pairs(shard, load_E, self.overlap_degree,
+                                                   self.materialization_budget, self.state.topology)
+            added_X = _added_pairs(shard.owners(), full_J, replicas_X, self.world_size)
+            planned = _placement_of(shard, full_J, added_X)
+        self._planned, self._planned_added = planned, added_X
+        spag_ns = time.perf_counter_ns()
+        self._plan_collectives(planned)
+        end_ns = time.perf_counter_ns()
+        self.plan_ns, self.comm_plan_ns = end_ns - start_ns, end_ns - spag_ns
         with record_function("themis::spag"):
             self._spag = self._gather(planned)
+
+    def _plan_collectives(self, placement: Placement) -> None:
+        """The message plans of this layer step's SpAG and SpRS, and this rank's part of each, computed
+        here (the collectives find them in their plan cache) so that `plan_ns` holds them apart from
+        starting the collectives. The SpRS plan is the one of trainable experts' full chunks, the common
+        case; a layer with frozen tensors plans its own when it reduces."""
+        if placement is self.shard_placement:
+            return
+        layout = ChunkLayout.from_spec(self.bank.spec)
+        topology = self.state.topology
+        rank_schedule(plan_sparse_all_gather(self.shard_placement, placement, topology, layout), layout, self.rank)
+        rank_schedule(plan_sparse_reduce_scatter(placement, self.shard_placement, topology, layout), layout,
+                      self.rank)
 
     def _gather(self, placement: Placement, out=None):
         chunks = {e: [p.detach() for p in c] for e, c in self.local_chunks().items()}
@@ -338,9 +563,16 @@ class FSSDPExperts(ShardedExperts):
         return replicas
 
     # ------------------------------------------------------------------ global token counts (step 3)
-    def _global_tokens(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> np.ndarray:
-        """All-gather each rank's tokens per expert into T[e, d]; raise on every rank if any router
-        produced non-finite weights (so no rank is left waiting in a collective)."""
+    def _global_tokens(self, ids_TK: torch.Tensor,
+                       weights_TK: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Step 3: ``(local_E, load_E, tokens_ED)``, this rank's tokens per expert, their sum over the
+        ranks (the same on every rank) and, under ``full_stats``, the whole table T[e, d] (else None).
+
+        One collective carries the counts, the router flags and the owners' frozen bits, so that every rank
+        raises together when any router produced non-finite weights or an expert id out of range (no rank
+        is left waiting in a collective): an all-reduce of [2E + 2] int64 by default, O(E) per rank
+        whatever the world size; an all-gather of [D, 2E + 2] under ``full_stats``.
+        """
         E = self.num_experts
         local = torch.zeros(2 * E + 2, dtype=torch.int64)
         bad_ids = self._routing_error(ids_TK)
@@ -350,24 +582,38 @@ class FSSDPExperts(ShardedExperts):
         local[E + 1] = int(bad_ids)
         for e, params in self.local_chunks().items():     # the owner's frozen tensors, for every rank
             local[E + 2 + e] = sum(1 << i for i, p in enumerate(params) if not p.requires_grad)
-        if self.world_size > 1:
-            local = local.to(ids_TK.device)     # the group's device (NCCL needs CUDA tensors)
-            parts = [torch.empty_like(local) for _ in range(self.world_size)]
-            deadline.all_gather(parts, local, group=self.group, timeout_s=self.timeout_s,
-                                purpose="tokens per expert and router flags", layer=self.layer)
-            gathered = torch.stack(parts).cpu()
+        local_E = local[:E].numpy().copy()
+        flags_2 = local[E:E + 2].clone()          # the exchange may sum into ``local`` in place
+        if self.world_size == 1:
+            exchanged = local[None] if self.state.full_stats else local
+        else:   # (on the group's device: NCCL needs CUDA tensors)
+            exchanged = self.state.counts.layer_counts(self, local.to(ids_TK.device)).cpu()
+        summed = exchanged.sum(0) if exchanged.dim() == 2 else exchanged
+        if summed[E] or summed[E + 1]:
+            self._raise_router_error(exchanged, flags_2, int(summed[E]) > 0)
+        self._frozen_E = summed[E + 2:].tolist()           # only the owner's entry is non-zero
+        tokens_ED = exchanged[:, :E].t().numpy().copy() if exchanged.dim() == 2 else None   # [E, D]
+        return local_E, summed[:E].numpy().copy(), tokens_ED
+
+    def _raise_router_error(self, exchanged: torch.Tensor, flags_2: torch.Tensor, non_finite: bool) -> None:
+        """Raise on every rank, naming the ranks whose router failed (the sum says only that some did; an
+        all-gather of the two flags, on this failure path only, says which)."""
+        E = self.num_experts
+        if exchanged.dim() == 2:
+            flags_D2 = exchanged[:, E:E + 2]
+        elif self.world_size > 1 and type(self.state.counts) is CountExchange:
+            flags_D2 = torch.tensor(deadline.all_gather_object(
+                flags_2.tolist(), group=self.group, timeout_s=self.timeout_s, purpose="router flags",
+                layer=self.layer))
         else:
-            gathered = local[None]
-        bad = torch.nonzero(gathered[:, E]).flatten().tolist()
-        if bad:
+            flags_D2 = flags_2[None]
+        if non_finite:
+            bad = torch.nonzero(flags_D2[:, 0]).flatten().tolist()
             raise FloatingPointError(f"MoE layer {self.layer!r}: non-finite router output on ranks {bad} "
                                      f"(iteration {self.iteration})")
-        bad = torch.nonzero(gathered[:, E + 1]).flatten().tolist()
-        if bad:
-            raise ValueError(f"MoE layer {self.layer!r}: router chose an expert id outside [0, {E}) on ranks "
-                             f"{bad} (iteration {self.iteration})")
-        self._frozen_E = gathered[:, E + 2:].sum(0).tolist()    # only the owner's entry is non-zero
-        return gathered[:, :E].t().numpy().copy()          # [E, D]
+        bad = torch.nonzero(flags_D2[:, 1]).flatten().tolist()
+        raise ValueError(f"MoE layer {self.layer!r}: router chose an expert id outside [0, {E}) on ranks "
+                         f"{bad} (iteration {self.iteration})")
 
     # ------------------------------------------------------------------ forward (steps 3-7)
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
@@ -391,26 +637,40 @@ class FSSDPExperts(ShardedExperts):
         self.start_materialization()
         # Detached: the finiteness check must not record autograd ops (a checkpoint would save them).
         with record_function("themis::token_counts"):
-            tokens_ED = self._global_tokens(ids_TK, weights_TK.detach())
-        load_E = tokens_ED.sum(axis=1)
+            local_E, load_E, tokens_ED = self._global_tokens(ids_TK, weights_TK.detach())
         replicas = self._consume_materialization()
-        placement = self._planned
+        placement, added_X = self._planned, self._planned_added
         calibrated = False
+        start_ns = time.perf_counter_ns()
         if self.state.calibrate:
             with record_function("themis::calibrate"):
+                # The compute model is Alg. 3 on T: the whole T under full_stats, else every source with an
+                # equal share of each expert's tokens (a zero-stride [E, D] view of load_E // D, no copy).
+                model_ED = tokens_ED if tokens_ED is not None else \
+                    np.broadcast_to((load_E // self.world_size)[:, None], (self.num_experts, self.world_size))
                 merged = calibrate(self.shard_placement, placement, load_E, self.overlap_degree,
-                                   self.materialization_budget, self.state.topology, self.cost, tokens_ED)
+                                   self.materialization_budget, self.state.topology, self.cost, model_ED)
             if merged != placement:
+                placement, calibrated = merged, True
+                added_X = np.flatnonzero(merged.mask & ~self.shard_placement.mask)
+                self._plan_collectives(merged)
+                self.plan_ns += time.perf_counter_ns() - start_ns
                 # Gather exactly the pairs calibration adds: SpAG(P, P ∪ (P'' \ P')).
-                extra = Placement(self.shard_placement.mask | (merged.mask & ~placement.mask))
+                extra = Placement(self.shard_placement.mask | (merged.mask & ~self._planned.mask))
                 with record_function("themis::spag_calibration"):
                     replicas.update(self._gather(extra).wait())
-                placement, calibrated = merged, True
+                start_ns = time.perf_counter_ns()
         if self.state.check_plans:
             self._check_plan_digest(placement)
         with record_function("themis::dispatch_plan"):
-            splits_ED, recv_counts_SE = self._dispatch_plan(placement, tokens_ED, ids_TK.device)
-        dest_TK = kernels.assign_destinations(ids_TK, splits_ED.to(ids_TK.device), backend=self.kernels_backend)
+            holdings = _Holdings.of(self.shard_placement.owners(), added_X, self.world_size, self.rank)
+            row = self._dispatch_plan(added_X, local_E)
+            send_P = row.counts_of(holdings.expert_P, holdings.holder_P, self.world_size)
+        self.plan_ns += time.perf_counter_ns() - start_ns
+        recv_counts_SE = self.state.counts.receive_counts(self, torch.from_numpy(send_P).to(ids_TK.device),
+                                                          holdings.splits_W, holdings.held_H).cpu()
+        held_H = holdings.held_H.tolist()
+        dest_TK = row.destinations(ids_TK)
 
         owned = self.local_chunks()
         # Decided the same way on every rank: a rank holding only replicas (it may own no expert of this
@@ -427,7 +687,7 @@ class FSSDPExperts(ShardedExperts):
             x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
             lambda rows, counts: self.run_experts(held, rows, counts),
             group=self.group, world_size=self.world_size, layer=self.layer, timeout_s=self.timeout_s,
-            kernels_backend=self.kernels_backend, recv_counts_SE=recv_counts_SE,
+            kernels_backend=self.kernels_backend, recv_counts_SE=recv_counts_SE, recv_experts_H=held_H,
         )
         # Global condition (ΔP is the same on every rank), so that every rank issues the re-gather. The
         # last layer keeps its replicas: its backward starts right away, so releasing them would only put
@@ -437,9 +697,12 @@ class FSSDPExperts(ShardedExperts):
         if track and self.state.rematerialize and placement != self.shard_placement and not last:
             released = self._release_replicas(held, replicas, placement, out_TH)
         if ckpt.mode == "forward":
-            self._remember(ckpt, _ForwardRecord(placement, tokens_ED, splits_ED, recv_counts_SE, held, released))
+            self._remember(ckpt, _ForwardRecord(placement, local_E, row, recv_counts_SE, held_H, held,
+                                                released))
         # Only training forwards feed the load predictor (evaluation must not steer the next plans).
-        self._record(tokens_ED, load_E if track else None, placement, calibrated)
+        start_ns = time.perf_counter_ns()
+        self._record(load_E, tokens_ED, track, placement, holdings, calibrated)
+        self.plan_ns += time.perf_counter_ns() - start_ns
         self.iteration += 1
         return out_TH
 
@@ -488,7 +751,7 @@ class FSSDPExperts(ShardedExperts):
         record = entry.records[index]
         local_E = torch.zeros(self.num_experts, dtype=torch.int64)
         local_E.scatter_add_(0, ids_TK.reshape(-1).cpu(), torch.ones(ids_TK.numel(), dtype=torch.int64))
-        if not np.array_equal(local_E.numpy(), record.tokens_ED[:, self.rank]):
+        if not np.array_equal(local_E.numpy(), record.local_E):
             raise RuntimeError(f"themis_compile: MoE layer {self.layer!r}: the activation-checkpoint "
                                "recomputation routed tokens differently from the forward (is the router "
                                "non-deterministic, or did its state change before backward?)")
@@ -496,42 +759,29 @@ class FSSDPExperts(ShardedExperts):
             with record_function("themis::rematerialize_for_recompute"):
                 self._rematerialize(record.released)
         held = record.held
-        dest_TK = kernels.assign_destinations(ids_TK, record.splits_ED.to(ids_TK.device),
-                                              backend=self.kernels_backend)
+        dest_TK = record.row.destinations(ids_TK)
         return dispatch_compute_combine(
             x_TH, ids_TK, weights_TK, dest_TK, self.num_experts,
             lambda rows, counts: self.run_experts(held, rows, counts),
             group=self.group, world_size=self.world_size, kernels_backend=self.kernels_backend,
-            recv_counts_SE=record.recv_counts_SE,
+            recv_counts_SE=record.recv_counts_SE, recv_experts_H=record.recv_experts_H,
         )
 
-    def _dispatch_plan(self, placement: Placement, tokens_ED: np.ndarray,
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Alg. 3 for this rank: ``(splits_ED, recv_counts_SE)``.
+    def _dispatch_plan(self, added_X: np.ndarray, local_E: np.ndarray) -> _OwnRow:
+        """Alg. 3 for this rank: R[:, rank, :], where this rank's pairs of every expert go, as entries.
 
-        ``splits_ED`` = R[:, rank, :], where this rank's pairs of every expert go. ``recv_counts_SE`` =
-        R[:, :, rank]ᵀ, what every source sends this rank: every rank computes the same plan R from the
-        same T, so the token exchange needs no count all-to-all (one blocking collective less per layer
-        forward). The whole [E, D, D] plan is computed for it only while it is small
-        (``_FULL_PLAN_MAX_ENTRIES``); beyond that only the rank's own rows, and ``recv_counts_SE`` is None:
-        the exchange then all-to-alls the counts. With ``check_plans`` the derived counts are checked
-        against that all-to-all.
+        The row depends only on P' and the rank's own counts T[:, rank] (Alg. 3 splits every source's
+        tokens by itself), so no rank needs the others' counts and none builds the [E, D, D] plan or even
+        an [E, D] array; what every source sends this rank comes from the sources
+        (`CountExchange.receive_counts`).
         """
-        topology, rank, D = self.state.topology, self.rank, self.world_size
-        if self.num_experts * D * D > _FULL_PLAN_MAX_ENTRIES:
-            return torch.from_numpy(np.ascontiguousarray(dispatch_rows(placement, tokens_ED, topology, rank))), None
-        R_EDD = topology_aware_dispatch(placement, tokens_ED, topology)
-        splits_ED = torch.from_numpy(np.ascontiguousarray(R_EDD[:, rank, :]))
-        recv_counts_SE = torch.from_numpy(np.ascontiguousarray(R_EDD[:, :, rank].T))
-        if self.state.check_plans:
-            # (On the group's device: NCCL needs CUDA tensors.)
-            exchanged_SE = exchange_counts(splits_ED.t().contiguous().to(device), self.group, D, layer=self.layer,
-                                           timeout_s=self.timeout_s).cpu()
-            if not torch.equal(exchanged_SE, recv_counts_SE):
-                raise RuntimeError(f"MoE layer {self.layer!r}: the rows rank {rank} receives under the plan "
-                                   f"({recv_counts_SE.tolist()}) differ from what the ranks send "
-                                   f"({exchanged_SE.tolist()})")
-        return splits_ED, recv_counts_SE
+        owners_E, D = self.shard_placement.owners(), self.world_size
+        copies_E = np.bincount(added_X // D, minlength=self.num_experts) + 1
+        full_J = np.flatnonzero(copies_E == D) if D > 1 else np.zeros(0, dtype=np.int64)
+        replicas_X = added_X[copies_E[added_X // D] < D] if full_J.size else added_X
+        start_E, dest_Y, count_Y = own_row_entries(owners_E, full_J, replicas_X, local_E, self.state.topology,
+                                                   self.rank)
+        return _OwnRow(start_E, dest_Y, count_Y)
 
     def _check_plan_digest(self, placement: Placement) -> None:
         digests = deadline.all_gather_object(placement.digest(), group=self.group, timeout_s=self.timeout_s,
@@ -539,16 +789,22 @@ class FSSDPExperts(ShardedExperts):
         if len(set(digests)) != 1:
             raise RuntimeError(f"MoE layer {self.layer!r}: ranks disagree on the plan P' (digests {digests})")
 
-    def _record(self, tokens_ED, load_E, placement: Placement, calibrated: bool) -> None:
-        if load_E is not None:
+    def _record(self, load_E: np.ndarray, tokens_ED: np.ndarray | None, track: bool, placement: Placement,
+                holdings: _Holdings, calibrated: bool) -> None:
+        """Step 7: feed the predictor (training forwards only: evaluation must not steer the next plans)
+        and append this layer step's `LayerStats`: O(E + |ΔP|), or the whole T under ``full_stats``."""
+        if track:
             self.predictor.update(0, load_E)
-        load_E = tokens_ED.sum(axis=1)
+        if tokens_ED is not None:
+            device_load_D = dispatch_device_load(placement, tokens_ED, self.state.topology)
+        else:
+            device_load_D = holdings.device_load(load_E)
+        mean = device_load_D.sum() / max(self.world_size, 1)
         self.state.stats.append(LayerStats(
-            iteration=self.iteration, layer=self.layer,
-            tokens_per_device_expert=tokens_ED.T.tolist(), tokens_per_expert=load_E.tolist(),
-            device_load=dispatch_device_load(placement, tokens_ED, self.state.topology).tolist(),
-            delta_p=int(placement.delta(self.shard_placement).num_pairs()),
-            placement=placement.mask.tolist(), calibrated=calibrated,
+            iteration=self.iteration, layer=self.layer, tokens_per_expert=load_E, device_load=device_load_D,
+            delta_p=int(holdings.added_X.size), owners_E=self.shard_placement.owners(), added_X=holdings.added_X,
+            imbalance=float(device_load_D.max() / mean) if mean else 1.0, calibrated=calibrated,
+            tokens_per_device_expert=None if tokens_ED is None else tokens_ED.T.tolist(),
         ))
 
     # ------------------------------------------------------------------ backward (steps 8-9)
@@ -573,26 +829,33 @@ class FSSDPExperts(ShardedExperts):
         if not experts:
             return        # holds nothing trainable: this rank has no part in this layer's SpRS
         leaves = [held[e][i] for e in experts for i in trainable_E[e]]
+        # The hook keeps the leaves' shapes, not the leaves, and is removed at the end of the backward that
+        # fired it: torch's multi-grad hook holds the leaves' gradient accumulators, which hold the leaves,
+        # which hold the hook (a cycle through C++ the garbage collector cannot see): every step's held
+        # tensors would stay alive.
+        like = [(t.shape, t.dtype, t.device) for t in leaves]
+        registered = []
         owned = sorted(self.local_chunks())
         state = self.state
         scale = 1.0 / self.world_size
 
         def on_grads(grads: Sequence[torch.Tensor | None]) -> None:
-            it = iter(grads)
+            it = iter(zip(grads, like))
             per_expert = {}
             for e in experts:
-                per_expert[e] = [g if g is not None else torch.zeros_like(held[e][i])
-                                 for i, g in zip(trainable_E[e], it)]
+                per_expert[e] = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                                 for _, (g, (shape, dtype, device)) in zip(trainable_E[e], it)]
             with record_function("themis::sprs"):
                 # Scaled by 1/world size on the owner, once, after the sum: the copies travel unscaled.
                 handle = sparse_reduce_scatter(per_expert, placement, self.shard_placement, state.topology,
                                                state.comm_group, spec=spec, layer=self.layer,
                                                timeout_s=state.timeout_s, scale=scale)
             state.pending.append((self, _TrainableReduction(handle, trainable_E, owned, n)))
+            state.fired_hooks += registered
             state.queue_finish()
             self._prefetch_previous_layer()
 
-        torch.autograd.graph.register_multi_grad_hook(leaves, on_grads, mode="all")
+        registered.append(torch.autograd.graph.register_multi_grad_hook(leaves, on_grads, mode="all"))
 
     def accumulate_reduced(self, handle) -> None:
         with record_function("themis::sprs_wait"):

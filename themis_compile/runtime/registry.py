@@ -43,7 +43,8 @@ class ThemisRuntime:
     @property
     def stats(self) -> list[LayerStats]:
         """Per-layer, per-iteration load statistics (:class:`~themis_compile.runtime.fssdp.LayerStats`),
-        oldest first; empty for policies other than themis / themis-rm."""
+        oldest first, at most ``config.stats_max_bytes`` of them (summaries unless ``config.full_stats``);
+        empty for policies other than themis / themis-rm."""
         return [] if self.fssdp is None else list(self.fssdp.stats)
 
     @property
@@ -59,7 +60,10 @@ class ThemisRuntime:
 
 
 def register(model: nn.Module, runtime: ThemisRuntime) -> None:
-    """Attach ``runtime`` to ``model`` and list the model among the optimized ones."""
+    """Attach ``runtime`` to ``model`` and list the model among the optimized ones; its FSSDP state takes
+    the config's statistics options (``full_stats``, ``stats_max_bytes``)."""
+    if runtime.fssdp is not None:
+        runtime.fssdp.configure_stats(runtime.config.full_stats, runtime.config.stats_max_bytes)
     model._themis_runtime = runtime
     _OPTIMIZED.add(model)
 
