@@ -107,7 +107,8 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
 
     runtime = ThemisRuntime(config=config, rank=rank, world_size=world_size, group=group,
                             unsharded=[(name, _one_line(why)) for name, why in rejected])
-    fssdp = bool(infos) and config.policy in ("themis", "themis-rm") and world_size > 1
+    # "uniform" is themis' own path with an even assignment and no replicas: the force-balanced ideal.
+    fssdp = bool(infos) and config.policy in ("themis", "themis-rm", "uniform") and world_size > 1
     if fssdp:
         state = _fssdp_state(config, group, rank, world_size)
         runtime.fssdp = state
@@ -126,6 +127,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
             shard = Placement.contiguous(bank.num_experts, world_size)
             if fssdp:
                 experts = _fssdp_experts(bank, original, shard, state, len(sharded), info, config)
+                experts.uniform_routing = config.policy == "uniform"
             else:
                 experts = ShardedExperts(bank, original, shard, rank=rank, world_size=world_size, group=group,
                                          layer=info.name, uniform_routing=config.policy == "uniform",
@@ -147,7 +149,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
 
     if world_size > 1:
         _make_dense_data_parallel(model, sharded, group, config, conditional=runtime.unsharded, mesh=dense_mesh)
-    if fssdp and config.reshard_interval:
+    if fssdp and config.reshard_interval and config.policy != "uniform":     # even loads: nothing to re-shard
         # After the dense wrapper: FSDP2 replaces dense parameters with new (DTensor) parameter objects,
         # which are the ones the user's optimizer will hold.
         sharded_ids = {id(p) for m in sharded for p in m.expert_parameters()}
@@ -322,8 +324,11 @@ def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
 
 
 def _fssdp_experts(bank, experts, shard, state, index: int, info: MoELayerInfo, config: ThemisConfig):
-    t, m = default_budgets(bank.num_experts, state.world_size, config.overlap_degree,
-                           config.materialization_budget)
+    if config.policy == "uniform":
+        t, m = 0, 0          # an even assignment needs no replica
+    else:
+        t, m = default_budgets(bank.num_experts, state.world_size, config.overlap_degree,
+                               config.materialization_budget)
     # Forward FLOPs of one token through one expert at a nominal 1e10 FLOP/s until a profile exists.
     flops = 2 * sum(torch.Size(shape).numel() for shape, _ in bank.spec)
     cost = PlanCost(time_per_token_s=flops / 1e10, expert_bytes=float(bank.chunk_bytes), topology=state.topology)

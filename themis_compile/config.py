@@ -18,8 +18,9 @@ class ThemisConfig:
         policy: ``"themis"`` (FSSDP with an ephemeral load-balancing placement every iteration),
             ``"themis-rm"`` (the same with re-materialization: replicas are freed after the layer's
             forward and gathered again before its backward), ``"ep"`` (static expert parallelism, the
-            baseline) or ``"uniform"`` (EP with a reference gate that spreads tokens evenly; benchmarking
-            only — it changes the model's numerics on purpose).
+            baseline) or ``"uniform"`` (the force-balanced reference: themis' own path, with a gate that
+            spreads the pairs evenly over the experts and no replicas; benchmarking only — it changes the
+            model's numerics on purpose).
         overlap_degree: t, the most distinct experts materialized per layer and iteration (§4.2). ``None``
             derives it from the cost model, t = floor(T_attn * bw / Psi).
         materialization_budget: m, the most replicas each device adds per layer (§4.2). ``None`` derives it

@@ -76,7 +76,7 @@ from themis_compile.runtime.comm_plan import (
     plan_sparse_reduce_scatter,
     rank_schedule,
 )
-from themis_compile.runtime.ep import ShardedExperts
+from themis_compile.runtime.ep import ShardedExperts, uniform_ids
 from themis_compile.runtime.exchange import dispatch_compute_combine, exchange_held_counts
 from themis_compile.runtime.experts import ExpertBank
 
@@ -617,6 +617,9 @@ class FSSDPExperts(ShardedExperts):
 
     # ------------------------------------------------------------------ forward (steps 3-7)
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if self.uniform_routing:
+            # The "uniform" policy: the force-balanced reference, every expert the same number of pairs.
+            ids_TK = uniform_ids(ids_TK, self.num_experts)
         ckpt = _checkpoint_context()
         if ckpt.mode == "recompute":
             return self._replay(ckpt, x_TH, ids_TK, weights_TK)
