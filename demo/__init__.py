@@ -340,8 +340,9 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
                     tpe, tpde = per_device_DLE[:, li].sum(0).tolist(), per_device_DLE[:, li].tolist()
                     tpd, delta = per_device_DLE[:, li].sum(1).tolist(), None
                 elif stats is not None:
-                    tpe, tpde = list(stats.tokens_per_expert), [list(r) for r in stats.tokens_per_device_expert]
-                    tpd, delta = list(stats.device_load), int(stats.delta_p)
+                    # LayerStats holds numpy arrays (summaries); the trace and the metrics are JSON.
+                    tpe, tpde = stats.tokens_per_expert.tolist(), [list(map(int, r)) for r in stats.tokens_per_device_expert]
+                    tpd, delta = stats.device_load.tolist(), int(stats.delta_p)
                 else:
                     tpe, tpde = per_device_DLE[:, li].sum(0).tolist(), per_device_DLE[:, li].tolist()
                     # No report: the layer computes where its shard placement says, and a static
