@@ -160,7 +160,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     bind_save_pretrained(model)      # an HF model's save_pretrained writes the whole model
     if fssdp:
         state.layers = list(sharded)
-    if fssdp and (config.overlap_degree is None or config.materialization_budget is None):
+    if fssdp and config.policy != "uniform" and (config.overlap_degree is None or config.materialization_budget is None):
         state.budget_controller = BudgetController(model, runtime)
     # torch.compile(backend="themis") also from a source tree the package's entry point does not cover.
     from themis_compile.passes.backend import register_backend
