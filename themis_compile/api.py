@@ -320,7 +320,8 @@ def _fssdp_state(config: ThemisConfig, group, rank: int, world_size: int):
                         purpose="sparse-collective group set-up")
     return FSSDPState(rank=rank, world_size=world_size, group=group, comm_group=comm_group, topology=topology,
                       rematerialize=config.rematerialize, calibrate=config.calibrate,
-                      timeout_s=config.collective_timeout_s, check_plans=config.check_plans)
+                      timeout_s=config.collective_timeout_s, check_plans=config.check_plans,
+                      cost_benefit=config.cost_benefit)
 
 
 def _fssdp_experts(bank, experts, shard, state, index: int, info: MoELayerInfo, config: ThemisConfig):

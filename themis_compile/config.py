@@ -54,6 +54,10 @@ class ThemisConfig:
             broadcast, the first cost-model exchanges) wait at least 300 s, since ranks reach them after
             rank-local work of any length. Keep the process group's ``timeout`` (``init_process_group``)
             at least this long, or its error (wrapped with the same names) comes first.
+        cost_benefit: materialize Alg. 1's replicas of a layer step only when the compute they are
+            predicted to save (forward and backward) exceeds their SpAG and SpRS
+            (`planner.cost.replicas_pay`): at even loads Alg. 1's top-t replicas only move work and pay two
+            transfers. ``False`` materializes what Alg. 1 chooses, as the paper states it.
         check_plans: cross-check a digest of every plan across ranks (debugging; one extra collective
             per layer step).
         full_stats: keep the whole count table in the load statistics (``LayerStats.
@@ -89,6 +93,7 @@ class ThemisConfig:
     kernels: str = "auto"
     collective_timeout_s: float = 300.0
     check_plans: bool = False
+    cost_benefit: bool = True
     schedule: bool = True
     profile_path: str | None = None
     expert_row_block: int | str | None = "auto"

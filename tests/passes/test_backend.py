@@ -239,7 +239,7 @@ def _two_rank_compiled(rank: int, world_size: int) -> dict:
         # compiles as one graph (DDP's composable replicate() sets a class attribute in its forward
         # pre-hook, which dynamo cannot trace: a graph break).
         model = themis_compile.optimize(GPTMoE(cfg), themis_compile.ThemisConfig(
-            policy="themis", reshard_interval=0, dense_parallel="fsdp2"))
+            policy="themis", reshard_interval=0, dense_parallel="fsdp2", cost_benefit=False))
         S.schedule_model(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         B.reset_report()

@@ -80,8 +80,9 @@ def _config(policy: str, **overrides) -> themis_compile.ThemisConfig:
     # t and m fixed: profiled budgets would make the plans depend on timing. Dense parameters: FSDP2 (the
     # default). (Under DDP on 4 ranks a resumed run's dense parameters differ from the uninterrupted run's
     # by rounding: torch's DDP re-buckets after its first iteration, which changes gloo's summation order.)
+    # cost_benefit off: the replica paths are exercised even where the tiny experts cannot pay for them.
     return themis_compile.ThemisConfig(**{"policy": policy, "reshard_interval": 2, "overlap_degree": 8,
-                                          "materialization_budget": 2, **overrides})
+                                          "materialization_budget": 2, "cost_benefit": False, **overrides})
 
 
 def _options(name: str) -> StateDictOptions:

@@ -135,9 +135,10 @@ def run_one(num_ranks: int, num_experts: int, top_k: int, steps: int, layers: in
     batch, seq = 2, 16
     model = build_model("tiny-moe", d_model=16, n_heads=2, d_ffn=16, n_layers=layers, num_experts=num_experts,
                         top_k=top_k, vocab_size=64, seq_len=seq, experts_form="stacked", router_skew=1.0)
-    # Nodes of 8 devices; t and m fixed (a profile would make them depend on this machine's timing).
+    # Nodes of 8 devices; t and m fixed (a profile would make them depend on this machine's timing);
+    # Alg. 1's replicas always materialized, so that the planning measured is that of a skewed job's.
     config = themis_compile.ThemisConfig(dense_parallel="fsdp2", reshard_interval=0, schedule=False,
-                                         devices_per_node=min(8, num_ranks), overlap_degree=OVERLAP_DEGREE,
+                                         cost_benefit=False, devices_per_node=min(8, num_ranks), overlap_degree=OVERLAP_DEGREE,
                                          materialization_budget=MATERIALIZATION_BUDGET)
     if stats_max_bytes is not None:
         config = config.replace(stats_max_bytes=stats_max_bytes)

@@ -27,7 +27,7 @@ from themis_compile.planner.baselines import (
     UniformPolicy,
     make_policy,
 )
-from themis_compile.planner.cost import PlanCost, device_compute_load, fluid_device_load, straggler_time
+from themis_compile.planner.cost import PlanCost, device_compute_load, fluid_device_load, replicas_pay, straggler_time
 from themis_compile.planner.dispatch import (
     dispatch_device_load,
     dispatch_rows,
@@ -46,6 +46,6 @@ __all__ = [
     "LoadPredictor", "PlanCost", "Placement", "Policy", "PolicyStep", "SmartMoEPolicy", "ThemisPolicy",
     "Topology", "UniformPolicy", "calibrate", "device_compute_load", "dispatch_device_load", "dispatch_rows", "even_dispatch", "fluid_device_load",
     "heterogeneous_sharding", "homogeneous_sharding", "make_policy", "materialize_pairs", "own_row_entries",
-    "slots_per_device",
+    "replicas_pay", "slots_per_device",
     "sparse_materialization", "straggler_time", "topology_aware_dispatch",
 ]

@@ -29,7 +29,11 @@ from themis_compile.planner.topology import Topology
 logger = logging.getLogger(__name__)
 
 __all__ = ["PlanCost", "all_to_all_time", "bottleneck_time", "device_compute_load", "fluid_device_load",
-           "sparse_transfer_time", "straggler_time"]
+           "replicas_pay", "sparse_transfer_time", "straggler_time"]
+
+# A replica's compute saving counts forward and backward (backward ≈ 2× forward); its cost is the SpAG of
+# its parameters before the layer and the SpRS of its gradient after it.
+COMPUTE_PASSES, TRANSFER_PASSES = 3.0, 2.0
 
 
 def _check_plan(R_EDD: np.ndarray) -> np.ndarray:
@@ -160,6 +164,37 @@ def all_to_all_time(R_EDD: np.ndarray | DispatchTraffic, token_bytes: float, top
         node_out_N = np.add.reduceat(traffic.inter_out_D, offsets)
         t = max(t, max(node_in_N.max(), node_out_N.max()) * token_bytes / topology.inter_node_bw)
     return float(t)
+
+
+def replicas_pay(load_E: np.ndarray, owners_E: np.ndarray, added_X: np.ndarray, cost: "PlanCost") -> bool:
+    """Whether the replicas ΔP (flat ids ``e·D + d``) that Alg. 1 chose for the predicted loads ``load_E``
+    are worth their transfers: the modeled straggler compute they save (forward and backward, each
+    expert's load split evenly over its holders) must exceed the SpAG of their parameters plus the SpRS of
+    their gradients (`bottleneck_time` of the chunks each device receives and each node newly gets).
+
+    Alg. 1 replicates the top-t predicted experts whatever the loads; at even loads that only moves work
+    between devices and pays two transfers for it. O(E + D + |ΔP|), deterministic: every rank decides alike.
+    """
+    added_X = np.asarray(added_X, dtype=np.int64)
+    if not added_X.size:
+        return False
+    topology = cost.topology
+    D = topology.num_devices
+    load_E = np.asarray(load_E, dtype=np.float64)
+    owners_E = np.asarray(owners_E, dtype=np.int64)
+    e_X, d_X = added_X // D, added_X % D
+    share_E = load_E / (1 + np.bincount(e_X, minlength=load_E.size))
+    before_D = np.bincount(owners_E, weights=load_E, minlength=D)
+    after_D = np.bincount(owners_E, weights=share_E, minlength=D) + np.bincount(d_X, weights=share_E[e_X], minlength=D)
+    saving_s = COMPUTE_PASSES * (float(before_D.max()) - float(after_D.max())) * cost.time_per_token_s
+    node_D = topology.node_ids
+    entering_X = node_D[d_X] != node_D[owners_E[e_X]]
+    # A chunk enters each node without its owner once (then spreads inside the node), §3.3.
+    entries_N = np.bincount(np.unique(e_X[entering_X] * topology.num_nodes + node_D[d_X[entering_X]])
+                            % topology.num_nodes, minlength=topology.num_nodes)
+    recv_D = np.bincount(d_X, minlength=D)
+    transfer_s = TRANSFER_PASSES * bottleneck_time(recv_D * cost.expert_bytes, entries_N * cost.expert_bytes, topology)
+    return saving_s > transfer_s
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ from themis_compile.planner import (
     dispatch_device_load,
     materialize_pairs,
     own_row_entries,
+    replicas_pay,
 )
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
@@ -209,6 +210,7 @@ class FSSDPState:
     calibrate: bool
     timeout_s: float
     check_plans: bool
+    cost_benefit: bool = True     # replicas only where they pay (planner.cost.replicas_pay)
     budget_controller: Any = None         # applies profiled t, m (runtime/budgets.py)
     layers: list = field(default_factory=list)   # every FSSDP layer of the model (set by optimize)
     layer_order: list["FSSDPExperts"] = field(default_factory=list)
@@ -520,6 +522,8 @@ class FSSDPExperts(ShardedExperts):
             full_J, replicas_X = materialize_pairs(shard, load_E, self.overlap_degree,
                                                    self.materialization_budget, self.state.topology)
             added_X = _added_pairs(shard.owners(), full_J, replicas_X, self.world_size)
+            if self.state.cost_benefit and not replicas_pay(load_E, shard.owners(), added_X, self.cost):
+                full_J, added_X = full_J[:0], added_X[:0]       # replicas that cannot pay: none this step
             planned = _placement_of(shard, full_J, added_X)
         self._planned, self._planned_added = planned, added_X
         spag_ns = time.perf_counter_ns()
