@@ -68,6 +68,16 @@ def test_save_model_writes_what_from_pretrained_loads(ranks, family, dense_paral
         torch.testing.assert_close(exported[key], value, rtol=1e-4, atol=5e-4, msg=key)
 
 
+def _assert_same_weights(dense, owned, full_dense, full_owned) -> None:
+    """A resumed run's weights are the uninterrupted run's within 1e-6: every owned expert, every dense one."""
+    assert owned.keys() == full_owned.keys()
+    for key in owned:
+        for a, b in zip(owned[key], full_owned[key]):
+            assert (a - b).abs().max() <= 1e-6
+    for name in dense:
+        assert (dense[name] - full_dense[name]).abs().max() <= 1e-6, name
+
+
 @pytest.mark.parametrize("dense_parallel", ["fsdp2", "ddp"])
 def test_accelerate_load_state_continues_the_run(ranks, dense_parallel):
     """ThemisAccelerator.save_state after step 3, then load_state into a fresh optimized model: steps 4..6
@@ -78,12 +88,7 @@ def test_accelerate_load_state_continues_the_run(ranks, dense_parallel):
         assert len(losses) == len(full_losses) // 2
         for a, b in zip(losses + norms, full_losses[len(full_losses) // 2:] + full_norms[3:]):
             assert abs(a - b) <= 1e-6 * abs(b), (losses, full_losses)
-        assert owned.keys() == full_owned.keys()
-        for key in owned:
-            for a, b in zip(owned[key], full_owned[key]):
-                assert (a - b).abs().max() <= 1e-6
-        for name in dense:
-            assert (dense[name] - full_dense[name]).abs().max() <= 1e-6, name
+        _assert_same_weights(dense, owned, full_dense, full_owned)
 
 
 def test_resume_from_checkpoint_continues_the_run(ranks):
@@ -93,12 +98,7 @@ def test_resume_from_checkpoint_continues_the_run(ranks):
         assert len(losses) == 6        # micro-batches of steps 4..6
         for a, b in zip(losses, full_losses[6:]):
             assert abs(a - b) <= 1e-6 * abs(b), (losses, full_losses)
-        assert owned.keys() == full_owned.keys()
-        for key in owned:
-            for a, b in zip(owned[key], full_owned[key]):
-                assert (a - b).abs().max() <= 1e-6
-        for name in dense:
-            assert (dense[name] - full_dense[name]).abs().max() <= 1e-6, name
+        _assert_same_weights(dense, owned, full_dense, full_owned)
 
 
 def test_plain_trainer_refuses_an_optimized_model(ranks):

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import themis_compile
 from tests.passes import zoo_models as zoo
 from tests.passes.test_trial3 import ParallelListsMoE
-from tests.runtime.equivalence import assert_equivalent
+from tests.runtime.equivalence import assert_equivalent, global_losses
 
 H, FFN, E, K = zoo.H, zoo.FFN, zoo.E, zoo.K
 STEPS, BATCH, SEQ, LR = 6, 8, 8, 1e-2
@@ -109,6 +108,10 @@ def _model(style: str) -> zoo.ZooLM:
     return model
 
 
+def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    return model.loss(tokens)
+
+
 def _batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, zoo.VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
@@ -147,16 +150,7 @@ def _train(rank: int, world_size: int, style: str, policy: str):
     runtime = themis_compile.api.runtime_of(model)
     assert sorted(runtime.layers) == LAYERS
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    local = BATCH // world_size
-    losses = []
-    for tokens in _batches():
-        loss = model.loss(tokens[rank * local:(rank + 1) * local])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world_size)
+    losses = global_losses(model, opt, _batches(), _loss)
     delta_p = [sum(s.delta_p for s in runtime.stats if s.iteration == step) for step in range(STEPS)]
     owned = {(name, e): [t.detach().clone() for t in chunk]
              for name, experts in runtime.layers.items() for e, chunk in experts.local_chunks().items()}
@@ -281,32 +275,18 @@ def _checkpointed(rank: int, world_size: int, style: str, path: str):
                                                                                    **CONFIG), strict=True)
         return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def train(model, opt, steps, save=False):
-        local = BATCH // world_size
-        losses = []
-        for step, tokens in enumerate(_batches()):
-            if step not in steps:
-                continue
-            if save and step == SAVE_AT:
-                model_sd, optim_sd = get_state_dict(model, opt)
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-            loss = model.loss(tokens[rank * local:(rank + 1) * local])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t = loss.detach().clone()
-            dist.all_reduce(t)
-            losses.append(t.item() / world_size)
-        return losses
+    def save(model, opt):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
     model, opt = build()
-    full_losses = train(model, opt, range(STEPS), save=True)
+    full_losses = global_losses(model, opt, _batches(), _loss, save=save, save_at=SAVE_AT)
     full = full_state_dict(model)
     resumed, opt2 = build()
     model_sd, optim_sd = get_state_dict(resumed, opt2)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(resumed, opt2, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    losses = train(resumed, opt2, range(SAVE_AT, STEPS))
+    losses = global_losses(resumed, opt2, _batches(), _loss, SAVE_AT)
     return full_losses, losses, full, full_state_dict(resumed), sorted(model_sd)
 
 
