@@ -154,6 +154,11 @@ def _apply_workload(p: argparse.ArgumentParser | None, args: argparse.Namespace,
     """Set the skew options of ``workload`` (None: ``--skew`` as given)."""
     from themis_compile.bench.workloads import SYNTHETIC
 
+    def fail(message: str) -> None:
+        if p is None:
+            raise SystemExit(message)
+        p.error(message)
+
     args.workload, args.skew_workload = workload, None
     if workload == "paper":
         args.skew = "paper"
@@ -167,19 +172,13 @@ def _apply_workload(p: argparse.ArgumentParser | None, args: argparse.Namespace,
 
         args.skew_trace = args.skew.partition(":")[2] or DEFAULT_TRACE
         if not os.path.isfile(args.skew_trace):
-            message = (f"--skew {args.skew}: no routing trace at {args.skew_trace!r} (`make demo` writes "
-                       f"{DEFAULT_TRACE}; or pass trace:PATH)")
-            if p is None:
-                raise SystemExit(message)
-            p.error(message)
+            fail(f"--skew {args.skew}: no routing trace at {args.skew_trace!r} (`make demo` writes "
+                 f"{DEFAULT_TRACE}; or pass trace:PATH)")
     elif args.skew not in SKEWS and args.skew != "paper":
         try:
             float(args.skew)
         except ValueError:
-            message = f"--skew must be paper, {', '.join(SKEWS)}, trace[:PATH] or a number, got {args.skew!r}"
-            if p is None:
-                raise SystemExit(message) from None
-            p.error(message)
+            fail(f"--skew must be paper, {', '.join(SKEWS)}, trace[:PATH] or a number, got {args.skew!r}")
 
 
 def _build_model(args: argparse.Namespace, router_skew: float):
@@ -587,7 +586,7 @@ def _worker(args: argparse.Namespace) -> dict | None:
 
 
 def _config(args: argparse.Namespace) -> dict:
-    return {k: v for k, v in vars(args).items()}
+    return dict(vars(args))
 
 
 def _one_workload(args: argparse.Namespace, policies: list[str], rank: int, world: int) -> dict | None:
