@@ -46,5 +46,8 @@ def test_digest_is_stable_value():
     from themis_compile.planner import Placement
 
     p = Placement.contiguous(4, 2)
-    expected = hashlib.sha256(b"placement:4x2:" + np.packbits(p.mask).tobytes()).hexdigest()[:32]
+    assert p.is_sparse        # built from its owners: pairs only, until the mask is read
+    expected = hashlib.sha256(b"placement:4x2:" + np.flatnonzero(p.mask).astype("<i8").tobytes()).hexdigest()[:32]
     assert p.digest() == expected
+    # The same value whichever form holds the placement (pairs or the dense matrix).
+    assert Placement(p.mask).digest() == expected and not Placement(p.mask).is_sparse

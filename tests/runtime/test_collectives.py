@@ -292,16 +292,17 @@ def _run_batched(rank: int, world: int) -> list[dict]:
 
 
 def _run_missing_rank(rank: int, world: int) -> str:
-    """Rank 3 owns an expert everyone needs; it stays alive but never calls the collective. Rank 0 owns
-    another one, so the waiting ranks also exchange with a healthy peer in the same stage."""
+    """Rank 3 owns an expert everyone needs; it stays alive but never calls the collective. Every other
+    rank owns one too, so the waiting ranks also exchange with healthy peers in the same stage (and, the
+    owners alike, each gets a piece of rank 3's expert straight from it)."""
     store = dist.distributed_c10d._get_default_store()
     spec = [((4,), torch.float32)]
-    shard = Placement.from_owners([3, 0], world)
-    placement = Placement.full(2, world)
+    shard = Placement.from_owners([3, 0, 1, 2], world)
+    placement = Placement.full(4, world)
     if rank == 3:
         store.wait([f"timeout/{r}" for r in range(3)])
         return "absent"
-    chunks = {1: [torch.ones(4)]} if rank == 0 else {}
+    chunks = {rank + 1: [torch.ones(4)]}
     try:
         sparse_all_gather(chunks, shard, placement, spec=spec, layer="blocks.7.moe", timeout_s=2.0).wait()
         msg = "no error"

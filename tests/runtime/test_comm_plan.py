@@ -191,3 +191,42 @@ def test_plan_caches_are_keyed_by_content_and_bounded(monkeypatch) -> None:
     assert len(comm_plan._PLAN_CACHE) == 3
     assert comm_plan._PLAN_CACHE.get(comm_plan._plan_key(
         "SparseAllGather", *fresh([0, 1, 2, 3], (0, 0)), topo, [layout] * 4)) is None    # the oldest went
+
+
+@settings(max_examples=40, deadline=None)
+@given(_cases(), st.booleans())
+def test_a_ranks_own_plan_is_its_part_of_the_whole(case, per_expert_layouts) -> None:
+    """`rank_plan` plans one rank's groups alone; its schedule equals that rank's cut of the whole plan,
+    for SpAG and SpRS, stage count included, on every rank."""
+    topology, shard, placement, spec = case
+    layout = ChunkLayout.from_spec(spec)
+    layouts = [ChunkLayout.from_spec(SPECS[name]) for name in ("swiglu", "mixed", "empty") * 4][:shard.num_experts] \
+        if per_expert_layouts else layout
+    spag = plan_sparse_all_gather(shard, placement, topology, layouts)
+    sprs = plan_sparse_reduce_scatter(placement, shard, topology, layouts)
+    for rank in range(shard.num_devices):
+        for collective, whole in (("SparseAllGather", spag), ("SparseReduceScatter", sprs)):
+            mine = comm_plan.rank_plan(collective, shard, placement, topology, layouts, rank)
+            assert mine.schedule.posts == comm_plan.rank_schedule(whole, layouts, rank).posts
+            assert mine.schedule.first_stage_ranges == comm_plan.rank_schedule(whole, layouts, rank).first_stage_ranges
+            assert mine.num_stages == len(whole.stages)
+            assert mine.whole() is whole
+
+
+def test_a_ranks_own_plan_reads_no_dense_placement() -> None:
+    """At 1,024 ranks the plan of one rank is made from the pairs: neither placement builds its [E, D]
+    matrix, and the rank's schedule holds only its own peers."""
+    D, E = 1024, 4096
+    rng = np.random.default_rng(0)
+    owners = rng.integers(0, D, size=E)
+    shard = Placement.from_owners(owners, D)
+    added = np.unique(rng.integers(0, 64, size=2 * D) * D + rng.integers(0, D, size=2 * D))
+    added = added[added % D != owners[added // D]]
+    placement = Placement.from_pairs(np.union1d(shard.flat_ids(), added), E, D)
+    topology = Topology.uniform(D // 8, 8)
+    layout = ChunkLayout.from_spec(SPECS["swiglu"])
+    for collective in ("SparseAllGather", "SparseReduceScatter"):
+        plan = comm_plan.rank_plan(collective, shard, placement, topology, layout, 5)
+        peers = {peer for receives, sends in plan.schedule.posts.values() for peer, *_ in (*receives, *sends)}
+        assert 0 < len(peers) < 64
+    assert shard.is_sparse and placement.is_sparse

@@ -70,10 +70,14 @@ def fluid_device_load(placement: Placement, load_E: np.ndarray, topology: Topolo
     E, D = placement.shape
     if load_E.shape != (E,):
         raise ValueError(f"load must have shape [{E}], got {load_E.shape}")
-    mask_ED = placement.mask
     copies_E = placement.copy_counts()
     if ((copies_E == 0) & (load_E > 0)).any():
         raise ValueError("an expert with load has no holder in the placement")
+    if placement.is_sparse:
+        if topology is not None:
+            topology.validate(D)
+        return _fluid_load_of_pairs(placement.flat_ids(), copies_E, load_E, D, topology)
+    mask_ED = placement.mask
     safe_E = np.maximum(copies_E, 1)
     if topology is None or topology.num_nodes == 1:
         return (load_E / safe_E) @ mask_ED
@@ -87,6 +91,27 @@ def fluid_device_load(placement: Placement, load_E: np.ndarray, topology: Topolo
     uncovered_E = ((holders_EN == 0) * k_N).sum(axis=1)
     node_term_EN = np.divide(k_N, holders_EN, out=np.zeros(holders_EN.shape), where=holders_EN > 0)
     per_holder_P = node_term_EN[e_P, n_P] + (uncovered_E / safe_E)[e_P]
+    return np.bincount(d_P, weights=(load_E / D)[e_P] * per_holder_P, minlength=D)
+
+
+def _fluid_load_of_pairs(flat_X: np.ndarray, copies_E: np.ndarray, load_E: np.ndarray, D: int,
+                         topology: Topology | None) -> np.ndarray:
+    """`fluid_device_load` from the pairs (ascending flat ids), O(|P| + E) with no [E, D] or [E, N] array;
+    on several nodes the same floats as the dense form (the same terms, added in the same order)."""
+    e_P, d_P = np.divmod(flat_X, D)
+    safe_E = np.maximum(copies_E, 1)
+    if topology is None or topology.num_nodes == 1:
+        return np.bincount(d_P, weights=(load_E / safe_E)[e_P], minlength=D)
+    N = topology.num_nodes
+    k_N = topology.devices_per_node_f
+    n_P = topology.node_ids[d_P]
+    key_P = e_P * N + n_P                      # ascending: pairs by expert, then device, nodes are runs
+    first_G = np.flatnonzero(np.r_[True, key_P[1:] != key_P[:-1]]) if key_P.size else np.zeros(0, np.int64)
+    count_G = np.diff(np.r_[first_G, key_P.size])
+    holders_P = np.repeat(count_G, count_G)
+    covered_E = np.bincount(e_P[first_G], weights=k_N[n_P[first_G]], minlength=copies_E.size)
+    uncovered_E = float(D) - covered_E
+    per_holder_P = k_N[n_P] / holders_P + (uncovered_E / safe_E)[e_P]
     return np.bincount(d_P, weights=(load_E / D)[e_P] * per_holder_P, minlength=D)
 
 
@@ -129,11 +154,28 @@ def sparse_transfer_time(base: Placement, target: Placement, psi: float, topolog
     if not base.issubset(target):
         raise ValueError("transfer_time: the base placement is not a subset of the target placement")
     # What receive_counts and new_node_entries give, counted directly (one subset check, no
-    # intermediate placements).
-    recv_D = np.count_nonzero(target.mask & ~base.mask, axis=0)
-    if not recv_D.any():
-        return 0.0
-    entries_N = np.count_nonzero(target.node_mask(topology) & ~base.node_mask(topology), axis=0)
+    # intermediate placements); from the pairs where either placement is held as pairs.
+    D, N = target.num_devices, topology.num_nodes
+    if base.is_sparse or target.is_sparse:
+        expert_X, device_X = np.divmod(target.added_over(base), D)
+        if not expert_X.size:
+            return 0.0
+        recv_D = np.bincount(device_X, minlength=D)
+        if N == 1:
+            entries_N = np.zeros(1, dtype=np.int64)
+        else:   # (expert, node) keys ascend with the flat ids: nodes are runs of devices
+            base_e, base_d = np.divmod(base.flat_ids(), D)
+            keys_X = expert_X * N + topology.node_ids[device_X]
+            keys_X = keys_X[np.r_[True, keys_X[1:] != keys_X[:-1]]]
+            base_K = base_e * N + topology.node_ids[base_d]
+            at_X = np.minimum(np.searchsorted(base_K, keys_X), max(base_K.size - 1, 0))
+            new_X = keys_X if not base_K.size else keys_X[base_K[at_X] != keys_X]
+            entries_N = np.bincount(new_X % N, minlength=N)
+    else:
+        recv_D = np.count_nonzero(target.mask & ~base.mask, axis=0)
+        if not recv_D.any():
+            return 0.0
+        entries_N = np.count_nonzero(target.node_mask(topology) & ~base.node_mask(topology), axis=0)
     psi = float(psi)
     return bottleneck_time(recv_D * psi, entries_N * psi, topology, device_bw=device_bw,
                            inter_node_bw=inter_node_bw)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import numpy as np
 
@@ -369,7 +370,14 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
     E, D = shard.shape
     if not isinstance(materialized, Placement) or materialized.shape != shard.shape:
         raise ValueError("materialized must be a Placement with the shard's shape")
+    if _nothing_to_calibrate(shard, materialized, overlap_degree, materialization_budget):
+        return materialized
     core = compiled_core()
+    if core is not None and tokens_ED is None and (shard.is_sparse or materialized.is_sparse):
+        calibrated = _calibrate_pairs(core, shard, materialized, actual_load_E, overlap_degree,
+                                      materialization_budget, topology, cost)
+        if calibrated is not None:
+            return calibrated
     if core is not None and tokens_ED is not None:       # the core also checks P ⊆ P'
         calibrated = _calibrate_compiled(core, shard, materialized, actual_load_E, overlap_degree,
                                          materialization_budget, topology, cost, tokens_ED)
@@ -409,6 +417,88 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
     else:
         before_s = cost.fluid_compute_time(materialized, actual_load_E)
         after_s = cost.fluid_compute_time(merged, actual_load_E)
+    if before_s - after_s > extra_s and math.isfinite(extra_s):
+        logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
+        return merged
+    return materialized
+
+
+def _nothing_to_calibrate(shard: Placement, materialized: Placement, overlap_degree: Any,
+                          materialization_budget: Any) -> bool:
+    """Step 1's first exit, read from the pairs (O(E + |ΔP|), no [E, D] matrix): every device has used
+    its budget m, or the overlap degree t is spent. False where the inputs are for the checks below to
+    judge (bad counts, P ⊄ P')."""
+    if type(overlap_degree) is not int or type(materialization_budget) is not int or overlap_degree < 0 \
+            or materialization_budget < 0 or not shard.issubset(materialized):
+        return False
+    E, D = shard.shape
+    t = min(overlap_degree, E)
+    m = min(materialization_budget, t)
+    expert_X, device_X = np.divmod(materialized.added_over(shard), D)       # experts ascending
+    if t - (expert_X.size and 1 + np.count_nonzero(expert_X[1:] != expert_X[:-1])) < 0:
+        return True
+    return bool(np.count_nonzero(np.bincount(device_X, minlength=D) >= m) == D)
+
+
+def _calibrate_pairs(core, shard: Placement, materialized: Placement, actual_load_E: np.ndarray,
+                     overlap_degree: Any, materialization_budget: Any, topology: Topology,
+                     cost: PlanCost) -> Placement | None:
+    """`calibrate` with the fluid compute model (loads split over holders, `cost.fluid_device_load`) from
+    the pairs: O(|P'| + t·D) with the compiled core's l.8-11 run on the rows of the J ≤ t experts it may
+    extend, never an [E, D] matrix — the runtime's path (1,024 ranks: 4 MB per placement otherwise).
+    The same decisions as the numpy code below with ``tokens_ED=None``. None where that code must
+    judge instead (checks it makes, a `PlanCost` subclass)."""
+    if type(cost) is not PlanCost or type(overlap_degree) is not int or type(materialization_budget) is not int \
+            or overlap_degree < 0 or materialization_budget < 0 or not shard.issubset(materialized):
+        return None
+    try:
+        load_E = check_loads(actual_load_E, shard.num_experts, "actual_load_E")
+    except ValueError:
+        return None
+    E, D = shard.shape
+    t = min(overlap_degree, E)
+    m = min(materialization_budget, t)
+    expert_X, device_X = np.divmod(materialized.added_over(shard), D)
+    slots_D = np.maximum(m - np.bincount(device_X, minlength=D), 0).astype(np.int64)
+    replicated_E = np.zeros(E, dtype=np.bool_)
+    replicated_E[expert_X] = True
+    new_allowed = t - int(replicated_E.sum())
+    if not slots_D.any() or new_allowed < 0:
+        return materialized
+    order_E = np.argsort(-load_E, kind="stable")
+    eligible_E = replicated_E.copy()
+    eligible_E[order_E[~replicated_E[order_E]][:new_allowed]] = True
+    experts_J = order_E[eligible_E[order_E] & (load_E[order_E] > 0)]
+    if not experts_J.size:
+        return materialized
+    # l.8-11 on the J experts' rows alone: expert e of J is row j of mask_JD.
+    flat_P = materialized.flat_ids()
+    expert_P, device_P = np.divmod(flat_P, D)
+    row_E = np.full(E, -1, dtype=np.int64)
+    row_E[experts_J] = np.arange(experts_J.size)
+    pick_P = row_E[expert_P] >= 0
+    mask_JD = np.zeros((experts_J.size, D), dtype=np.bool_)
+    mask_JD[row_E[expert_P[pick_P]], device_P[pick_P]] = True
+    before_JD = mask_JD.copy()
+    copies_E = materialized.copy_counts()
+    copies_J = copies_E[experts_J].copy()
+    dev_load_D = np.ascontiguousarray(fluid_device_load(materialized, load_E, topology))
+    core.place_replicas(topology.core_layout, mask_JD, np.ascontiguousarray(load_E[experts_J], dtype=np.float64),
+                        np.arange(experts_J.size, dtype=np.int64), slots_D, copies_J, dev_load_D, None)
+    new_j, new_d = np.nonzero(mask_JD & ~before_JD)
+    if not new_j.size:
+        return materialized
+    merged_copies_E = copies_E.copy()
+    merged_copies_E[experts_J] = copies_J
+    merged_X = np.concatenate([flat_P, experts_J[new_j] * D + new_d])      # disjoint: new holders
+    merged_X.sort()
+    merged = Placement.from_pairs(merged_X, E, D, merged_copies_E)
+    # Step 2: adopt only when the gain pays for the extra critical-path transfer.
+    extra_s = cost.transfer_time(materialized, merged)
+    if extra_s > cost.calibration_budget_s:
+        return materialized
+    before_s = cost.fluid_compute_time(materialized, load_E)
+    after_s = cost.fluid_compute_time(merged, load_E)
     if before_s - after_s > extra_s and math.isfinite(extra_s):
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
         return merged

@@ -1,7 +1,12 @@
 """Chunk placements (§3.1): which devices hold which expert chunks of one MoE layer.
 
-A chunk placement P ⊆ C × D is stored as an E × D boolean matrix ``mask_ED``: ``mask_ED[e, d]`` is
-True when device d holds the chunk (parameters) of expert e. A *shard placement* gives every chunk
+A chunk placement P ⊆ C × D is an E × D boolean matrix ``mask_ED``: ``mask_ED[e, d]`` is True when
+device d holds the chunk (parameters) of expert e. It is held in one of two forms, the same value either
+way: the dense matrix, or its pairs as ascending flat ids ``e·D + d`` (`Placement.from_pairs`,
+`Placement.from_owners`). The runtime builds its placements from pairs — a shard placement has E, a
+materialized one E + |ΔP| — and what it asks of them (owners, holder counts, ΔP, subsets, digests) is
+answered from the pairs; the [E, D] matrix (4 MB at 1,024 ranks, 64 MB at 4,096) is built only when
+something reads `Placement.mask`. A *shard placement* gives every chunk
 exactly one owner (the device that keeps its optimizer state); an *ephemeral placement* P' ⊇ P adds
 replicas for one iteration, and ΔP = P' \\ P is exactly what SparseAllGather moves (Eq. 4).
 
@@ -35,7 +40,8 @@ class Placement:
         mask_ED: boolean-like array of shape [E, D]; copied and made read-only.
     """
 
-    __slots__ = ("_mask_ED", "_hash", "_digest", "_owners_E", "_is_shard", "_copies_E", "_node_masks")
+    __slots__ = ("_mask_ED", "_flat_X", "_shape", "_hash", "_digest", "_owners_E", "_is_shard", "_copies_E",
+                 "_node_masks", "_over")
 
     def __init__(self, mask_ED: np.ndarray) -> None:
         mask_ED = np.asarray(mask_ED)
@@ -49,13 +55,24 @@ class Placement:
             raise ValueError("a placement needs at least one device")
         mask_ED = np.array(mask_ED, dtype=np.bool_, order="C", copy=True)
         mask_ED.setflags(write=False)
-        self._mask_ED = mask_ED
+        self._init(mask_ED, None, mask_ED.shape, None)
+
+    def _init(self, mask_ED: np.ndarray | None, flat_X: np.ndarray | None, shape: tuple[int, int],
+              copies_E: np.ndarray | None) -> None:
+        self._mask_ED = mask_ED              # the dense form, or None until `mask` is read
+        self._flat_X = flat_X                # the pairs, ascending flat ids, or None until asked for
+        self._shape = (int(shape[0]), int(shape[1]))
         self._hash: int | None = None
         self._digest: str | None = None
         self._owners_E: np.ndarray | None = None
         self._is_shard: bool | None = None
-        self._copies_E: np.ndarray | None = None
+        if copies_E is not None:
+            copies_E.setflags(write=False)
+        self._copies_E = copies_E
         self._node_masks: dict[tuple[int, ...], np.ndarray] = {}     # per topology (node sizes)
+        # Per base placement (by digest): (base ⊆ self, ΔP's flat ids or None). A layer step asks both of
+        # P' and its shard several times (the SpAG and SpRS plans, their checks, calibration).
+        self._over: dict[str, tuple[bool, np.ndarray | None]] = {}
 
     @classmethod
     def adopt(cls, mask_ED: np.ndarray, copies_E: np.ndarray | None = None) -> Placement:
@@ -64,15 +81,25 @@ class Placement:
         ``copies_E``: its per-expert holder counts when the builder already knows them."""
         obj = cls.__new__(cls)
         mask_ED.setflags(write=False)
-        obj._mask_ED = mask_ED
-        obj._hash = None
-        obj._digest = None
-        obj._owners_E = None
-        obj._is_shard = None
-        if copies_E is not None:
-            copies_E.setflags(write=False)
-        obj._copies_E = copies_E
-        obj._node_masks = {}
+        obj._init(mask_ED, None, mask_ED.shape, copies_E)
+        return obj
+
+    @classmethod
+    def from_pairs(cls, flat_X: np.ndarray, num_experts: int, num_devices: int,
+                   copies_E: np.ndarray | None = None) -> Placement:
+        """The placement of the pairs ``flat_X`` (int64 flat ids ``e·D + d``, strictly ascending), held
+        sparse: no [E, D] matrix is built until `mask` is read. ``flat_X`` is taken over (made read-only)
+        and checked in O(|P|); ``copies_E``: its holder counts where the builder knows them."""
+        E, D = int(num_experts), int(num_devices)
+        if D < 1 or E < 0:
+            raise ValueError(f"need num_experts >= 0 and num_devices >= 1, got {E}, {D}")
+        flat_X = np.asarray(flat_X, dtype=np.int64).reshape(-1)
+        if flat_X.size and (flat_X[0] < 0 or flat_X[-1] >= E * D or (flat_X.size > 1 and
+                                                                      not (flat_X[1:] > flat_X[:-1]).all())):
+            raise ValueError(f"pairs must be strictly ascending flat ids in [0, {E * D})")
+        flat_X.setflags(write=False)
+        obj = cls.__new__(cls)
+        obj._init(None, flat_X, (E, D), copies_E)
         return obj
 
     # ----------------------------------------------------------------------------------- constructors
@@ -84,9 +111,14 @@ class Placement:
             raise ValueError(f"num_devices must be >= 1, got {num_devices}")
         if owners_E.size and (owners_E.min() < 0 or owners_E.max() >= num_devices):
             raise ValueError(f"owners must lie in [0, {num_devices}), got {owners_E.tolist()}")
-        mask_ED = np.zeros((owners_E.size, int(num_devices)), dtype=np.bool_)
-        mask_ED[np.arange(owners_E.size), owners_E] = True
-        return cls.adopt(mask_ED)
+        D = int(num_devices)
+        obj = cls.from_pairs(np.arange(owners_E.size, dtype=np.int64) * D + owners_E, owners_E.size, D,
+                             np.ones(owners_E.size, dtype=np.int64))
+        obj._is_shard = True
+        owners_E = owners_E.copy()
+        owners_E.setflags(write=False)
+        obj._owners_E = owners_E
+        return obj
 
     @classmethod
     def contiguous(cls, num_experts: int, num_devices: int) -> Placement:
@@ -106,7 +138,7 @@ class Placement:
     @classmethod
     def empty(cls, num_experts: int, num_devices: int) -> Placement:
         """The placement holding nothing."""
-        return cls.adopt(np.zeros((int(num_experts), int(num_devices)), dtype=np.bool_))
+        return cls.from_pairs(np.zeros(0, dtype=np.int64), num_experts, num_devices)
 
     @classmethod
     def full(cls, num_experts: int, num_devices: int) -> Placement:
@@ -116,23 +148,43 @@ class Placement:
     # ----------------------------------------------------------------------------------- basic views
     @property
     def mask(self) -> np.ndarray:
-        """[E, D] bool, read-only."""
+        """[E, D] bool, read-only (built on first use where the placement is held as pairs)."""
+        if self._mask_ED is None:
+            mask_ED = np.zeros(self._shape, dtype=np.bool_)
+            mask_ED.reshape(-1)[self._flat_X] = True
+            mask_ED.setflags(write=False)
+            self._mask_ED = mask_ED
         return self._mask_ED
 
     @property
+    def is_sparse(self) -> bool:
+        """True while the placement is held as pairs only (no [E, D] matrix built)."""
+        return self._mask_ED is None
+
+    def flat_ids(self) -> np.ndarray:
+        """[|P|] int64, read-only: the pairs as ascending flat ids ``e·D + d``."""
+        if self._flat_X is None:
+            flat_X = np.flatnonzero(self._mask_ED).astype(np.int64, copy=False)
+            flat_X.setflags(write=False)
+            self._flat_X = flat_X
+        return self._flat_X
+
+    @property
     def num_experts(self) -> int:
-        return self._mask_ED.shape[0]
+        return self._shape[0]
 
     @property
     def num_devices(self) -> int:
-        return self._mask_ED.shape[1]
+        return self._shape[1]
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self._mask_ED.shape  # type: ignore[return-value]
+        return self._shape
 
     def num_pairs(self) -> int:
         """|P|: the number of (chunk, device) pairs."""
+        if self._flat_X is not None:
+            return int(self._flat_X.size)
         return int(np.count_nonzero(self._mask_ED))
 
     def __len__(self) -> int:
@@ -145,13 +197,18 @@ class Placement:
     def copy_counts(self) -> np.ndarray:
         """[E] int64 holder counts, computed once and shared: read-only (`copies` gives a writable copy)."""
         if self._copies_E is None:
-            copies_E = self._mask_ED.sum(axis=1, dtype=np.int64)
+            if self._mask_ED is None:
+                copies_E = np.bincount(self._flat_X // self.num_devices, minlength=self.num_experts)
+            else:
+                copies_E = self._mask_ED.sum(axis=1, dtype=np.int64)
             copies_E.setflags(write=False)
             self._copies_E = copies_E
         return self._copies_E
 
     def slots(self) -> np.ndarray:
         """[D] int64: how many chunks each device holds."""
+        if self._mask_ED is None:
+            return np.bincount(self._flat_X % self.num_devices, minlength=self.num_devices)
         return self._mask_ED.sum(axis=0, dtype=np.int64)
 
     def is_shard_placement(self) -> bool:
@@ -175,17 +232,27 @@ class Placement:
         """[E] int64: the owner of every expert (read-only). ValueError unless a shard placement."""
         if self._owners_E is None:
             self.require_shard_placement()
-            owners_E = np.argmax(self._mask_ED, axis=1).astype(np.int64)
+            if self._mask_ED is None:      # one pair per expert, in expert order
+                owners_E = self._flat_X % self.num_devices
+            else:
+                owners_E = np.argmax(self._mask_ED, axis=1).astype(np.int64)
             owners_E.setflags(write=False)
             self._owners_E = owners_E
         return self._owners_E
 
     def holders(self, e: int) -> np.ndarray:
         """Sorted device ids holding expert ``e``."""
+        if self._mask_ED is None:
+            D = self.num_devices
+            lo, hi = np.searchsorted(self._flat_X, [e * D, (e + 1) * D])
+            return self._flat_X[lo:hi] - e * D
         return np.flatnonzero(self._mask_ED[e]).astype(np.int64)
 
     def experts_on(self, d: int) -> np.ndarray:
         """Sorted expert ids held by device ``d``."""
+        if self._mask_ED is None:
+            D = self.num_devices
+            return self._flat_X[self._flat_X % D == d] // D
         return np.flatnonzero(self._mask_ED[:, d]).astype(np.int64)
 
     def node_mask(self, topology: Topology) -> np.ndarray:
@@ -195,7 +262,10 @@ class Placement:
         cached = self._node_masks.get(key)
         if cached is None:
             E, D = self.shape
-            if topology.is_uniform and E:        # equal nodes: a reshape, no reduceat
+            if self._mask_ED is None:           # [E, N] from the pairs, no [E, D] matrix
+                cached = np.zeros((E, topology.num_nodes), dtype=np.bool_)
+                cached[self._flat_X // D, topology.node_ids[self._flat_X % D]] = True
+            elif topology.is_uniform and E:        # equal nodes: a reshape, no reduceat
                 cached = self._mask_ED.reshape(E, topology.num_nodes, D // topology.num_nodes).any(axis=2)
             else:
                 cached = np.logical_or.reduceat(self._mask_ED, topology.node_offsets[:-1], axis=1)
@@ -212,10 +282,44 @@ class Placement:
         if other.shape != self.shape:
             raise ValueError(f"placements have different shapes {self.shape} and {other.shape}")
 
+    def _both_dense(self, other: Placement) -> bool:
+        return self._mask_ED is not None and other._mask_ED is not None
+
     def issubset(self, other: Placement) -> bool:
         """P ⊆ other."""
         self._check_same_shape(other)
-        return not bool((self._mask_ED & ~other._mask_ED).any())
+        known = other._over.get(self.digest())
+        if known is not None:
+            return known[0]
+        if self._both_dense(other):
+            subset = not bool((self._mask_ED & ~other._mask_ED).any())
+        elif other._mask_ED is not None:
+            subset = bool(other._mask_ED.reshape(-1)[self.flat_ids()].all())
+        else:
+            subset = bool(_members(self.flat_ids(), other.flat_ids()).all())
+        other._remember(self, subset, None)
+        return subset
+
+    def _remember(self, base: Placement, subset: bool, added_X: np.ndarray | None) -> None:
+        if len(self._over) > 4:
+            self._over.clear()
+        self._over[base.digest()] = (subset, added_X)
+
+    def added_over(self, base: Placement) -> np.ndarray:
+        """ΔP = self \\ base as ascending flat ids, read from the pairs (no [E, D] matrix); ``base ⊆ self``
+        is not checked (`delta` checks it)."""
+        self._check_same_shape(base)
+        known = self._over.get(base.digest())
+        if known is not None and known[1] is not None:
+            return known[1]
+        if self._both_dense(base):
+            added_X = np.flatnonzero(self._mask_ED & ~base._mask_ED).astype(np.int64, copy=False)
+        else:
+            flat_X = self.flat_ids()
+            added_X = flat_X[~_members(flat_X, base.flat_ids())]
+        added_X.setflags(write=False)
+        self._remember(base, base.issubset(self), added_X)
+        return added_X
 
     def __le__(self, other: Placement) -> bool:
         return self.issubset(other)
@@ -226,7 +330,9 @@ class Placement:
     def union(self, other: Placement) -> Placement:
         """P ∪ other."""
         self._check_same_shape(other)
-        return Placement.adopt(self._mask_ED | other._mask_ED)
+        if self._both_dense(other):
+            return Placement.adopt(self._mask_ED | other._mask_ED)
+        return Placement.from_pairs(np.union1d(self.flat_ids(), other.flat_ids()), *self.shape)
 
     def __or__(self, other: Placement) -> Placement:
         return self.union(other)
@@ -238,7 +344,9 @@ class Placement:
         """
         if not base.issubset(self):
             raise ValueError("delta: the base placement is not a subset of this placement")
-        return Placement.adopt(self._mask_ED & ~base._mask_ED)
+        if self._both_dense(base):
+            return Placement.adopt(self._mask_ED & ~base._mask_ED)
+        return Placement.from_pairs(self.added_over(base), *self.shape)
 
     def receive_counts(self, base: Placement) -> np.ndarray:
         """[D] int64: chunks each device receives in SpAG(base, self) (= sends in SpRS(self, base))."""
@@ -255,21 +363,27 @@ class Placement:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Placement):
             return NotImplemented
-        return self.shape == other.shape and bool(np.array_equal(self._mask_ED, other._mask_ED))
+        if self is other:
+            return True
+        if self.shape != other.shape:
+            return False
+        if self._both_dense(other):
+            return bool(np.array_equal(self._mask_ED, other._mask_ED))
+        return self.num_pairs() == other.num_pairs() and bool(np.array_equal(self.flat_ids(), other.flat_ids()))
 
     def __hash__(self) -> int:
         if self._hash is None:
-            self._hash = hash((self.shape, np.packbits(self._mask_ED).tobytes()))
+            self._hash = hash((self.shape, self.digest()))
         return self._hash
 
     def digest(self) -> str:
-        """A stable hex digest of the placement (same on every rank and in every process). Cached: the mask
-        is immutable, and plan caches key on it several times per layer step (8 MB hashed each time at
-        4,096 ranks)."""
+        """A stable hex digest of the placement (same on every rank, in every process and for either form):
+        sha256 of the shape and the pairs' flat ids (little-endian int64). Cached: the placement is
+        immutable, and plan caches key on it several times per layer step."""
         if self._digest is None:
             h = hashlib.sha256()
             h.update(f"placement:{self.num_experts}x{self.num_devices}:".encode())
-            h.update(np.packbits(self._mask_ED, axis=None).tobytes())
+            h.update(self.flat_ids().astype("<i8", copy=False).tobytes())
             self._digest = h.hexdigest()[:32]
         return self._digest
 
@@ -279,4 +393,12 @@ class Placement:
 
     def to_text(self) -> str:
         """A small ASCII picture (rows = experts, columns = devices), for logs and inspection."""
-        return "\n".join("".join("#" if x else "." for x in row) for row in self._mask_ED)
+        return "\n".join("".join("#" if x else "." for x in row) for row in self.mask)
+
+
+def _members(flat_X: np.ndarray, sorted_Y: np.ndarray) -> np.ndarray:
+    """[X] bool: which of ``flat_X`` occur in the ascending ``sorted_Y``."""
+    if not sorted_Y.size:
+        return np.zeros(flat_X.size, dtype=np.bool_)
+    at_X = np.minimum(np.searchsorted(sorted_Y, flat_X), sorted_Y.size - 1)
+    return sorted_Y[at_X] == flat_X

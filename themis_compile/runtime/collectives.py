@@ -58,8 +58,9 @@ from themis_compile.cost_model.volume import SPAG, SPRS, CollectiveVolume
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
 from themis_compile.runtime.comm_plan import (
-    DIRECT, BoundedCache, ChunkLayout, ChunkSpec, CommPlan, RankSchedule, Run, Segment, Transfer, check_placements,
-    layout_of, plan_sparse_all_gather, plan_sparse_reduce_scatter, rank_schedule, require_placements,
+    DIRECT, BoundedCache, ChunkLayout, ChunkSpec, CommPlan, RankPlan, RankSchedule, Run, Segment, Transfer,
+    check_placements, layout_of, plan_sparse_all_gather, plan_sparse_reduce_scatter, rank_plan, rank_schedule,
+    require_placements,
 )
 
 logger = logging.getLogger(__name__)
@@ -193,19 +194,20 @@ class SparseCollectiveHandle:
     Attributes:
         collective: ``"SparseAllGather"`` or ``"SparseReduceScatter"``.
         layer: the layer name given at the call (for error messages and logs).
-        plan: the global `CommPlan` (the same on every rank).
+        plan: the global `CommPlan` (the same on every rank), built on first use: the collective runs this
+            rank's part (`comm_plan.rank_plan`) and never needs the whole.
         volume: the plan's global byte counts (`CollectiveVolume`): what every device sends and receives
             and what crosses node boundaries; equals ``cost_model.volume`` on the fixed side.
         sent_bytes, recv_bytes, inter_node_sent_bytes: what this rank actually put on / took off the wire
             (counted from the message buffers; final after ``wait()``).
     """
 
-    def __init__(self, collective: str, layer: str, plan: CommPlan, rank: int, timeout_s: float,
+    def __init__(self, collective: str, layer: str, plan: RankPlan, rank: int, timeout_s: float,
                  layout_known: bool = True) -> None:
         self.collective = collective
         self._layout_known = layout_known
         self.layer = layer
-        self.plan = plan
+        self._rank_plan = plan
         self.rank = rank
         self.timeout_s = float(timeout_s)
         self.sent_bytes = 0
@@ -224,6 +226,10 @@ class SparseCollectiveHandle:
             raise RuntimeError(f"{self._name()}: rank {self.rank} holds no chunk and got no spec, so it does "
                                f"not know the chunk layout; pass spec= to record global volumes here")
         return self.plan.volume()
+
+    @property
+    def plan(self) -> CommPlan:
+        return self._rank_plan.whole()
 
     def _name(self) -> str:
         return f"{self.collective} of layer {self.layer!r}" if self.layer else f"{self.collective}"
@@ -267,7 +273,7 @@ class SparseCollectiveHandle:
            unpacked), stage 1 of slice i — relaying overlaps the rest of stage 0;
         then the remaining receives, and last the sends (their buffers stay alive until then).
         """
-        num_stages, num_slices = len(self.plan.stages), self.plan.num_slices
+        num_stages, num_slices = schedule.num_stages, schedule.num_slices
         pending: list[_Pending] = []
 
         def post(stage: int, slice_: int) -> tuple[list, list]:
@@ -493,11 +499,16 @@ def _common(shard: Placement, placement: Placement, topology: Topology | None, g
     check_placements(shard, placement, topology)
     if shard.num_devices != world:
         raise ValueError(f"{what}: placements span {shard.num_devices} devices but the group has {world} ranks")
-    delta_ED = placement.mask & ~shard.mask
-    owners_E = tuple(int(o) for o in shard.owners())
-    local = _Local(owners_E, tuple(int(e) for e in np.flatnonzero(delta_ED[:, rank])),
-                   tuple(int(e) for e in np.flatnonzero(delta_ED.any(axis=1)) if owners_E[e] == rank),
-                   frozenset(int(e) for e in np.flatnonzero(placement.mask[:, rank])))
+    # From the pairs: O(E + |ΔP|), no [E, D] matrix.
+    D = shard.num_devices
+    owners = shard.owners()
+    expert_X, device_X = np.divmod(placement.added_over(shard), D)
+    replicated_E = expert_X[np.r_[True, expert_X[1:] != expert_X[:-1]]] if expert_X.size else expert_X
+    added_E = expert_X[device_X == rank]
+    owned_E = np.flatnonzero(owners == rank)
+    local = _Local(tuple(owners.tolist()), tuple(added_E.tolist()),
+                   tuple(replicated_E[owners[replicated_E] == rank].tolist()),
+                   frozenset(owned_E.tolist()) | frozenset(added_E.tolist()))
     _LOCAL_CACHE.put(key, local)
     return topology, rank, local
 
@@ -556,7 +567,7 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
         layouts = ChunkLayout.from_spec([])
     for e in sends_E:
         layout_of(layouts, e).check(chunks[e], f"{SPAG} of layer {layer!r}: chunk of expert {e}")
-    plan = plan_sparse_all_gather(shard, placement, topology, layouts)
+    plan = rank_plan(SPAG, shard, placement, topology, layouts, rank)
     handle = SpAGHandle(SPAG, layer, plan, rank, timeout_s, layout_known)
 
     # Step 1: destination tensors for every expert P' adds here (allocated now: zero-size ones are done).
@@ -572,7 +583,7 @@ def sparse_all_gather(chunks: Mapping[int, Sequence[torch.Tensor]], shard: Place
         else:
             dst = layout.empty(device)
         result[e] = dst
-    schedule = rank_schedule(plan, layouts, rank)
+    schedule = plan.schedule
     if not schedule.posts:
         handle._result = result
         handle._done.set()
@@ -604,8 +615,9 @@ def _launch(handle: SparseCollectiveHandle, group: Any, body: Callable[[], Any],
     """Run ``body`` (the rank's stages): on CPU tensors (gloo) on the group's background thread; on device
     tensors (NCCL) at once, batched and enqueued on the communicator's stream."""
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s: rank %d starts %d stage(s), %d message(s) globally", handle._name(), handle.rank,
-                     len(handle.plan.stages), handle.plan.num_messages())
+        schedule = handle._rank_plan.schedule
+        logger.debug("%s: rank %d starts %d stage(s), %d message(s) of its own", handle._name(), handle.rank,
+                     schedule.num_stages, sum(len(r) + len(s) for r, s in schedule.posts.values()))
     if device.type != "cpu":
         handle._nccl = True
         handle._run(body)                      # enqueued on the NCCL stream; the host does not block
@@ -662,14 +674,14 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
         layout.check(grads[e], f"{SPRS} of layer {layer!r}: gradient of expert {e}")
         if any(dt == torch.bool for dt in layout.dtypes):
             raise ValueError(f"{SPRS} of layer {layer!r}: cannot sum bool gradients of expert {e}")
-    plan = plan_sparse_reduce_scatter(placement, shard, topology, layouts)
+    plan = rank_plan(SPRS, shard, placement, topology, layouts, rank)
     handle = SpRSHandle(SPRS, layer, plan, rank, timeout_s, layout_known)
 
     # Owned experts without replicas are already complete.
     result: dict[int, list[torch.Tensor]] = {int(e): [t * scale for t in g] if scale != 1.0 else list(g)
                                               for e, g in grads.items()
                                               if owners_E[int(e)] == rank and int(e) not in owned_rep_E}
-    schedule = rank_schedule(plan, layouts, rank)
+    schedule = plan.schedule
     if not schedule.posts:
         for e in owned_rep_E:               # zero-size chunks: nothing to add
             result[e] = [g * scale if scale != 1.0 else g.clone() for g in grads[e]]
@@ -702,7 +714,7 @@ def sparse_reduce_scatter(grads: Mapping[int, Sequence[torch.Tensor]], placement
 
     def send_view(stage: int, key: tuple[int, int]) -> torch.Tensor:
         e, i = key
-        last = stage == len(plan.stages) - 1          # the gather to the owners sends partial sums
+        last = stage == schedule.num_stages - 1       # the gather to the owners sends partial sums
         return acc_bytes[e][i] if last and e in acc else src_bytes[e][i]
 
     def on_recv(run: Run, buf: torch.Tensor) -> None:

@@ -71,12 +71,8 @@ from themis_compile.planner import (
 )
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
-from themis_compile.runtime.comm_plan import (
-    ChunkLayout,
-    plan_sparse_all_gather,
-    plan_sparse_reduce_scatter,
-    rank_schedule,
-)
+from themis_compile.cost_model.volume import SPAG, SPRS
+from themis_compile.runtime.comm_plan import ChunkLayout, rank_plan
 from themis_compile.runtime.ep import ShardedExperts, uniform_ids
 from themis_compile.runtime.exchange import dispatch_compute_combine, exchange_held_counts
 from themis_compile.runtime.experts import ExpertBank
@@ -328,10 +324,8 @@ def _placement_of(shard: Placement, full_J: np.ndarray, added_X: np.ndarray) -> 
     """P' = shard ∪ ΔP as the Placement the sparse collectives take."""
     if not added_X.size:
         return shard
-    mask_ED = shard.mask.copy()
-    mask_ED.reshape(-1)[added_X] = True
     copies_E = np.bincount(added_X // shard.num_devices, minlength=shard.num_experts) + 1
-    return Placement.adopt(mask_ED, copies_E)
+    return Placement.from_pairs(np.sort(np.concatenate([shard.flat_ids(), added_X])), *shard.shape, copies_E)
 
 
 @dataclass(eq=False)
@@ -541,10 +535,8 @@ class FSSDPExperts(ShardedExperts):
         if placement is self.shard_placement:
             return
         layout = ChunkLayout.from_spec(self.bank.spec)
-        topology = self.state.topology
-        rank_schedule(plan_sparse_all_gather(self.shard_placement, placement, topology, layout), layout, self.rank)
-        rank_schedule(plan_sparse_reduce_scatter(placement, self.shard_placement, topology, layout), layout,
-                      self.rank)
+        for collective in (SPAG, SPRS):
+            rank_plan(collective, self.shard_placement, placement, self.state.topology, layout, self.rank)
 
     def _gather(self, placement: Placement, out=None):
         chunks = {e: [p.detach() for p in c] for e, c in self.local_chunks().items()}
@@ -651,19 +643,18 @@ class FSSDPExperts(ShardedExperts):
         start_ns = time.perf_counter_ns()
         if self.state.calibrate:
             with record_function("themis::calibrate"):
-                # The compute model is Alg. 3 on T: the whole T under full_stats, else every source with an
-                # equal share of each expert's tokens (a zero-stride [E, D] view of load_E // D, no copy).
-                model_ED = tokens_ED if tokens_ED is not None else \
-                    np.broadcast_to((load_E // self.world_size)[:, None], (self.num_experts, self.world_size))
+                # The compute model is Alg. 3 on T under full_stats, else the fluid model (every source with
+                # an equal share of each expert's tokens, split over its holders), from the pairs: no [E, D].
                 merged = calibrate(self.shard_placement, placement, load_E, self.overlap_degree,
-                                   self.materialization_budget, self.state.topology, self.cost, model_ED)
+                                   self.materialization_budget, self.state.topology, self.cost, tokens_ED)
             if merged != placement:
                 placement, calibrated = merged, True
-                added_X = np.flatnonzero(merged.mask & ~self.shard_placement.mask)
+                added_X = merged.added_over(self.shard_placement)
                 self._plan_collectives(merged)
                 self.plan_ns += time.perf_counter_ns() - start_ns
                 # Gather exactly the pairs calibration adds: SpAG(P, P ∪ (P'' \ P')).
-                extra = Placement(self.shard_placement.mask | (merged.mask & ~self._planned.mask))
+                extra = self.shard_placement.union(Placement.from_pairs(merged.added_over(self._planned),
+                                                                        *merged.shape))
                 with record_function("themis::spag_calibration"):
                     replicas.update(self._gather(extra).wait())
                 start_ns = time.perf_counter_ns()
@@ -829,8 +820,13 @@ class FSSDPExperts(ShardedExperts):
             trainable_E = [[] if load_E[e] == 0 else t for e, t in enumerate(trainable_E)]
         spec: Any = self.bank.spec
         if any(len(t) < n for t in trainable_E):
-            frozen_whole_E = np.array([not t for t in trainable_E])[:, None]
-            placement = Placement(np.where(frozen_whole_E, self.shard_placement.mask, placement.mask))
+            # Experts frozen whole keep only their owner's pair (from the pairs: no [E, D] matrix).
+            frozen_whole_E = np.array([not t for t in trainable_E], dtype=np.bool_)
+            D = self.world_size
+            flat_X = placement.flat_ids()
+            expert_X = flat_X // D
+            keep_X = ~frozen_whole_E[expert_X] | (flat_X % D == self.shard_placement.owners()[expert_X])
+            placement = Placement.from_pairs(flat_X[keep_X], *placement.shape)
             spec = {e: [self.bank.spec[i] for i in t] for e, t in enumerate(trainable_E)}
         experts = sorted(e for e in held if trainable_E[e])
         if not experts:
