@@ -183,7 +183,8 @@ def _initial_state_of_unstepped_experts(runtime: ThemisRuntime, optimizer: torch
 # ---------------------------------------------------------------------------------- the runtime's state
 def runtime_state_dict(model: nn.Module) -> dict[str, Any]:
     """What a resumed run needs to continue exactly (plain Python values, the same on every rank): per
-    FSSDP layer its iteration counter, load-predictor window (oldest first) and shard placement [E][D];
+    FSSDP layer its iteration counter, load-predictor window (oldest first) and shard placement as its
+    owners [E] (checkpoints written before kept the [E][D] matrix as ``shard_placement``; both load);
     the re-sharding schedule; the world size and policy they belong to."""
     runtime = _runtime(model)
     layers = {}
@@ -192,7 +193,7 @@ def runtime_state_dict(model: nn.Module) -> dict[str, Any]:
             layers[name] = {
                 "iteration": int(layer.iteration),
                 "load_history": layer.predictor.history(0).tolist(),
-                "shard_placement": layer.shard_placement.mask.astype(int).tolist(),
+                "shard_owners": layer.shard_placement.owners().tolist(),
             }
     scheduler = runtime.reshard_scheduler
     return {"world_size": runtime.world_size, "policy": runtime.config.policy, "layers": layers,
@@ -224,7 +225,7 @@ def load_runtime_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer 
             layer.predictor.update(0, np.asarray(load_E, dtype=np.float64))
         layer.iteration = int(saved["iteration"])
         if same_world:
-            shard = Placement(np.asarray(saved["shard_placement"], dtype=bool))
+            shard = _saved_shard(saved, layer.shard_placement.shape)
             if shard.shape != layer.shard_placement.shape or not shard.is_shard_placement():
                 raise ValueError(f"MoE layer {name!r}: the checkpoint's shard placement {shard.shape} does not "
                                  f"fit this layer ({layer.shard_placement.shape})")
@@ -260,6 +261,18 @@ class _StackedLayer:
     def zero_rows_fqn(self, name: str) -> str:
         # This rank's zero-expert rows of weight ``name`` (runtime.experts.ZeroExpertRows).
         return f"{self.prefix}.{ZERO_ROWS_CHILD}.{name.replace('.', '__')}"
+
+
+def _saved_shard(saved: dict[str, Any], shape: tuple[int, int]) -> Placement:
+    """The shard placement a runtime state dict saved: its owners, or the [E][D] matrix of older ones."""
+    if "shard_owners" in saved:
+        owners_E = np.asarray(saved["shard_owners"], dtype=np.int64)
+        if owners_E.ndim != 1 or owners_E.size != shape[0] or (
+                owners_E.size and (owners_E.min() < 0 or owners_E.max() >= shape[1])):
+            raise ValueError(f"the checkpoint's shard owners {owners_E.shape} do not fit a layer of {shape[0]} "
+                             f"experts on {shape[1]} ranks")
+        return Placement.from_owners(owners_E, shape[1])
+    return Placement(np.asarray(saved["shard_placement"], dtype=bool))
 
 
 def _stacked_layers(model: nn.Module, runtime: ThemisRuntime) -> list[_StackedLayer]:

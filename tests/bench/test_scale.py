@@ -1,6 +1,7 @@
 """`bench scale` at small sizes: one rank of N on the fake process group trains with host memory flat
-over 1,000 steps, statistics bounded in bytes, and no dense [E, D, D] Alg. 3 plan anywhere in the training
-path (the planner's dense entry point raises if called)."""
+over 1,000 steps, statistics bounded in bytes, no dense [E, D, D] Alg. 3 plan anywhere in the training
+path (the planner's dense entry point raises if called), and no [E, D] placement matrix in the layer
+steps (placements are held as pairs; `Placement.mask` is counted while the steps run)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,44 @@ def dense(*args, **kwargs):
 for module in (planner, dispatch):
     module.topology_aware_dispatch = dense
 
+import themis_compile.runtime.fssdp as fssdp
+from themis_compile.planner.placement import Placement
+
+# Count [E, D] matrices built from pairs inside layer steps (forward to backward's reductions).
+built = {"in_steps": 0}
+in_step = [0]          # depth: start_materialization also runs inside forward
+lazy_mask = Placement.mask.fget
+
+def mask(self):
+    if self.is_sparse and in_step[0] > 0:
+        built["in_steps"] += 1
+    return lazy_mask(self)
+
+Placement.mask = property(mask)
+forward = fssdp.FSSDPExperts.forward
+
+def counted_forward(self, *args, **kwargs):
+    in_step[0] += 1
+    try:
+        return forward(self, *args, **kwargs)
+    finally:
+        in_step[0] -= 1
+
+fssdp.FSSDPExperts.forward = counted_forward
+start = fssdp.FSSDPExperts.start_materialization
+
+def counted_start(self, *args, **kwargs):
+    in_step[0] += 1
+    try:
+        return start(self, *args, **kwargs)
+    finally:
+        in_step[0] -= 1
+
+fssdp.FSSDPExperts.start_materialization = counted_start
+
 from themis_compile.bench.scale import run_one
 ranks, experts, steps, cap = (int(a) for a in sys.argv[1:5])
-print(json.dumps(run_one(ranks, experts, 8, steps, 1, 0, stats_max_bytes=cap)))
+print(json.dumps({**run_one(ranks, experts, 8, steps, 1, 0, stats_max_bytes=cap), **built}))
 """
 
 
@@ -49,3 +85,4 @@ def test_flat_memory_and_sparse_plans(ranks, experts, steps):
     # O(E) counts per layer step: far below the [N, 2E + 2] all-gather once N is large.
     assert record["metadata_bytes_per_layer_step"] < 8 * (2 * experts + 2) * 4 + 8 * experts * 4 + 64 * ranks
     assert record["plan_us_median"] > 0 and record["reshard_s"] >= 0
+    assert record["in_steps"] == 0, "a layer step built an [E, D] placement matrix"

@@ -36,3 +36,17 @@ def test_pairs_path_decides_as_the_dense_code(seed, D, dpn, E, t, m) -> None:
     dense = calibrate(Placement(shard.mask), Placement(planned.mask), actual, t, m, topology, cost)
     assert sparse == dense
     assert (sparse is planned) == (dense.digest() == planned.digest())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_top_experts_by_partition_select_as_a_stable_sort(seed) -> None:
+    from themis_compile.planner.materialize import _by_load, _top_experts_fast
+
+    rng = np.random.default_rng(seed)
+    E = int(rng.integers(1, 40))
+    load = rng.integers(0, 5, size=E).astype(np.float64)          # many ties
+    for k in range(E + 2):
+        expected = np.argsort(-load, kind="stable")[:k]
+        got = _top_experts_fast(load, k)
+        assert got.tolist() == sorted(expected.tolist())
+        assert _by_load(got, load).tolist() == expected.tolist()

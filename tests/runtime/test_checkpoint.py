@@ -365,3 +365,16 @@ def _entries(model_sd: dict, optim_sd: dict) -> dict[str, tuple]:
     out.update({f"optim.{k}": _shape(v) if torch.is_tensor(v) or hasattr(v, "local_shards") else v
                 for k, v in optim_sd.items() if k != RUNTIME_STATE_KEY})
     return out
+
+
+def test_runtime_state_keeps_owners_and_reads_the_older_matrix() -> None:
+    """The runtime state saves each layer's shard placement as its owners [E] (an [E][D] matrix is 4M
+    entries at 1,024 ranks); a state written with the matrix still loads to the same placement."""
+    from themis_compile.checkpoint import _saved_shard
+    from themis_compile.planner import Placement
+
+    shard = Placement.from_owners([2, 0, 1, 1], 3)
+    assert _saved_shard({"shard_owners": shard.owners().tolist()}, (4, 3)) == shard
+    assert _saved_shard({"shard_placement": shard.mask.astype(int).tolist()}, (4, 3)) == shard
+    with pytest.raises(ValueError, match="do not fit"):
+        _saved_shard({"shard_owners": [0, 1, 5, 0]}, (4, 3))

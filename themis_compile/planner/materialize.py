@@ -370,10 +370,11 @@ def calibrate(shard: Placement, materialized: Placement, actual_load_E: np.ndarr
     E, D = shard.shape
     if not isinstance(materialized, Placement) or materialized.shape != shard.shape:
         raise ValueError("materialized must be a Placement with the shard's shape")
-    if _nothing_to_calibrate(shard, materialized, overlap_degree, materialization_budget):
-        return materialized
     core = compiled_core()
-    if core is not None and tokens_ED is None and (shard.is_sparse or materialized.is_sparse):
+    if core is None or tokens_ED is not None or not (shard.is_sparse or materialized.is_sparse):
+        if _nothing_to_calibrate(shard, materialized, overlap_degree, materialization_budget):
+            return materialized
+    else:
         calibrated = _calibrate_pairs(core, shard, materialized, actual_load_E, overlap_degree,
                                       materialization_budget, topology, cost)
         if calibrated is not None:
@@ -465,10 +466,9 @@ def _calibrate_pairs(core, shard: Placement, materialized: Placement, actual_loa
     new_allowed = t - int(replicated_E.sum())
     if not slots_D.any() or new_allowed < 0:
         return materialized
-    order_E = np.argsort(-load_E, kind="stable")
-    eligible_E = replicated_E.copy()
-    eligible_E[order_E[~replicated_E[order_E]][:new_allowed]] = True
-    experts_J = order_E[eligible_E[order_E] & (load_E[order_E] > 0)]
+    experts_J = _by_load(np.union1d(np.flatnonzero(replicated_E),
+                                    _top_experts_fast(np.where(replicated_E, -1.0, load_E), new_allowed)), load_E)
+    experts_J = experts_J[load_E[experts_J] > 0]
     if not experts_J.size:
         return materialized
     # l.8-11 on the J experts' rows alone: expert e of J is row j of mask_JD.
@@ -482,7 +482,8 @@ def _calibrate_pairs(core, shard: Placement, materialized: Placement, actual_loa
     before_JD = mask_JD.copy()
     copies_E = materialized.copy_counts()
     copies_J = copies_E[experts_J].copy()
-    dev_load_D = np.ascontiguousarray(fluid_device_load(materialized, load_E, topology))
+    before_D = fluid_device_load(materialized, load_E, topology)
+    dev_load_D = before_D.copy()
     core.place_replicas(topology.core_layout, mask_JD, np.ascontiguousarray(load_E[experts_J], dtype=np.float64),
                         np.arange(experts_J.size, dtype=np.int64), slots_D, copies_J, dev_load_D, None)
     new_j, new_d = np.nonzero(mask_JD & ~before_JD)
@@ -497,12 +498,33 @@ def _calibrate_pairs(core, shard: Placement, materialized: Placement, actual_loa
     extra_s = cost.transfer_time(materialized, merged)
     if extra_s > cost.calibration_budget_s:
         return materialized
-    before_s = cost.fluid_compute_time(materialized, load_E)
+    same = cost.topology is topology
+    before_s = straggler_time(before_D, cost.time_per_token_s) if same else \
+        cost.fluid_compute_time(materialized, load_E)
     after_s = cost.fluid_compute_time(merged, load_E)
     if before_s - after_s > extra_s and math.isfinite(extra_s):
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
         return merged
     return materialized
+
+
+def _by_load(experts: np.ndarray, load_E: np.ndarray) -> np.ndarray:
+    """``experts`` by load descending, ties by lower id (the order of a stable argsort of -load)."""
+    return experts[np.lexsort((experts, -load_E[experts]))]
+
+
+def _top_experts_fast(load_E: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest loads (ties by lower id), as ``argsort(-load, stable)[:k]`` selects them,
+    in O(E) (a partition, then a sort of the k): ascending ids, not in load order."""
+    E = load_E.size
+    if k <= 0 or E == 0:
+        return np.zeros(0, dtype=np.int64)
+    if k >= E:
+        return np.arange(E, dtype=np.int64)
+    kth = np.partition(load_E, E - k)[E - k]          # the k-th largest value
+    above = np.flatnonzero(load_E > kth)
+    at = np.flatnonzero(load_E == kth)[:k - above.size]   # ties at the boundary: lower ids first
+    return np.sort(np.concatenate([above, at]))
 
 
 def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_load_E: np.ndarray,

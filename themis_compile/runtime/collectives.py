@@ -473,7 +473,7 @@ class _Local:
         holds_E: experts this rank holds in P'.
     """
 
-    owners_E: tuple[int, ...]
+    owners_E: np.ndarray         # read-only (the shard placement's own array: cached entries stay small)
     added_E: tuple[int, ...]
     replicated_E: tuple[int, ...]
     holds_E: frozenset[int]
@@ -506,7 +506,7 @@ def _common(shard: Placement, placement: Placement, topology: Topology | None, g
     replicated_E = expert_X[np.r_[True, expert_X[1:] != expert_X[:-1]]] if expert_X.size else expert_X
     added_E = expert_X[device_X == rank]
     owned_E = np.flatnonzero(owners == rank)
-    local = _Local(tuple(owners.tolist()), tuple(added_E.tolist()),
+    local = _Local(owners, tuple(added_E.tolist()),
                    tuple(replicated_E[owners[replicated_E] == rank].tolist()),
                    frozenset(owned_E.tolist()) | frozenset(added_E.tolist()))
     _LOCAL_CACHE.put(key, local)

@@ -424,9 +424,17 @@ class _Groups:
                               if d2 != d and (rank is None or rank in (d, d2)))      # all-gather inside it
 
 
+_GROUPS_CACHE = None     # the BoundedCache below: SpAG and SpRS of a layer step share their groups
+
+
 def _groups_of(shard: Placement, placement: Placement, topology: Topology,
                layout_E: ChunkLayout | Sequence[ChunkLayout]) -> _Groups:
-    return _Groups(shard.owners(), placement.added_over(shard), topology.node_ids, layout_E)
+    key = _plan_key("groups", shard, placement, topology, layout_E)
+    groups = _GROUPS_CACHE.get(key)
+    if groups is None:
+        groups = _Groups(shard.owners(), placement.added_over(shard), topology.node_ids, layout_E)
+        _GROUPS_CACHE.put(key, groups)
+    return groups
 
 
 def _check_layouts(layouts: ChunkLayout | Sequence[ChunkLayout], num_experts: int) -> ChunkLayout | list[ChunkLayout]:
@@ -613,6 +621,7 @@ class RankPlan:
 
 
 _RANK_PLAN_CACHE = BoundedCache(_PLAN_CACHE_SIZE)
+_GROUPS_CACHE = BoundedCache(16)
 
 
 def rank_plan(collective: str, shard: Placement, placement: Placement, topology: Topology,

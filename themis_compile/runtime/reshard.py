@@ -114,7 +114,7 @@ def _move_layer(layer: Any, new_shard: Placement, optimizer: torch.optim.Optimiz
         extra = [optimizer.state[p][k].detach().to(p.device)
                  for p, per_param in zip(params, layouts[e]["state"]) for (k, _, _, _) in per_param]
         chunks[e] = [p.detach() for p in params] + extra
-    target = Placement(old_shard.mask | new_shard.mask)
+    target = old_shard.union(new_shard)
     received = sparse_all_gather(chunks, old_shard, target, state.topology, state.comm_group,
                                  spec=spec, layer=layer.layer, timeout_s=state.timeout_s).wait()
 
