@@ -328,13 +328,34 @@ def _placement_of(shard: Placement, full_J: np.ndarray, added_X: np.ndarray) -> 
     return Placement.from_pairs(np.sort(np.concatenate([shard.flat_ids(), added_X])), *shard.shape, copies_E)
 
 
+@dataclass(frozen=True, eq=False)
+class _Trainable:
+    """Per expert, the indices of its trainable chunk tensors: all ``n`` but for the experts in
+    ``partial`` (some frozen, or none where the experts module skips experts without tokens). Built in
+    O(E) numpy and O(experts with frozen tensors) Python: the common case, nothing frozen, is one list."""
+
+    full: list[int]
+    partial: dict[int, list[int]]
+
+    @classmethod
+    def of(cls, frozen_E: list[int], empty_E: np.ndarray | None, n: int) -> "_Trainable":
+        frozen = np.asarray(frozen_E, dtype=np.int64)
+        special = np.flatnonzero(frozen != 0 if empty_E is None else (frozen != 0) | empty_E).tolist()
+        partial = {e: [] if empty_E is not None and empty_E[e] else
+                   [i for i in range(n) if not frozen_E[e] >> i & 1] for e in special}
+        return cls(list(range(n)), {e: t for e, t in partial.items() if len(t) < n})
+
+    def __getitem__(self, e: int) -> list[int]:
+        return self.partial.get(e, self.full)
+
+
 @dataclass(eq=False)
 class _TrainableReduction:
     """A started SpRS of the trainable tensors only; ``wait()`` -> {owned expert: [gradient or None]} with
     one entry per chunk tensor, None where the tensor is frozen."""
 
     handle: Any
-    trainable_E: list[list[int]]     # per expert: indices of its trainable chunk tensors
+    trainable_E: _Trainable          # per expert: indices of its trainable chunk tensors
     owned: list[int]
     num_tensors: int
 
@@ -815,19 +836,18 @@ class FSSDPExperts(ShardedExperts):
         # replica in the SpRS, nothing accumulated on the owner), so its .grad stays None unless another
         # forward before the optimizer step (gradient accumulation) routed tokens to it.
         n = len(self.bank.spec)
-        trainable_E = [[i for i in range(n) if not frozen >> i & 1] for frozen in self._frozen_E]
-        if self.skips_empty_experts:
-            trainable_E = [[] if load_E[e] == 0 else t for e, t in enumerate(trainable_E)]
+        trainable_E = _Trainable.of(self._frozen_E, load_E == 0 if self.skips_empty_experts else None, n)
         spec: Any = self.bank.spec
-        if any(len(t) < n for t in trainable_E):
+        if trainable_E.partial:
             # Experts frozen whole keep only their owner's pair (from the pairs: no [E, D] matrix).
-            frozen_whole_E = np.array([not t for t in trainable_E], dtype=np.bool_)
+            frozen_whole_E = np.zeros(self.num_experts, dtype=np.bool_)
+            frozen_whole_E[[e for e, t in trainable_E.partial.items() if not t]] = True
             D = self.world_size
             flat_X = placement.flat_ids()
             expert_X = flat_X // D
             keep_X = ~frozen_whole_E[expert_X] | (flat_X % D == self.shard_placement.owners()[expert_X])
             placement = Placement.from_pairs(flat_X[keep_X], *placement.shape)
-            spec = {e: [self.bank.spec[i] for i in t] for e, t in enumerate(trainable_E)}
+            spec = {e: [self.bank.spec[i] for i in trainable_E[e]] for e in range(self.num_experts)}
         experts = sorted(e for e in held if trainable_E[e])
         if not experts:
             return        # holds nothing trainable: this rank has no part in this layer's SpRS
