@@ -104,6 +104,9 @@ from themis_compile.passes.fx_graph import (TensorMeta, TracedBlock, ancestors, 
                                             trace_block_with_method_leaves, variable_selection_reason)
 from themis_compile.passes.joined import (JoinedPlan, describe_between, free_attribute, record_between,
                                           row_mixing_reason)
+from themis_compile.passes.own_weights import (OwnWeightsPlan, ServedOwnWeightsExperts, apply_own_weights,
+                                               own_stacked_weights, own_weights_region, region_module,
+                                               replace_region)
 from themis_compile.passes.parallel_lists import apply_parallel_lists, parallel_lists_plan
 from themis_compile.passes.probe import (ExampleInputs, ExpertsStandIn, NOT_CALLED, PROBE_SEED, preserved_state,
                                          probe_input, record_inputs, recorded_call, recorded_inputs, run_probe)
@@ -663,6 +666,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         return found
     if reject is not None:
         raise reject
+    if (found := _own_weights_layer(name, module)) is not None:
+        return found
     if (why := inline_expert_weights_reason(module)) is not None:
         raise _Reject(why)
     if (found := _parallel_lists_layer(name, module)) is not None:
@@ -670,6 +675,86 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     if (why := parallel_expert_lists_reason(module)) is not None:
         raise _Reject(why)
     return None
+
+
+def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """The layer of a block (an MoE block or a whole decoder layer) that holds its experts as stacked
+    ``[E, ...]`` parameters of its own and applies them inline (:mod:`themis_compile.passes.own_weights`):
+    the code applying them, read off its FX graph, moves with them into an experts child called per slot or
+    per row (``rewrite == "own-weights"``). None when the block holds no such weights or does not run on
+    probe hidden states; raises _Reject naming the step that failed when it holds them next to a router
+    of their width and selects on a probe."""
+    found = own_stacked_weights(module)
+    if found is None:
+        return None
+    router_name, E, H, names = found
+    try:
+        x = probe_input(module, H)
+        rec = record_calls(module, x)
+    except Exception:  # noqa: BLE001 - not a block run on hidden states
+        return None
+    if not (rec.ks or rec.top1):
+        return None
+    shapes = ", ".join(f"{n} {list(module._parameters[n].shape)}" for n in names)
+    head = (f"its expert weights are stacked parameters of the block itself ({shapes}, {E} experts scored by "
+            f"'{router_name}')")
+    attr = free_attribute(module)
+    forwards, constants, parts = {}, {}, None
+    for training in (True, False):
+        try:
+            traced = trace_block(module, nn.Module(), training=training)
+            record_meta(traced, module, x)
+        except Exception as exc:  # noqa: BLE001 - FX stops at data-dependent code (int(counts.max()))
+            raise _Reject(f"{head}; step 1 (trace the forward to find the code applying them) failed: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+        region, why = own_weights_region(traced, names, H)
+        if region is None:
+            raise _Reject(f"{head}; step 2 (find the code applying them, from the selected ids to one value per "
+                          f"token and slot) failed: {why}")
+        nodes, inputs, y, form = region
+        region_gm = region_module(traced, nodes, inputs, y)
+        if parts is not None and (region_gm.code != parts[0].code or form != parts[1]):
+            raise _Reject(f"{head}; step 2 failed: the code applying them differs between train and eval mode")
+        parts = parts or (region_gm, form, traced.meta[y].shape, traced.meta[inputs[1]].shape)
+        gm = replace_region(traced, nodes, inputs, y, attr)
+        forwards[training] = type(gm).forward
+        for n in gm.graph.nodes:
+            owner, _, leaf = n.target.rpartition(".") if n.op == "get_attr" else ("", "", "")
+            if n.op == "get_attr" and not hasattr(module.get_submodule(owner), leaf):
+                constants[n.target] = getattr(gm, n.target)   # a tensor constant the tracer lifted out
+    region_gm, form, y_shape, ids_shape = parts
+    T = x.shape[:-1].numel()
+    K = int(ids_shape[1]) if form == "per-slot" else max(1, int(ids_shape[0]) // T)
+    plan = OwnWeightsPlan(attr=attr, names=names, form=form, region=region_gm, forwards=forwards,
+                          constants=constants, out_middle=tuple(y_shape[1:-1]) if form == "per-row" else (),
+                          top_k=K)
+    # Step 3: the block with its weights moved equals the original on the probe, and each expert run alone
+    # (as the runtime runs it) equals the moved code.
+    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    trial = copy.deepcopy(module, shared)
+    apply_own_weights(trial, plan)
+    for training in (True, False):
+        if not _outputs_close(run_probe(module, x, training=training), run_probe(trial, x, training=training)):
+            raise _Reject(f"{head}; step 3 (the code moved into an experts module) failed: the block so rewritten "
+                          f"differs from the original on a probe ({'train' if training else 'eval'} mode)")
+    experts = plan.experts_of(trial)
+    experts.__class__ = ServedOwnWeightsExperts
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    x_TH = torch.randn(T, H, generator=g).to(x)
+    ids_TK = torch.randint(0, E, (T, K), generator=g).to(x.device)
+    weights_TK = torch.rand(T, K, generator=g).to(x)
+    if (why := combine_mismatch(experts, x_TH, ids_TK, weights_TK, E)) is not None:
+        raise _Reject(f"{head}; step 3 (each expert alone) failed: {why}")
+    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
+    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call"
+    call = "(x [T, H], ids [T, K]) -> [T, K, H]" if form == "per-slot" else "(rows [N, H], ids [N]) -> [N, H]"
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=K, experts_form="own-weights",
+        router=(f"'{router_name}' [E={E}, H={H}]: scores {scores}, selection {selection}, {K} slot(s) per token "
+                f"seen at the code applying the stacked weights"),
+        activation=f"the block's own code on {', '.join(names)} {call}", shared_experts=False,
+        experts_attr=attr, rewrite="own-weights", router_path=router_name,
+        score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=x.dim() == 2, plan=plan)
 
 
 def _parallel_lists(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, tuple[str, nn.Module]] | None:
