@@ -727,7 +727,7 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     K = int(ids_shape[1]) if form == "per-slot" else max(1, int(ids_shape[0]) // T)
     plan = OwnWeightsPlan(attr=attr, names=names, form=form, region=region_gm, forwards=forwards,
                           constants=constants, out_middle=tuple(y_shape[1:-1]) if form == "per-row" else (),
-                          top_k=K)
+                          top_k=K, order=tuple(module._parameters))
     # Step 3: the block with its weights moved equals the original on the probe, and each expert run alone
     # (as the runtime runs it) equals the moved code.
     shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}

@@ -123,6 +123,7 @@ class OwnWeightsPlan:
     constants: dict
     out_middle: tuple[int, ...]     # per-row: the singleton dimensions between N and H of the region's output
     top_k: int
+    order: tuple[str, ...] = ()     # the block's own parameters as the user's block holds them (state-dict order)
 
     def experts_of(self, block: nn.Module) -> nn.Module:
         """The experts of ``block``: the child it holds once rewritten, else a new one over its weights
@@ -267,10 +268,11 @@ def block_forward_class(base: type, plan: OwnWeightsPlan) -> type:
 
 class OwnWeightsKeys:
     """A state-dict hook: the experts' keys ``<block>.<attr>.<name>`` are the user's ``<block>.<name>`` when
-    saving (``loading=False``), and back when loading."""
+    saving (``loading=False``), in the user's order of the block's own parameters (``order``), and back when
+    loading."""
 
-    def __init__(self, attr: str, names: tuple[str, ...], loading: bool) -> None:
-        self.attr, self.names, self.loading = attr, names, loading
+    def __init__(self, attr: str, names: tuple[str, ...], loading: bool, order: tuple[str, ...] = ()) -> None:
+        self.attr, self.names, self.loading, self.order = attr, names, loading, order
         alt = "|".join(map(re.escape, names))
         self._inner = re.compile(rf"^{re.escape(attr)}\.({alt})$")
         self._outer = re.compile(rf"^({alt})$")
@@ -281,19 +283,24 @@ class OwnWeightsKeys:
                 if m := self._outer.match(key[len(prefix):]):
                     state_dict[f"{prefix}{self.attr}.{m[1]}"] = state_dict.pop(key)
             return
-        # Saving: where the user's block has them, its own parameters first (before its children's).
+        # Saving: the block's own parameters where and in the order the user's block has them (first).
         items = list(state_dict.items())
-        moved = {i: f"{prefix}{m[1]}" for i, (k, _) in enumerate(items)
-                 if k.startswith(prefix) and (m := self._inner.match(k[len(prefix):]))}
-        if not moved:
+        own = {}
+        for i, (k, _) in enumerate(items):
+            rest = k[len(prefix):] if k.startswith(prefix) else None
+            if rest is not None and (m := self._inner.match(rest)):
+                own[i] = m[1]
+            elif rest in self.order:
+                own[i] = rest
+        if not any(name in self.names for name in own.values()):
             return
         at = next(i for i, (k, _) in enumerate(items) if k.startswith(prefix))
         state_dict.clear()
         for i, (k, v) in enumerate(items):
             if i == at:
-                state_dict.update((moved[j], items[j][1]) for j in sorted(moved, key=lambda j: self.names.index(
-                    moved[j][len(prefix):])))
-            if i not in moved:
+                for j in sorted(own, key=lambda j: self.order.index(own[j])):
+                    state_dict[prefix + own[j]] = items[j][1]
+            if i not in own:
                 state_dict[k] = v
 
 
@@ -306,6 +313,6 @@ def apply_own_weights(block: nn.Module, plan: OwnWeightsPlan) -> None:
     for name, value in plan.constants.items():
         block.register_buffer(name, value, persistent=False)
     block.__class__ = block_forward_class(type(block), plan)
-    block.register_state_dict_post_hook(OwnWeightsKeys(plan.attr, plan.names, loading=False))
+    block.register_state_dict_post_hook(OwnWeightsKeys(plan.attr, plan.names, loading=False, order=plan.order))
     block.register_load_state_dict_pre_hook(OwnWeightsKeys(plan.attr, plan.names, loading=True))
 
