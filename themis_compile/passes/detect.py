@@ -104,9 +104,9 @@ from themis_compile.passes.fx_graph import (TensorMeta, TracedBlock, ancestors, 
                                             trace_block_with_method_leaves, variable_selection_reason)
 from themis_compile.passes.joined import (JoinedPlan, describe_between, free_attribute, record_between,
                                           row_mixing_reason)
-from themis_compile.passes.own_weights import (OwnWeightsPlan, ServedOwnWeightsExperts, apply_own_weights,
-                                               own_stacked_weights, own_weights_region, region_module,
-                                               replace_region)
+from themis_compile.passes.own_weights import (OwnWeightsPlan, ServedOwnWeightsExperts, WeightsRecorder,
+                                               WeightUses, apply_own_weights, own_stacked_weights,
+                                               own_weights_region, region_module, replace_region)
 from themis_compile.passes.parallel_lists import apply_parallel_lists, parallel_lists_plan
 from themis_compile.passes.probe import (ExampleInputs, ExpertsStandIn, NOT_CALLED, PROBE_SEED, preserved_state,
                                          probe_input, record_inputs, recorded_call, recorded_inputs, run_probe)
@@ -705,8 +705,13 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
             traced = trace_block(module, nn.Module(), training=training)
             record_meta(traced, module, x)
         except Exception as exc:  # noqa: BLE001 - FX stops at data-dependent code (int(counts.max()))
-            raise _Reject(f"{head}; step 1 (trace the forward to find the code applying them) failed: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+            traced_why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            plan, why = _recorded_own_weights_plan(module, names, attr, x, H, E, rec)
+            if plan is None:
+                raise _Reject(f"{head}; step 1 (trace the forward to find the code applying them) failed "
+                              f"({traced_why}), and {why}") from None
+            parts = None
+            break
         region, why = own_weights_region(traced, names, H)
         if region is None:
             raise _Reject(f"{head}; step 2 (find the code applying them, from the selected ids to one value per "
@@ -722,12 +727,14 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
             owner, _, leaf = n.target.rpartition(".") if n.op == "get_attr" else ("", "", "")
             if n.op == "get_attr" and not hasattr(module.get_submodule(owner), leaf):
                 constants[n.target] = getattr(gm, n.target)   # a tensor constant the tracer lifted out
-    region_gm, form, y_shape, ids_shape = parts
     T = x.shape[:-1].numel()
-    K = int(ids_shape[1]) if form == "per-slot" else max(1, int(ids_shape[0]) // T)
-    plan = OwnWeightsPlan(attr=attr, names=names, form=form, region=region_gm, forwards=forwards,
-                          constants=constants, out_middle=tuple(y_shape[1:-1]) if form == "per-row" else (),
-                          top_k=K, order=tuple(module._parameters))
+    if parts is not None:
+        region_gm, form, y_shape, ids_shape = parts
+        K = int(ids_shape[1]) if form == "per-slot" else max(1, int(ids_shape[0]) // T)
+        plan = OwnWeightsPlan(attr=attr, names=names, form=form, region=region_gm, forwards=forwards,
+                              constants=constants, out_middle=tuple(y_shape[1:-1]) if form == "per-row" else (),
+                              top_k=K, order=tuple(module._parameters))
+    K, form = plan.top_k, plan.form
     # Step 3: the block with its weights moved equals the original on the probe, and each expert run alone
     # (as the runtime runs it) equals the moved code.
     shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
@@ -747,7 +754,8 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
         raise _Reject(f"{head}; step 3 (each expert alone) failed: {why}")
     scores = "+".join(dict.fromkeys(rec.scores)) or "none"
     selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call"
-    call = "(x [T, H], ids [T, K]) -> [T, K, H]" if form == "per-slot" else "(rows [N, H], ids [N]) -> [N, H]"
+    call = {"per-slot": "(x [T, H], ids [T, K]) -> [T, K, H]", "per-row": "(rows [N, H], ids [N]) -> [N, H]",
+            "expert-batched": "(buf [E, C, H]) -> [E, C, H], expert e on buf[e], recorded on a probe"}[form]
     return MoELayerInfo(
         name=name, module=module, num_experts=E, top_k=K, experts_form="own-weights",
         router=(f"'{router_name}' [E={E}, H={H}]: scores {scores}, selection {selection}, {K} slot(s) per token "
@@ -755,6 +763,30 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
         activation=f"the block's own code on {', '.join(names)} {call}", shared_experts=False,
         experts_attr=attr, rewrite="own-weights", router_path=router_name,
         score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=x.dim() == 2, plan=plan)
+
+
+def _recorded_own_weights_plan(module: nn.Module, names: tuple[str, ...], attr: str, x: torch.Tensor, H: int,
+                               E: int, rec: Any) -> tuple[OwnWeightsPlan | None, str]:
+    """The expert-batched reading of a block FX cannot trace (:class:`~themis_compile.passes.own_weights.
+    WeightsRecorder`): (plan, "") or (None, why not)."""
+    weights = {n: module._parameters[n] for n in names}
+    counter = WeightUses(weights)
+    with counter:
+        run_probe(module, x, training=True)
+    recorder = WeightsRecorder(weights, counter.count)
+    with recorder:
+        run_probe(module, x, training=True)
+    region = recorder.finish()
+    if region is None:
+        return None, f"step 2 (record the code applying them on a probe) failed: {recorder.reason}"
+    xs, ys = recorder.x_shape, recorder.y_shape
+    if not (len(xs) == 3 and xs[0] == E and xs[-1] == H and ys == xs):
+        return None, (f"step 2 (record the code applying them on a probe) failed: it maps {list(xs)} to {list(ys)}, "
+                      f"not a buffer [E={E}, C, {H}] of every expert's rows to one of the same shape")
+    return OwnWeightsPlan(attr=attr, names=names, form="expert-batched", region=region, forwards=None, constants={},
+                          out_middle=(), top_k=rec.ks[-1] if rec.ks else 1, order=tuple(module._parameters),
+                          uses=counter.count,
+                          specs=tuple((n, tuple(w.shape), w.dtype) for n, w in weights.items())), ""
 
 
 def _parallel_lists(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, tuple[str, nn.Module]] | None:

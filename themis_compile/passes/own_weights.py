@@ -43,17 +43,21 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from themis_compile.passes.fx_graph import TensorMeta, TracedBlock, ancestors, descendants, is_inplace
+from themis_compile.passes.joined import VALUE_READS, in_place_call
 
 __all__ = ["OwnWeightsExperts", "OwnWeightsPlan", "own_stacked_weights", "own_weights_region", "apply_own_weights",
            "PerRowCall", "OwnWeightsKeys", "ServedOwnWeightsExperts",
-           "region_module", "replace_region"]
+           "region_module", "replace_region", "WeightUses", "WeightsRecorder",
+           "WeightStandIns", "BatchedCall", "padded_rows"]
 
 # Ops that only view a tensor: pulled into the region when they view a floating input used only there.
 _VIEWS = {"unsqueeze", "view", "reshape", "squeeze", "flatten", "expand", "transpose", "permute", "contiguous", "t",
@@ -75,12 +79,18 @@ class OwnWeightsExperts(nn.Module):
         self.__dict__["region"] = region
         self.form = form
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.region(self, x, ids)
+    def forward(self, x: torch.Tensor, *ids: torch.Tensor, written: Any = None) -> torch.Tensor:
+        return self.region(self, x, *ids)
 
     def experts_forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """``experts(x, ids, weights)``: the block's expert code per (token, slot), combined with the weights."""
         T, K = ids_TK.shape
+        if self.form == "expert-batched":
+            E = next(iter(self.parameters())).shape[0]
+            buf_ECH, order_N, expert_N, slot_N = padded_rows(x_TH, ids_TK, E)
+            y_ECH = self.region(self, buf_ECH)
+            y_NH = y_ECH.new_empty(T * K, y_ECH.shape[-1]).index_copy(0, order_N, y_ECH[expert_N, slot_N])
+            return torch.einsum("tkh,tk->th", y_NH.view(T, K, -1), weights_TK.to(y_NH.dtype))
         if self.form == "per-slot":
             y_TKH = self.region(self, x_TH, ids_TK)
         else:
@@ -117,13 +127,15 @@ class OwnWeightsPlan:
 
     attr: str
     names: tuple[str, ...]
-    form: str                       # "per-slot" | "per-row"
+    form: str                       # "per-slot" | "per-row" | "expert-batched"
     region: fx.GraphModule
-    forwards: dict
+    forwards: dict | None           # None: the block's forward runs as written (expert-batched)
     constants: dict
     out_middle: tuple[int, ...]     # per-row: the singleton dimensions between N and H of the region's output
     top_k: int
     order: tuple[str, ...] = ()     # the block's own parameters as the user's block holds them (state-dict order)
+    uses: int = 0                   # expert-batched: the torch functions taking a weight per forward
+    specs: tuple = ()               # expert-batched: (name, shape, dtype) of every weight
 
     def experts_of(self, block: nn.Module) -> nn.Module:
         """The experts of ``block``: the child it holds once rewritten, else a new one over its weights
@@ -312,7 +324,229 @@ def apply_own_weights(block: nn.Module, plan: OwnWeightsPlan) -> None:
     block.add_module(plan.attr, experts)
     for name, value in plan.constants.items():
         block.register_buffer(name, value, persistent=False)
-    block.__class__ = block_forward_class(type(block), plan)
+    block.__class__ = (batched_block_class if plan.forwards is None else block_forward_class)(type(block), plan)
     block.register_state_dict_post_hook(OwnWeightsKeys(plan.attr, plan.names, loading=False, order=plan.order))
     block.register_load_state_dict_pre_hook(OwnWeightsKeys(plan.attr, plan.names, loading=True))
 
+
+
+# --- Forwards FX cannot trace: the expert-batched code recorded on a probe -----------------------------
+#
+# Padded-buffer code (``buf_ECH`` built from the tokens with C the largest count, ``int(counts.max())``; one
+# ``torch.bmm`` per weight) does not trace. Its expert code is read off a probe instead: the torch functions
+# applied from the first use of a stacked weight, on the one tensor that use takes beside the weights (the
+# buffer, ``[E, C, H]``, expert e's rows at ``[e]``), up to the last use, are recorded as an FX graph
+# (``region(experts, buf) -> y [E, C, H]``). The rewritten block runs its forward as written with its weights
+# seen as shape-only stand-ins: their first use calls the experts on the buffer (one ``experts(x, ids,
+# weights)`` call of the runtime) and answers zeros, on which the block's code between the uses runs to no
+# effect; their last use answers the experts' result.
+
+class WeightUses(TorchFunctionMode):
+    """Counts the torch functions that take one of ``weights`` (by identity) on a run."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._ids = {id(w) for w in weights.values()}
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and any(isinstance(v, torch.Tensor) and id(v) in self._ids
+                                                 for v in tree_flatten((args, kwargs))[0]):
+            self.count += 1     # (a size or a dtype read off a weight is no use)
+        return out
+
+
+class WeightsRecorder(TorchFunctionMode):
+    """Records, as an FX graph ``region(experts, x)``, the torch functions applied from the first use of one of
+    ``weights`` (name -> parameter) on, to the tensor ``x`` that use takes beside them and to everything
+    computed from them, until the last (the ``uses``-th) use of a weight; ``reason`` says why the code cannot
+    be replayed on other rows."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], uses: int) -> None:
+        super().__init__()
+        self.graph = fx.Graph()
+        self._owner = self.graph.placeholder("experts")
+        self._weights = {id(w): (w, n) for n, w in weights.items()}
+        self._node: dict[int, tuple[torch.Tensor, fx.Node]] = {}
+        self._uses_left = uses
+        self.reason: str | None = None
+        self.x_shape: tuple[int, ...] | None = None
+        self.y_shape: tuple[int, ...] | None = None
+        self._y: torch.Tensor | None = None
+
+    def _is_weight(self, v: Any) -> bool:
+        return isinstance(v, torch.Tensor) and id(v) in self._weights and self._weights[id(v)][0] is v
+
+    def _tracked(self, v: Any) -> fx.Node | None:
+        if self._is_weight(v):
+            if id(v) not in self._node:
+                self._node[id(v)] = (v, self.graph.call_function(getattr, (self._owner, self._weights[id(v)][1])))
+            return self._node[id(v)][1]
+        entry = self._node.get(id(v)) if isinstance(v, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0] is v else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.reason is not None:
+            return out
+        flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+        uses = any(self._is_weight(v) for v in flat)
+        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
+        if self._y is not None:
+            # After the last use: the block's own code on the result, which must read nothing else computed
+            # from the weights.
+            if any(self._tracked(v) is not None for v in flat if v is not self._y):
+                self.reason = (f"{name} reads, after the last use of the stacked weights, a value computed from them "
+                               "other than the result")
+            return out
+        if uses and not isinstance(out, torch.Tensor):
+            return out   # a size, a dtype, a flag read off a weight
+        if uses and self.x_shape is None:
+            others = [v for v in flat if not self._is_weight(v)]
+            if len(others) != 1 or not others[0].is_floating_point():
+                self.reason = (f"the first use of a stacked weight ({name}) takes {len(others)} other tensors, not "
+                               "one floating buffer of every expert's rows")
+                return out
+            self.x_shape = tuple(others[0].shape)
+            self._node[id(others[0])] = (others[0], self.graph.placeholder("x"))
+        if not any(self._tracked(v) is not None for v in flat):
+            return out
+        if func in VALUE_READS:
+            self.reason = f"{name} reads values computed from the stacked weights into Python"
+        elif any(self._tracked(v) is None for v in flat):
+            self.reason = f"{name} uses a tensor that is not computed from the buffer and the stacked weights"
+        elif func is torch.Tensor.__setitem__ or in_place_call(func, kwargs):
+            self.reason = f"{name} modifies a value computed from the stacked weights in place"
+        elif not isinstance(out, torch.Tensor):
+            if any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+                self.reason = f"{name} returns several tensors from the stacked weights' code"
+            return out   # (a size, a dtype: used as constants where the code goes on)
+        if self.reason is not None:
+            return out
+        node = self.graph.call_function(func, *tree_map(lambda v: self._tracked(v) or v, (tuple(args), kwargs)))
+        self._node[id(out)] = (out, node)
+        if uses:
+            self._uses_left -= 1
+            if self._uses_left == 0:
+                self._y, self.y_shape = out, tuple(out.shape)
+        return out
+
+    def finish(self) -> fx.GraphModule | None:
+        """The recorded code as ``region(experts, x) -> y``, y the result of the last use of a weight."""
+        if self.reason is None and self._y is None:
+            self.reason = "the stacked weights are not used by torch functions on a probe"
+        if self.reason is not None:
+            return None
+        self.graph.output(self._node[id(self._y)][1])
+        self.graph.eliminate_dead_code()
+        self.graph.lint()
+        return fx.GraphModule(nn.Module(), self.graph, class_name="ExpertRegion")
+
+
+class WeightStandIns(TorchFunctionMode):
+    """The rewritten block's weights while its forward runs (expert-batched reading): shape-only (meta)
+    stand-ins. Their first use calls ``call(x)`` (the experts on the buffer ``x``) and, like every use but
+    the last, answers zeros of the use's shape; the last (the ``uses``-th) answers the experts' result."""
+
+    def __init__(self, plan: OwnWeightsPlan, call: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.stand_ins = {n: torch.empty(shape, dtype=dtype, device="meta") for n, shape, dtype in plan.specs}
+        self._ids = {id(t) for t in self.stand_ins.values()}
+        self.plan, self.call, self.count = plan, call, 0
+        self._kept: torch.Tensor | None = None
+        self._written: dict[int, list] = {}    # id(buffer) -> [(buffer, (expert ids, slots))] written into it
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__setitem__ and self.count == 0:
+            self._note_rows(*args[:2])
+        flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+        if not any(id(v) in self._ids for v in flat):
+            return func(*args, **kwargs)
+        meta = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))
+        out_meta = func(*meta[0], **meta[1])
+        if not isinstance(out_meta, torch.Tensor):
+            return out_meta      # a size, a dimension, a dtype of a weight
+        self.count += 1
+        real = [v for v in flat if id(v) not in self._ids]
+        if self.count == 1:
+            writes = [w for buf, w in self._written.get(id(real[0]), []) if buf is real[0]]
+            self._kept = self.call(real[0], written=writes[0] if len(writes) == 1 else None)
+        if self.count == self.plan.uses:
+            if self._kept is None or self._kept.shape != out_meta.shape:
+                raise RuntimeError(f"the stacked weights' last use gives {list(out_meta.shape)}, the experts "
+                                   f"{list(getattr(self._kept, 'shape', []))}")
+            return self._kept
+        return torch.zeros(out_meta.shape, dtype=out_meta.dtype, device=real[0].device if real else None)
+
+    def _note_rows(self, buf: Any, index: Any) -> None:
+        """``buf[expert_N, slot_N] = rows``: the rows of a 3-D buffer the block writes (one write: the rows the
+        experts serve; the others are padding whose results the block does not read)."""
+        if (isinstance(buf, torch.Tensor) and buf.dim() == 3 and isinstance(index, tuple) and len(index) == 2
+                and all(isinstance(i, torch.Tensor) and i.dim() == 1 and not i.is_floating_point() for i in index)
+                and index[0].shape == index[1].shape):
+            self._written.setdefault(id(buf), []).append((buf, index))
+
+
+def batched_block_class(base: type, plan: OwnWeightsPlan) -> type:
+    """A subclass of ``base`` whose forward is its own with the stacked weights seen as
+    :class:`WeightStandIns` over ``self.<attr>`` (inside the forward only)."""
+
+    def forward(self, *args, **kwargs):
+        mode = WeightStandIns(plan, getattr(self, plan.attr))
+        self.__dict__.update(mode.stand_ins)
+        try:
+            with mode:
+                out = base.forward(self, *args, **kwargs)
+        finally:
+            for name in plan.names:
+                self.__dict__.pop(name, None)
+        if mode.count != plan.uses:
+            raise RuntimeError(f"{base.__name__}: its stacked weights were used {mode.count} times, on the probe "
+                               f"{plan.uses}; the moved code would not be what the block computes")
+        return out
+
+    forward.__doc__ = f"{base.__name__}.forward with its expert code on the buffer served by '{plan.attr}'."
+    return type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+                                         "_themis_original_class": base, "_themis_own_weights": plan})
+
+
+class BatchedCall:
+    """``self.<experts>`` as an expert-batched block's code sees it: ``experts(buf [E, C, H]) -> [E, C, H]``,
+    expert e on the rows ``buf[e]``: one call of the runtime's interface, every served row a token of its own
+    routed to its expert with weight 1. Served are the rows the block wrote (``written``: the expert ids and
+    slots of its one ``buf[expert_N, slot_N] = rows``), so that the runtime sees the real load, the others
+    (padding) are 0 in the result; without ``written`` every row, padding included."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        self.experts = experts
+
+    def __call__(self, buf_ECH: torch.Tensor, written: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
+        E, C, H = buf_ECH.shape
+        if written is None:
+            expert_N = torch.arange(E, device=buf_ECH.device).repeat_interleave(C)
+            slot_N = torch.arange(C, device=buf_ECH.device).repeat(E)
+        else:
+            expert_N, slot_N = written
+        ones_N1 = torch.ones((expert_N.shape[0], 1), dtype=buf_ECH.dtype, device=buf_ECH.device)
+        out_NH = self.experts(buf_ECH[expert_N, slot_N], expert_N.view(-1, 1), ones_N1)
+        return out_NH.new_zeros(E, C, out_NH.shape[-1]).index_put((expert_N, slot_N), out_NH)
+
+
+def padded_rows(x_TH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(buf [E, C, H], order, expert, slot): every (token, slot) pair's row at ``buf[expert, slot]``, the
+    pairs in ``order`` (sorted by expert), C the largest count."""
+    flat_N = ids_TK.reshape(-1)
+    counts_E = torch.bincount(flat_N, minlength=num_experts)
+    C = int(counts_E.max()) if flat_N.numel() else 0
+    order_N = flat_N.argsort(stable=True)
+    expert_N = flat_N[order_N]
+    slot_N = torch.arange(flat_N.numel(), device=x_TH.device) - (counts_E.cumsum(0) - counts_E)[expert_N]
+    buf_ECH = x_TH.new_zeros(num_experts, C, x_TH.shape[-1])
+    buf_ECH[expert_N, slot_N] = x_TH[order_N // ids_TK.shape[1]]
+    return buf_ECH, order_N, expert_N, slot_N

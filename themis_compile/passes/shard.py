@@ -95,7 +95,7 @@ from themis_compile.passes.fx_graph import (
     trace_block_with_method_leaves,
 )
 from themis_compile.passes.joined import apply_joined
-from themis_compile.passes.own_weights import PerRowCall, ServedOwnWeightsExperts, apply_own_weights
+from themis_compile.passes.own_weights import BatchedCall, PerRowCall, ServedOwnWeightsExperts, apply_own_weights
 from themis_compile.passes.parallel_lists import apply_parallel_lists
 from themis_compile.passes.probe import PROBE_SEED, preserved_state, probe_input, probing_as_recorded, run_probe
 from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch, output_tensors
@@ -766,7 +766,8 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
         plan = info.plan
         apply_own_weights(info.module, plan)
         info.module._modules[info.experts_attr].__class__ = ServedOwnWeightsExperts
-        call = PerSlotCall if plan.form == "per-slot" else (lambda experts: PerRowCall(experts, plan.out_middle))
+        call = {"per-slot": PerSlotCall, "per-row": lambda experts: PerRowCall(experts, plan.out_middle),
+                "expert-batched": BatchedCall}[plan.form]
         info.module.__class__ = _served_block_class(type(info.module), info.experts_attr, call)
         info.rewritten = True
         logger.info("MoE layer %s: its stacked weights %s and the code applying them moved into %s, served by one "
