@@ -112,27 +112,21 @@ class PaddedBmmMoE(nn.Module):
         return out.view(shape)
 
 
-class DecoderLM(nn.Module):
-    """Embedding, two decoder layers that hold their MoE inline, LM head."""
+class DecoderLM(zoo.ZooLM):
+    """Embedding, two decoder layers that hold their MoE inline, LM head (the zoo transformer's forward and loss)."""
 
     def __init__(self, layer: type = InlineMoEDecoderLayer, layers: int = 2) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.embed = nn.Embedding(VOCAB, D)
         self.layers = nn.ModuleList(layer() for _ in range(layers))
         self.head = nn.Linear(D, VOCAB, bias=False)
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens_BS)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-    def loss(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens_BS)
-        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens_BS[:, 1:].reshape(-1))
-
 
 BLOCKS = {"gathered_einsum": GatheredEinsumMoE, "padded_bmm": PaddedBmmMoE}
+ROUTERS = {"gathered_einsum": "router", "padded_bmm": "gate"}
+WEIGHTS = {"gathered_einsum": ("w_gate", "w_up", "w_down"), "inline_decoder": ("w1", "w2"), "padded_bmm": ("w_in", "w_out")}
+LAYERS = {"gathered_einsum": ["layers.0.moe", "layers.1.moe"], "inline_decoder": ["layers.0", "layers.1"],
+          "padded_bmm": ["layers.0.moe", "layers.1.moe"]}
 
 
 def style_model(style: str) -> nn.Module:
@@ -141,3 +135,23 @@ def style_model(style: str) -> nn.Module:
     if style == "inline_decoder":
         return DecoderLM()
     return zoo.ZooLM(style, blocks=BLOCKS)
+
+
+def skewed_model(style: str, skew: float = 3.0) -> nn.Module:
+    """The style's model with expert 0 favoured by every router, from outside the block (the zoo way: a
+    norm bias along the router's row 0), or by the decoder layer's own selection bias."""
+    model = style_model(style)
+    v_D = torch.full((D,), D ** -0.5)
+    with torch.no_grad():
+        for layer in model.layers:
+            if style == "inline_decoder":
+                layer.router_bias[0] = 0.1 * skew
+                continue
+            layer.norm2.bias.copy_(v_D)
+            getattr(layer.moe, ROUTERS[style]).weight[0] += skew * v_D
+    return model
+
+
+def expert_weight(style: str):
+    """Which parameter names of the style's unmodified model are expert weights."""
+    return lambda name: name.rsplit(".", 1)[-1] in WEIGHTS[style]

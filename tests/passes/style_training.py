@@ -110,3 +110,30 @@ def trains_like_one_process(build: Callable, is_expert: Callable[[str], bool], l
         check_sharded_and_equal(ref, [r[i] for r in results], layers, num_experts,
                                 f"{getattr(build, '__name__', build)} under {policy} on {world_size} ranks",
                                 replicas=policy != "ep")
+
+
+def check_own_weights_rewrite(build: Callable, block_path: str, weight: str, dense: str, layers: list[str],
+                              num_experts: int, top_k: int) -> None:
+    """``prepare_moe_layers`` reads every layer as ``own-weights`` (E, k); the block at ``block_path`` then
+    holds its stacked ``weight`` (the same parameter object) in its experts child, the model's state-dict
+    keys are the unmodified model's, both ways, and the block computes what the unmodified one does: values,
+    and the gradients of the hidden states, of ``weight`` and of the dense parameter ``dense``."""
+    from themis_compile.passes.shard import prepare_moe_layers
+
+    model, original = build(), build()
+    keys = list(original.state_dict())
+    block, ref = model.get_submodule(block_path), original.get_submodule(block_path)
+    w = block._parameters[weight]
+    infos = prepare_moe_layers(model, strict=True)
+    assert [(i.name, i.rewrite, i.num_experts, i.top_k) for i in infos] == [
+        (n, "own-weights", num_experts, top_k) for n in layers]
+    assert block.experts._parameters[weight] is w and weight not in block._parameters
+    assert list(model.state_dict()) == keys
+    model.load_state_dict(original.state_dict())
+    x = torch.randn(2, 5, w.shape[1], generator=torch.Generator().manual_seed(1), requires_grad=True)
+    want, got = ref(x), block(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    g_want = torch.autograd.grad(want.square().sum(), [x, ref.get_parameter(weight), ref.get_parameter(dense)])
+    g_got = torch.autograd.grad(got.square().sum(), [x, block.experts.get_parameter(weight), block.get_parameter(dense)])
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

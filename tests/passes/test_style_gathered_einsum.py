@@ -11,31 +11,17 @@ router skewed towards one expert so that replicas are made.
 
 from __future__ import annotations
 
-import pytest
-import torch
+import functools
 
 import themis_compile
-from tests.passes.style_models import E, K, D, style_model
-from tests.passes.style_training import trains_like_one_process
+from tests.passes import style_models
+from tests.passes.style_models import E, K
+from tests.passes.style_training import check_own_weights_rewrite, trains_like_one_process
 
-LAYERS = ["layers.0.moe", "layers.1.moe"]
-WEIGHTS = ("w_gate", "w_up", "w_down")
-SKEW = 3.0
-
-
-def build() -> torch.nn.Module:
-    """The style's model with its routers skewed towards expert 0 from outside the block."""
-    model = style_model("gathered_einsum")
-    v_D = torch.full((D,), D ** -0.5)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.norm2.bias.copy_(v_D)
-            layer.moe.router.weight[0] += SKEW * v_D
-    return model
-
-
-def is_expert(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in WEIGHTS
+STYLE = "gathered_einsum"
+LAYERS = style_models.LAYERS[STYLE]
+build = functools.partial(style_models.skewed_model, STYLE)
+is_expert = style_models.expert_weight(STYLE)
 
 
 def test_found_and_explained():
@@ -46,23 +32,7 @@ def test_found_and_explained():
 
 
 def test_rewrite_is_exact_and_keeps_the_users_keys():
-    from themis_compile.passes.shard import prepare_moe_layers
-
-    model, original = build(), build()
-    keys, w_gate = list(original.state_dict()), model.layers[0].moe.w_gate
-    infos = prepare_moe_layers(model, strict=True)
-    assert [(i.name, i.rewrite, i.num_experts, i.top_k) for i in infos] == [(n, "own-weights", E, K) for n in LAYERS]
-    block = model.layers[0].moe
-    assert block.experts.w_gate is w_gate    # the same parameter object, now the experts'
-    assert "w_gate" not in block._parameters and list(model.state_dict()) == keys
-    model.load_state_dict(original.state_dict())
-    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    want, got = original.layers[0].moe(x), block(x)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    g_want = torch.autograd.grad(want.square().sum(), [x, original.layers[0].moe.w_down, original.layers[0].moe.router.weight])
-    g_got = torch.autograd.grad(got.square().sum(), [x, block.experts.w_down, block.router.weight])
-    for a, b in zip(g_got, g_want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    check_own_weights_rewrite(build, "layers.0.moe", "w_down", "router.weight", LAYERS, E, K)
 
 
 def test_trains_like_one_process_on_2_ranks():

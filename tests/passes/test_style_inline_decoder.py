@@ -11,27 +11,17 @@ and the training equal to one process, the selection bias favouring one expert s
 
 from __future__ import annotations
 
-import torch
+import functools
 
 import themis_compile
-from tests.passes.style_models import D, E, K, style_model
-from tests.passes.style_training import trains_like_one_process
+from tests.passes import style_models
+from tests.passes.style_models import E, K
+from tests.passes.style_training import check_own_weights_rewrite, trains_like_one_process
 
-LAYERS = ["layers.0", "layers.1"]
-WEIGHTS = ("w1", "w2")
-
-
-def build() -> torch.nn.Module:
-    """The style's model with expert 0 favoured by every layer's selection bias."""
-    model = style_model("inline_decoder")
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.router_bias[0] = 0.3
-    return model
-
-
-def is_expert(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in WEIGHTS
+STYLE = "inline_decoder"
+LAYERS = style_models.LAYERS[STYLE]
+build = functools.partial(style_models.skewed_model, STYLE)
+is_expert = style_models.expert_weight(STYLE)
 
 
 def test_found_and_explained():
@@ -42,24 +32,7 @@ def test_found_and_explained():
 
 
 def test_rewrite_is_exact_and_keeps_the_users_keys():
-    from themis_compile.passes.shard import prepare_moe_layers
-
-    model, original = build(), build()
-    keys, w1 = list(original.state_dict()), model.layers[0].w1
-    infos = prepare_moe_layers(model, strict=True)
-    assert [(i.name, i.rewrite, i.num_experts, i.top_k) for i in infos] == [(n, "own-weights", E, K) for n in LAYERS]
-    layer = model.layers[0]
-    assert layer.experts.w1 is w1 and "w1" not in layer._parameters
-    assert list(model.state_dict()) == keys
-    model.load_state_dict(original.state_dict())
-    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    want, got = original.layers[0](x), layer(x)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    ref = original.layers[0]
-    g_want = torch.autograd.grad(want.square().sum(), [x, ref.w1, ref.router.weight, ref.wqkv.weight])
-    g_got = torch.autograd.grad(got.square().sum(), [x, layer.experts.w1, layer.router.weight, layer.wqkv.weight])
-    for a, b in zip(g_got, g_want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    check_own_weights_rewrite(build, "layers.0", "w1", "wqkv.weight", LAYERS, E, K)
 
 
 def test_trains_like_one_process_on_2_ranks():

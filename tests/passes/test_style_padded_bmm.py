@@ -14,33 +14,21 @@ into Python left data-parallel, the warning naming the module and the step that 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import themis_compile
-from tests.passes import zoo_models as zoo
-from tests.passes.style_models import D, E, K, PaddedBmmMoE, style_model
-from tests.passes.style_training import trains_like_one_process
+from tests.passes import style_models, zoo_models as zoo
+from tests.passes.style_models import E, K, PaddedBmmMoE
+from tests.passes.style_training import check_own_weights_rewrite, trains_like_one_process
 
-LAYERS = ["layers.0.moe", "layers.1.moe"]
-WEIGHTS = ("w_in", "w_out")
-SKEW = 3.0
-
-
-def build() -> torch.nn.Module:
-    """The style's model with its routers skewed towards expert 0 from outside the block."""
-    model = style_model("padded_bmm")
-    v_D = torch.full((D,), D ** -0.5)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.norm2.bias.copy_(v_D)
-            layer.moe.gate.weight[0] += SKEW * v_D
-    return model
-
-
-def is_expert(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in WEIGHTS
+STYLE = "padded_bmm"
+LAYERS = style_models.LAYERS[STYLE]
+build = functools.partial(style_models.skewed_model, STYLE)
+is_expert = style_models.expert_weight(STYLE)
 
 
 def test_found_and_explained():
@@ -51,24 +39,7 @@ def test_found_and_explained():
 
 
 def test_rewrite_is_exact_and_keeps_the_users_keys():
-    from themis_compile.passes.shard import prepare_moe_layers
-
-    model, original = build(), build()
-    keys, w_in = list(original.state_dict()), model.layers[0].moe.w_in
-    infos = prepare_moe_layers(model, strict=True)
-    assert [(i.name, i.rewrite, i.num_experts, i.top_k) for i in infos] == [(n, "own-weights", E, K) for n in LAYERS]
-    block = model.layers[0].moe
-    assert block.experts.w_in is w_in and "w_in" not in block._parameters
-    assert list(model.state_dict()) == keys
-    model.load_state_dict(original.state_dict())
-    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    want, got = original.layers[0].moe(x), block(x)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    ref = original.layers[0].moe
-    g_want = torch.autograd.grad(want.square().sum(), [x, ref.w_in, ref.w_out, ref.gate.weight])
-    g_got = torch.autograd.grad(got.square().sum(), [x, block.experts.w_in, block.experts.w_out, block.gate.weight])
-    for a, b in zip(g_got, g_want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    check_own_weights_rewrite(build, "layers.0.moe", "w_in", "gate.weight", LAYERS, E, K)
 
 
 def test_trains_like_one_process_on_2_ranks():

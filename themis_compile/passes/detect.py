@@ -677,6 +677,12 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     return None
 
 
+def _recorded_routing(rec: Any) -> tuple[str, str]:
+    """(score functions, selections) of the calls recorded on a probe, as a router description says them."""
+    return ("+".join(dict.fromkeys(rec.scores)) or "none",
+            ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)")
+
+
 def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     """The layer of a block (an MoE block or a whole decoder layer) that holds its experts as stacked
     ``[E, ...]`` parameters of its own and applies them inline (:mod:`themis_compile.passes.own_weights`):
@@ -752,8 +758,7 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     weights_TK = torch.rand(T, K, generator=g).to(x)
     if (why := combine_mismatch(experts, x_TH, ids_TK, weights_TK, E)) is not None:
         raise _Reject(f"{head}; step 3 (each expert alone) failed: {why}")
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call"
+    scores, selection = _recorded_routing(rec)
     call = {"per-slot": "(x [T, H], ids [T, K]) -> [T, K, H]", "per-row": "(rows [N, H], ids [N]) -> [N, H]",
             "expert-batched": "(buf [E, C, H]) -> [E, C, H], expert e on buf[e], recorded on a probe"}[form]
     return MoELayerInfo(
@@ -856,8 +861,7 @@ def _parallel_lists_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     T = x.shape[:-1].numel()
     K = min(E, max(1, -(-captured_rows(trial, attr, x, PROBE_SEED) // T)))
     rec = record_calls(module, x)
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     plan = dataclasses.replace(plan, replay=replay_plan)
     return MoELayerInfo(
         name=name, module=module, num_experts=E, top_k=K, experts_form="parallel-lists",
@@ -1107,8 +1111,7 @@ def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, ca
     rec = record_calls(module, x)
     K = int(ids_TK.shape[1])
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     expert0 = expert_modules(experts)[0] if expert_modules(experts) else experts
     if bank.flat:      # (DBRX: the activation lives on the module holding the flat weights)
         expert0 = next((m for m in experts.modules() if _named_activation(m)), experts)
@@ -1401,8 +1404,7 @@ def _all_rows_layer(name: str, module: nn.Module, child: _ExpertsChild, x_NH: to
                           f"view), {why}: the experts module does not run its rows expert-major, each row by "
                           "its expert alone; view the rows [E, T, H] in its forward")
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     reading = (f"the nonzero rows, top-{K} per token (zero rows stay 0 in value and gradient)" if plan.sparse
                else f"every row, K = E = {E} (not only the nonzero ones: {why_plain})")
     return MoELayerInfo(
@@ -1437,8 +1439,7 @@ def _moduledict_replay_layer(name: str, module: nn.Module, child: _ExpertsChild,
     K = min(E, max(1, -(-captured_rows(module, child.attr, x, PROBE_SEED) // T)))
     rec = record_calls(module, x)
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     return MoELayerInfo(
         name=name, module=module, num_experts=E, top_k=K, experts_form="moduledict",
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
@@ -1482,8 +1483,7 @@ def _scores_call_layer(name: str, module: nn.Module, child: _ExpertsChild, plan:
     rec = record_calls(module, x)
     K = int(ids_TK.shape[1])
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     return MoELayerInfo(
         name=name, module=module, num_experts=E, top_k=K, experts_form="flat" if bank.flat else child.form,
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} ids "
@@ -1582,8 +1582,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                     K, rewrite = int(calls[0][1].shape[1]), "per-slot"
                     seen = f"top-{K} ids seen at the experts call"
                 router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-                scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-                selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+                scores, selection = _recorded_routing(rec)
                 return MoELayerInfo(
                     name=name, module=module, num_experts=E, top_k=K, experts_form=child.form,
                     router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
@@ -1613,8 +1612,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             rec = record_calls(module, x)
             E, K = ExpertBank(child.module).num_experts, int(ids_TK.shape[1])
             router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-            scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-            selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+            scores, selection = _recorded_routing(rec)
             router_text = (f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
                            f"top-{K} ids seen at the experts call (behaviour)")
             expert0 = child.module[0] if child.form == "modulelist" else child.module
