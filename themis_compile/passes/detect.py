@@ -789,7 +789,8 @@ def _recorded_own_weights_plan(module: nn.Module, names: tuple[str, ...], attr: 
         return None, (f"step 2 (record the code applying them on a probe) failed: it maps {list(xs)} to {list(ys)}, "
                       f"not a buffer [E={E}, C, {H}] of every expert's rows to one of the same shape")
     return OwnWeightsPlan(attr=attr, names=names, form="expert-batched", region=region, forwards=None, constants={},
-                          out_middle=(), top_k=rec.ks[-1] if rec.ks else 1, order=tuple(module._parameters),
+                          out_middle=(), top_k=min(E, rec.ks[-1] if rec.ks else max(1, rec.top1)),
+                          order=tuple(module._parameters),
                           uses=counter.count,
                           specs=tuple((n, tuple(w.shape), w.dtype) for n, w in weights.items())), ""
 
