@@ -9,25 +9,29 @@ applies them inline, gathered by the selected ids::
     y_TKD = torch.einsum("tkf,tkfd->tkd", F.silu(gate) * up, self.w_down[ids_TK])   # } the stacked weights
     out_TD = torch.einsum("tkd,tk->td", y_TKD, top.softmax(-1))              # the block's combine
 
-or per row (``torch.bmm(rows_N1D, self.w1[ids_N])``). No module is the experts; the code is. This module
-reads that code off the block's FX graph and moves it, with the weights, into a child module:
+or per row (``torch.bmm(rows_N1D, self.w1[ids_N])``), or on a padded buffer of every expert's rows
+(``torch.bmm(buf_ECH, self.w_in)``). No module is the experts; the code is. This module reads that code off
+the block (its FX graph, or a probe where FX cannot trace it) and moves it, with the weights, into a child.
 
 Contract:
-    :func:`own_weights_plan` is read-only. It finds the *expert region* of the graph: the values computed
-    from the stacked weights up to the first value ``y`` that every later use of them goes through (every
-    node depending on a weight is ``y``, an ancestor of ``y`` or computed from ``y``), with the views of
-    floating inputs used only there pulled in. The region must take exactly a floating ``x`` and integer
+    Reading is read-only. :func:`own_weights_region` finds the *expert region* of the FX graph: the values
+    computed from the stacked weights up to the first value ``y`` that every later use of them goes through
+    (every node depending on a weight is ``y``, an ancestor of ``y`` or computed from ``y``), with the views
+    of floating inputs used only there pulled in. The region must take exactly a floating ``x`` and integer
     ``ids`` from the rest of the block, and be one of two call shapes: ``experts(x [T, H], ids [T, K]) ->
     y [T, K, H]`` ("per-slot", gpt-fast's ``cond_ffn``) or ``experts(rows [N, H], ids [N]) -> y [N, (1,) H]``
-    ("per-row"). The same region code in train and eval mode, no branch on a traced value, no attribute
-    stored by the forward, no in-place op and no parameter of another module inside the region.
+    ("per-row"); no branch on a traced value, no attribute stored by the forward, no in-place op and no
+    tensor of another module inside the region. Where FX fails, :class:`WeightsRecorder` records the code
+    from the weights' first use (on one buffer ``[E, C, H]``) to their last on a probe ("expert-batched").
     :func:`apply_own_weights` moves the weights into ``block.<attr>`` (a :class:`OwnWeightsExperts`, the
     same parameter objects under the same names) and gives the block a forward that runs the graph with the
-    region replaced by ``self.<attr>(x, ids)``; ``passes.shard`` then serves that call as for any per-slot
-    (or per-row) experts module, and verifies the whole against the original, values and gradients, each
-    expert run alone as the runtime runs it. State-dict keys stay the user's (:class:`OwnWeightsKeys`).
+    region replaced by ``self.<attr>(x, ids)``, or (expert-batched) its own forward with the weights seen as
+    :class:`WeightStandIns`; ``passes.shard`` then serves that call with one ``experts(x, ids, weights)``
+    call (:class:`PerRowCall`, :class:`BatchedCall`, ``passes.shard.PerSlotCall``), and verifies the whole
+    against the original, values and gradients, each expert run alone as the runtime runs it. State-dict
+    keys stay the user's (:class:`OwnWeightsKeys`).
 
-Pseudo-code:
+Pseudo-code (FX reading):
     W      = get_attr nodes of the block's stacked parameters (>= 3-D, leading dimension E = the router's width)
     D      = every node computed from W
     y      = the first node of D such that the uses of W are ancestors of y and D \\ ancestors(y) follows y
@@ -35,7 +39,8 @@ Pseudo-code:
     inputs = the region's arguments from outside it, (x, ids)
     block  = graph with region replaced by call_module(attr, (x, ids))
 
-Shape suffixes: T tokens, K top-k, N rows (one per token and slot), H hidden size, E experts.
+Shape suffixes: T tokens, K top-k, N rows (one per token and slot), H hidden size, E experts, C rows per
+expert in a padded buffer.
 """
 
 from __future__ import annotations
