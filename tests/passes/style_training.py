@@ -137,3 +137,11 @@ def check_own_weights_rewrite(build: Callable, block_path: str, weight: str, den
     g_got = torch.autograd.grad(got.square().sum(), [x, block.experts.get_parameter(weight), block.get_parameter(dense)])
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def check_explained(build: Callable, num_layers: int, *fragments: str) -> None:
+    """``explain`` of ``build()`` finds ``num_layers`` MoE layers and says each of ``fragments``."""
+    text = themis_compile.explain(build())
+    assert text.startswith(f"{num_layers} MoE layer(s) found"), text
+    for fragment in fragments:
+        assert fragment in text, (fragment, text)

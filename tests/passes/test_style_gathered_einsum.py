@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import functools
 
-import themis_compile
 from tests.passes import style_models
 from tests.passes.style_models import E, K
-from tests.passes.style_training import check_own_weights_rewrite, trains_like_one_process
+from tests.passes.style_training import check_explained, check_own_weights_rewrite, trains_like_one_process
 
 STYLE = "gathered_einsum"
 LAYERS = style_models.LAYERS[STYLE]
@@ -25,10 +24,9 @@ is_expert = style_models.expert_weight(STYLE)
 
 
 def test_found_and_explained():
-    text = themis_compile.explain(build())
-    assert text.startswith("2 MoE layer(s) found"), text
-    assert "layers.0.moe: 4 experts (own-weights, 'experts'), top-2, router 'router' [E=4, H=32]" in text, text
-    assert "the block's own code on w_gate, w_up, w_down (x [T, H], ids [T, K]) -> [T, K, H]" in text, text
+    check_explained(build, 2,
+                    "layers.0.moe: 4 experts (own-weights, 'experts'), top-2, router 'router' [E=4, H=32]",
+                    "the block's own code on w_gate, w_up, w_down (x [T, H], ids [T, K]) -> [T, K, H]")
 
 
 def test_rewrite_is_exact_and_keeps_the_users_keys():

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import functools
 
-import themis_compile
 from tests.passes import style_models
 from tests.passes.style_models import E, K
-from tests.passes.style_training import check_own_weights_rewrite, trains_like_one_process
+from tests.passes.style_training import check_explained, check_own_weights_rewrite, trains_like_one_process
 
 STYLE = "inline_decoder"
 LAYERS = style_models.LAYERS[STYLE]
@@ -25,10 +24,9 @@ is_expert = style_models.expert_weight(STYLE)
 
 
 def test_found_and_explained():
-    text = themis_compile.explain(build())
-    assert text.startswith("2 MoE layer(s) found"), text
-    assert "layers.0: 4 experts (own-weights, 'experts'), top-2, router 'router' [E=4, H=32]: scores sigmoid" in text
-    assert "the block's own code on w1, w2 (rows [N, H], ids [N]) -> [N, H]" in text, text
+    check_explained(build, 2,
+                    "layers.0: 4 experts (own-weights, 'experts'), top-2, router 'router' [E=4, H=32]: scores sigmoid",
+                    "the block's own code on w1, w2 (rows [N, H], ids [N]) -> [N, H]")
 
 
 def test_rewrite_is_exact_and_keeps_the_users_keys():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import themis_compile
 from tests.passes import style_models, zoo_models as zoo
 from tests.passes.style_models import E, K, PaddedBmmMoE
-from tests.passes.style_training import check_own_weights_rewrite, trains_like_one_process
+from tests.passes.style_training import check_explained, check_own_weights_rewrite, trains_like_one_process
 
 STYLE = "padded_bmm"
 LAYERS = style_models.LAYERS[STYLE]
@@ -32,10 +32,9 @@ is_expert = style_models.expert_weight(STYLE)
 
 
 def test_found_and_explained():
-    text = themis_compile.explain(build())
-    assert text.startswith("2 MoE layer(s) found"), text
-    assert "layers.0.moe: 4 experts (own-weights, 'experts'), top-2, router 'gate' [E=4, H=32]" in text, text
-    assert "the block's own code on w_in, w_out (buf [E, C, H]) -> [E, C, H]" in text, text
+    check_explained(build, 2,
+                    "layers.0.moe: 4 experts (own-weights, 'experts'), top-2, router 'gate' [E=4, H=32]",
+                    "the block's own code on w_in, w_out (buf [E, C, H]) -> [E, C, H]")
 
 
 def test_rewrite_is_exact_and_keeps_the_users_keys():
