@@ -28,13 +28,12 @@ from torch import nn
 import themis_compile
 from tests.passes import zoo_models as zoo
 from tests.passes.test_trial3 import ParallelListsMoE
-from tests.runtime.equivalence import assert_equivalent, global_losses
+from tests.passes.style_training import (CONFIG, LR, POLICIES, batches, check_sharded_and_equal, loss, reference,
+                                         train)
+from tests.runtime.equivalence import global_losses
 
 H, FFN, E, K = zoo.H, zoo.FFN, zoo.E, zoo.K
-STEPS, BATCH, SEQ, LR = 6, 8, 8, 1e-2
 SKEW = 3.0
-POLICIES = ("themis", "themis-rm", "ep")
-CONFIG = dict(overlap_degree=8, materialization_budget=2, cost_benefit=False)   # replicas even where tiny experts cannot pay
 
 
 class SortedSplitMoE(nn.Module):
@@ -108,59 +107,13 @@ def _model(style: str) -> zoo.ZooLM:
     return model
 
 
-def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    return model.loss(tokens)
-
-
-def _batches() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, zoo.VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
-
-
-def _is_expert(style: str, attr: str = ""):
-    names = (attr,) if attr else LISTS[style]
-    return lambda n: any(f".moe.{a}." in n for a in names)
-
-
-def _reference(style: str):
-    from themis_compile.passes.detect import find_moe_layers
-    from themis_compile.runtime.experts import ExpertBank
-
-    model = _model(style)
-    infos, _ = find_moe_layers(model)
-    experts = {}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for tokens in _batches():
-        loss = model.loss(tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    for info in infos:
-        bank = ExpertBank(info.experts)
-        for e in range(bank.num_experts):
-            experts[(info.name, e)] = [t.detach().clone() for t in bank.chunk(info.experts, e)]
-    return losses, zoo.dense_params(model, _is_expert(style)), experts
-
-
-def _train(rank: int, world_size: int, style: str, policy: str):
-    model = themis_compile.optimize(_model(style), themis_compile.ThemisConfig(policy=policy, **CONFIG),
-                                    strict=True)
-    runtime = themis_compile.api.runtime_of(model)
-    assert sorted(runtime.layers) == LAYERS
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = global_losses(model, opt, _batches(), _loss)
-    delta_p = [sum(s.delta_p for s in runtime.stats if s.iteration == step) for step in range(STEPS)]
-    owned = {(name, e): [t.detach().clone() for t in chunk]
-             for name, experts in runtime.layers.items() for e, chunk in experts.local_chunks().items()}
-    attr = runtime.layer_infos[LAYERS[0]].experts_attr
-    return losses, zoo.dense_params(model, _is_expert(style, attr)), owned, delta_p
+def _is_expert(style: str):
+    return lambda n: any(f".moe.{a}." in n for a in LISTS[style])
 
 
 def _ranks(rank: int, world_size: int, cases):
     torch.set_num_threads(1)
-    return [_train(rank, world_size, style, policy) for style, policy in cases]
+    return [train(lambda: _model(style), policy, LAYERS) for style, policy in cases]
 
 
 @pytest.mark.parametrize("style", sorted(BLOCKS))
@@ -225,25 +178,11 @@ def test_parallel_lists_train_like_one_process_on_2_ranks():
     from themis_compile.testing.multirank import run_multirank
 
     cases = [(style, policy) for style in sorted(BLOCKS) for policy in POLICIES]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        references = {style: _reference(style) for style in BLOCKS}
-    finally:
-        torch.set_num_threads(threads)
+    references = {style: reference(lambda: _model(style), _is_expert(style)) for style in BLOCKS}
     results = run_multirank(_ranks, 2, args=(cases,), timeout_s=180)
     for i, (style, policy) in enumerate(cases):
-        per_rank = [r[i] for r in results]
-        for r in per_rank:
-            # Each rank owns some of every layer's experts, not all: they are sharded.
-            assert all(0 < sum(n == name for n, _ in r[2]) < E for name in LAYERS), (style, policy, sorted(r[2]))
-        try:
-            assert_equivalent(references[style], per_rank)
-        except AssertionError as err:
-            raise AssertionError(f"{style} under {policy}: {err}") from err
-        delta_p = per_rank[0][3]
-        if policy != "ep":
-            assert any(d > 0 for d in delta_p), f"{style} under {policy}: no replica was made ({delta_p})"
+        check_sharded_and_equal(references[style], [r[i] for r in results], LAYERS, E, f"{style} under {policy}",
+                                replicas=policy != "ep")
 
 
 def test_random_code_between_the_lists_stays_rejected():
@@ -280,13 +219,13 @@ def _checkpointed(rank: int, world_size: int, style: str, path: str):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
     model, opt = build()
-    full_losses = global_losses(model, opt, _batches(), _loss, save=save, save_at=SAVE_AT)
+    full_losses = global_losses(model, opt, batches(), loss, save=save, save_at=SAVE_AT)
     full = full_state_dict(model)
     resumed, opt2 = build()
     model_sd, optim_sd = get_state_dict(resumed, opt2)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(resumed, opt2, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    losses = global_losses(resumed, opt2, _batches(), _loss, SAVE_AT)
+    losses = global_losses(resumed, opt2, batches(), loss, SAVE_AT)
     return full_losses, losses, full, full_state_dict(resumed), sorted(model_sd)
 
 
@@ -299,7 +238,7 @@ def test_checkpoint_and_export_in_the_users_keys(style, tmp_path):
     reference = _model(style)
     unmodified_keys = list(reference.state_dict())
     opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    for tokens in _batches():
+    for tokens in batches():
         reference.loss(tokens).backward()
         opt.step()
         opt.zero_grad()

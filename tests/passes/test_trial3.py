@@ -12,7 +12,9 @@
   nor rejected, so ``explain`` said nothing of it; then rejected with the reason; now sharded (entry e of
   each list joined into expert e, ``rewrite == "parallel-lists"``, tests/passes/test_style_parallel_lists.py);
 - ``GShardMoE`` (top-2 by argmax with a capacity and token dropping by position, stacked ``wi`` / ``wo``
-  of the block itself, einsum dispatch / combine): was rejected with no reason in ``explain``;
+  of the block itself, einsum dispatch / combine): was rejected with no reason in ``explain``; then with the
+  reason; now sharded (its weights and the code applying them on the capacity buffer moved into an experts
+  child, ``rewrite == "own-weights"``, docs/detection.md);
 - ``TitanGroupedMMMoE`` (torchtitan's ``MoE`` as it is now: ``torch.histc`` counts, a float vector,
   handed to ``GroupedExperts`` running ``torch._grouped_mm`` with cumulative offsets; a shared expert):
   the float counts were not read as counts, so the layer was rejected ("called as experts(Tensor[16, 32],
@@ -239,8 +241,11 @@ def _reference(style: str):
         bank = ExpertBank(module)
         for e in range(bank.num_experts):
             experts[(info.name, e)] = [t.detach().clone() for t in bank.chunk(module, e)]
-    prefixes = tuple(f"{i.name}.{a}." for i in infos for a in (
-        (i.plan.first, i.plan.second) if i.rewrite == "parallel-lists" else (i.experts_attr,)))
+    # Expert parameters of the unmodified model: the lists' entries, the block's own stacked weights, or the experts'.
+    prefixes = tuple(p for i in infos for p in (
+        (f"{i.name}.{i.plan.first}.", f"{i.name}.{i.plan.second}.") if i.rewrite == "parallel-lists"
+        else tuple(f"{i.name}.{w}" for w in i.plan.names) if i.rewrite == "own-weights"
+        else (f"{i.name}.{i.experts_attr}.",)))
     return losses, zoo.dense_params(model, lambda n: n.startswith(prefixes)), experts
 
 
@@ -276,7 +281,7 @@ def _in_sync(rank: int, world_size: int, style: str) -> tuple[list[str], bool]:
 
 TRAINED = [("research_dataclass", "themis"), ("research_dataclass", "ep"), ("gshard", "themis"),
            ("parallel_lists", "themis"), ("titan_grouped_mm", "themis")]
-DATA_PARALLEL = ("gshard",)     # rejected: trained data-parallel
+DATA_PARALLEL = ()     # blocks rejected, trained data-parallel (none left)
 
 
 def _ranks(rank: int, world_size: int):
@@ -318,11 +323,14 @@ def test_expert_choice_routing_is_rejected_with_the_reason(style):
     assert "exactly k experts" in text
 
 
-def test_gshard_inline_stacked_weights_are_rejected_with_the_reason():
+def test_gshard_inline_stacked_weights_are_found():
+    """Once rejected ("stacked parameters of the block itself"): its capacity buffer [E, C, H] (the dispatch
+    einsum's result) is what its weights are applied to, expert e on buf[e]: the own-weights rewrite, read on a
+    probe (``int(math.ceil(...))`` of the token count stops FX)."""
     text = themis_compile.explain(_model("gshard"))
-    assert text.startswith("0 MoE layer(s) found"), text
-    assert "rejected layers.0.moe: its expert weights are stacked parameters of the block itself" in text, text
-    assert "wi [4, 32, 32], wo [4, 32, 32]" in text
+    assert text.startswith("2 MoE layer(s) found"), text
+    assert "layers.0.moe: 4 experts (own-weights, 'experts'), top-2" in text, text
+    assert "the block's own code on wi, wo (buf [E, C, H]) -> [E, C, H]" in text, text
 
 
 def test_parallel_expert_lists_are_found():
@@ -340,8 +348,8 @@ def test_grouped_mm_experts_with_histc_counts_are_found():
 
 
 def test_trial_blocks_train_like_one_process_on_2_ranks():
-    """One process group: the dataclass, parallel-lists and torchtitan grouped-mm blocks sharded (themis, ep)
-    and the GShard block left data-parallel train like one process on the whole batch; the expert-choice block is left
+    """One process group: the dataclass, GShard (own weights), parallel-lists and torchtitan grouped-mm blocks
+    sharded (themis, ep) train like one process on the whole batch; the expert-choice block is left
     data-parallel (its routing depends on the whole batch, so only that is checked: the ranks stay in sync)."""
     from themis_compile.testing.multirank import run_multirank
 

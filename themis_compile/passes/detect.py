@@ -104,6 +104,9 @@ from themis_compile.passes.fx_graph import (TensorMeta, TracedBlock, ancestors, 
                                             trace_block_with_method_leaves, variable_selection_reason)
 from themis_compile.passes.joined import (JoinedPlan, describe_between, free_attribute, record_between,
                                           row_mixing_reason)
+from themis_compile.passes.own_weights import (OwnWeightsPlan, ServedOwnWeightsExperts, WeightsRecorder,
+                                               WeightUses, apply_own_weights, own_stacked_weights,
+                                               own_weights_region, region_module, replace_region)
 from themis_compile.passes.parallel_lists import apply_parallel_lists, parallel_lists_plan
 from themis_compile.passes.probe import (ExampleInputs, ExpertsStandIn, NOT_CALLED, PROBE_SEED, preserved_state,
                                          probe_input, record_inputs, recorded_call, recorded_inputs, run_probe)
@@ -663,6 +666,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         return found
     if reject is not None:
         raise reject
+    if (found := _own_weights_layer(name, module)) is not None:
+        return found
     if (why := inline_expert_weights_reason(module)) is not None:
         raise _Reject(why)
     if (found := _parallel_lists_layer(name, module)) is not None:
@@ -670,6 +675,124 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
     if (why := parallel_expert_lists_reason(module)) is not None:
         raise _Reject(why)
     return None
+
+
+def _recorded_routing(rec: Any) -> tuple[str, str]:
+    """(score functions, selections) of the calls recorded on a probe, as a router description says them."""
+    return ("+".join(dict.fromkeys(rec.scores)) or "none",
+            ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)")
+
+
+def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """The layer of a block (an MoE block or a whole decoder layer) that holds its experts as stacked
+    ``[E, ...]`` parameters of its own and applies them inline (:mod:`themis_compile.passes.own_weights`):
+    the code applying them, read off its FX graph, moves with them into an experts child called per slot or
+    per row (``rewrite == "own-weights"``). None when the block holds no such weights or does not run on
+    probe hidden states; raises _Reject naming the step that failed when it holds them next to a router
+    of their width and selects on a probe."""
+    found = own_stacked_weights(module)
+    if found is None:
+        return None
+    router_name, E, H, names = found
+    try:
+        x = probe_input(module, H)
+        rec = record_calls(module, x)
+    except Exception:  # noqa: BLE001 - not a block run on hidden states
+        return None
+    if not (rec.ks or rec.top1):
+        return None
+    shapes = ", ".join(f"{n} {list(module._parameters[n].shape)}" for n in names)
+    head = (f"its expert weights are stacked parameters of the block itself ({shapes}, {E} experts scored by "
+            f"'{router_name}')")
+    attr = free_attribute(module)
+    forwards, constants, parts = {}, {}, None
+    for training in (True, False):
+        try:
+            traced = trace_block(module, nn.Module(), training=training)
+            record_meta(traced, module, x)
+        except Exception as exc:  # noqa: BLE001 - FX stops at data-dependent code (int(counts.max()))
+            traced_why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            plan, why = _recorded_own_weights_plan(module, names, attr, x, H, E, rec)
+            if plan is None:
+                raise _Reject(f"{head}; step 1 (trace the forward to find the code applying them) failed "
+                              f"({traced_why}), and {why}") from None
+            parts = None
+            break
+        region, why = own_weights_region(traced, names, H)
+        if region is None:
+            raise _Reject(f"{head}; step 2 (find the code applying them, from the selected ids to one value per "
+                          f"token and slot) failed: {why}")
+        nodes, inputs, y, form = region
+        region_gm = region_module(traced, nodes, inputs, y)
+        if parts is not None and (region_gm.code != parts[0].code or form != parts[1]):
+            raise _Reject(f"{head}; step 2 failed: the code applying them differs between train and eval mode")
+        parts = parts or (region_gm, form, traced.meta[y].shape, traced.meta[inputs[1]].shape)
+        gm = replace_region(traced, nodes, inputs, y, attr)
+        forwards[training] = type(gm).forward
+        for n in gm.graph.nodes:
+            owner, _, leaf = n.target.rpartition(".") if n.op == "get_attr" else ("", "", "")
+            if n.op == "get_attr" and not hasattr(module.get_submodule(owner), leaf):
+                constants[n.target] = getattr(gm, n.target)   # a tensor constant the tracer lifted out
+    T = x.shape[:-1].numel()
+    if parts is not None:
+        region_gm, form, y_shape, ids_shape = parts
+        K = int(ids_shape[1]) if form == "per-slot" else max(1, int(ids_shape[0]) // T)
+        plan = OwnWeightsPlan(attr=attr, names=names, form=form, region=region_gm, forwards=forwards,
+                              constants=constants, out_middle=tuple(y_shape[1:-1]) if form == "per-row" else (),
+                              top_k=K, order=tuple(module._parameters))
+    K, form = plan.top_k, plan.form
+    # Step 3: the block with its weights moved equals the original on the probe, and each expert run alone
+    # (as the runtime runs it) equals the moved code.
+    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    trial = copy.deepcopy(module, shared)
+    apply_own_weights(trial, plan)
+    for training in (True, False):
+        if not _outputs_close(run_probe(module, x, training=training), run_probe(trial, x, training=training)):
+            raise _Reject(f"{head}; step 3 (the code moved into an experts module) failed: the block so rewritten "
+                          f"differs from the original on a probe ({'train' if training else 'eval'} mode)")
+    experts = plan.experts_of(trial)
+    experts.__class__ = ServedOwnWeightsExperts
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    x_TH = torch.randn(T, H, generator=g).to(x)
+    ids_TK = torch.randint(0, E, (T, K), generator=g).to(x.device)
+    weights_TK = torch.rand(T, K, generator=g).to(x)
+    if (why := combine_mismatch(experts, x_TH, ids_TK, weights_TK, E)) is not None:
+        raise _Reject(f"{head}; step 3 (each expert alone) failed: {why}")
+    scores, selection = _recorded_routing(rec)
+    call = {"per-slot": "(x [T, H], ids [T, K]) -> [T, K, H]", "per-row": "(rows [N, H], ids [N]) -> [N, H]",
+            "expert-batched": "(buf [E, C, H]) -> [E, C, H], expert e on buf[e], recorded on a probe"}[form]
+    return MoELayerInfo(
+        name=name, module=module, num_experts=E, top_k=K, experts_form="own-weights",
+        router=(f"'{router_name}' [E={E}, H={H}]: scores {scores}, selection {selection}, {K} slot(s) per token "
+                f"seen at the code applying the stacked weights"),
+        activation=f"the block's own code on {', '.join(names)} {call}", shared_experts=False,
+        experts_attr=attr, rewrite="own-weights", router_path=router_name,
+        score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=x.dim() == 2, plan=plan)
+
+
+def _recorded_own_weights_plan(module: nn.Module, names: tuple[str, ...], attr: str, x: torch.Tensor, H: int,
+                               E: int, rec: Any) -> tuple[OwnWeightsPlan | None, str]:
+    """The expert-batched reading of a block FX cannot trace (:class:`~themis_compile.passes.own_weights.
+    WeightsRecorder`): (plan, "") or (None, why not)."""
+    weights = {n: module._parameters[n] for n in names}
+    counter = WeightUses(weights)
+    with counter:
+        run_probe(module, x, training=True)
+    recorder = WeightsRecorder(weights, counter.count)
+    with recorder:
+        run_probe(module, x, training=True)
+    region = recorder.finish()
+    if region is None:
+        return None, f"step 2 (record the code applying them on a probe) failed: {recorder.reason}"
+    xs, ys = recorder.x_shape, recorder.y_shape
+    if not (len(xs) == 3 and xs[0] == E and xs[-1] == H and ys == xs):
+        return None, (f"step 2 (record the code applying them on a probe) failed: it maps {list(xs)} to {list(ys)}, "
+                      f"not a buffer [E={E}, C, {H}] of every expert's rows to one of the same shape")
+    return OwnWeightsPlan(attr=attr, names=names, form="expert-batched", region=region, forwards=None, constants={},
+                          out_middle=(), top_k=min(E, rec.ks[-1] if rec.ks else max(1, rec.top1)),
+                          order=tuple(module._parameters),
+                          uses=counter.count,
+                          specs=tuple((n, tuple(w.shape), w.dtype) for n, w in weights.items())), ""
 
 
 def _parallel_lists(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, tuple[str, nn.Module]] | None:
@@ -739,8 +862,7 @@ def _parallel_lists_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     T = x.shape[:-1].numel()
     K = min(E, max(1, -(-captured_rows(trial, attr, x, PROBE_SEED) // T)))
     rec = record_calls(module, x)
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     plan = dataclasses.replace(plan, replay=replay_plan)
     return MoELayerInfo(
         name=name, module=module, num_experts=E, top_k=K, experts_form="parallel-lists",
@@ -990,8 +1112,7 @@ def _flattened_call_layer(name: str, module: nn.Module, child: _ExpertsChild, ca
     rec = record_calls(module, x)
     K = int(ids_TK.shape[1])
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     expert0 = expert_modules(experts)[0] if expert_modules(experts) else experts
     if bank.flat:      # (DBRX: the activation lives on the module holding the flat weights)
         expert0 = next((m for m in experts.modules() if _named_activation(m)), experts)
@@ -1284,8 +1405,7 @@ def _all_rows_layer(name: str, module: nn.Module, child: _ExpertsChild, x_NH: to
                           f"view), {why}: the experts module does not run its rows expert-major, each row by "
                           "its expert alone; view the rows [E, T, H] in its forward")
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     reading = (f"the nonzero rows, top-{K} per token (zero rows stay 0 in value and gradient)" if plan.sparse
                else f"every row, K = E = {E} (not only the nonzero ones: {why_plain})")
     return MoELayerInfo(
@@ -1320,8 +1440,7 @@ def _moduledict_replay_layer(name: str, module: nn.Module, child: _ExpertsChild,
     K = min(E, max(1, -(-captured_rows(module, child.attr, x, PROBE_SEED) // T)))
     rec = record_calls(module, x)
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     return MoELayerInfo(
         name=name, module=module, num_experts=E, top_k=K, experts_form="moduledict",
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
@@ -1365,8 +1484,7 @@ def _scores_call_layer(name: str, module: nn.Module, child: _ExpertsChild, plan:
     rec = record_calls(module, x)
     K = int(ids_TK.shape[1])
     router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-    scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-    selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+    scores, selection = _recorded_routing(rec)
     return MoELayerInfo(
         name=name, module=module, num_experts=E, top_k=K, experts_form="flat" if bank.flat else child.form,
         router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, top-{K} ids "
@@ -1465,8 +1583,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
                     K, rewrite = int(calls[0][1].shape[1]), "per-slot"
                     seen = f"top-{K} ids seen at the experts call"
                 router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-                scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-                selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+                scores, selection = _recorded_routing(rec)
                 return MoELayerInfo(
                     name=name, module=module, num_experts=E, top_k=K, experts_form=child.form,
                     router=(f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
@@ -1496,8 +1613,7 @@ def _inspect_by_behaviour(name: str, module: nn.Module) -> MoELayerInfo | None:
             rec = record_calls(module, x)
             E, K = ExpertBank(child.module).num_experts, int(ids_TK.shape[1])
             router_path, width, H_router = next((r for r in routers if r[1] == E), (None, E, H))
-            scores = "+".join(dict.fromkeys(rec.scores)) or "none"
-            selection = ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)"
+            scores, selection = _recorded_routing(rec)
             router_text = (f"'{router_path}' [E={width}, H={H_router}]: scores {scores}, selection {selection}, "
                            f"top-{K} ids seen at the experts call (behaviour)")
             expert0 = child.module[0] if child.form == "modulelist" else child.module

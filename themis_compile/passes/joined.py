@@ -63,11 +63,11 @@ from themis_compile.runtime.experts import NUM_EXPERTS_ATTRS
 
 # --- Step 1: the code between the two calls -----------------------------------------------------------
 
-_VALUE_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+VALUE_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
                 torch.Tensor.__float__, torch.Tensor.__index__}
 
 
-def _in_place(func: Any, kwargs: dict) -> bool:
+def in_place_call(func: Any, kwargs: dict) -> bool:
     """Whether ``func`` writes into its input: ``mul_``, ``__iadd__``, ``inplace=True`` (``F.relu``,
     ``F.dropout``); a function that returns its input untouched (dropout with p = 0) is not."""
     name = getattr(func, "__name__", "")
@@ -103,11 +103,11 @@ class BetweenRecorder(TorchFunctionMode):
                 self.reason = (f"{name} uses a tensor {list(untracked[0].shape)} that is not computed from the first "
                                "half's rows (a parameter of the block, a routing value)")
             elif func is torch.Tensor.__setitem__ or (
-                    any(out is v for v in flat if isinstance(v, torch.Tensor)) and _in_place(func, kwargs)):
+                    any(out is v for v in flat if isinstance(v, torch.Tensor)) and in_place_call(func, kwargs)):
                 self.reason = f"{name} modifies rows in place"
             elif any(out is v for v in flat if isinstance(v, torch.Tensor)):
                 return out      # returns its input as it is (dropout in eval mode or with p = 0): nothing to replay
-            elif func in _VALUE_READS:
+            elif func in VALUE_READS:
                 # Python control flow on the rows' values would be replayed as the probe took it.
                 self.reason = f"{name} reads values of the rows into Python (a branch or a count on them)"
         if self.reason is not None or not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
