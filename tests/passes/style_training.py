@@ -145,3 +145,66 @@ def check_explained(build: Callable, num_layers: int, *fragments: str) -> None:
     assert text.startswith(f"{num_layers} MoE layer(s) found"), text
     for fragment in fragments:
         assert fragment in text, (fragment, text)
+
+
+SAVE_AT = 3
+
+
+def _checkpointed(rank: int, world_size: int, build: Callable, path: str):
+    """Train with a checkpoint (``themis_compile.checkpoint`` + DCP) before step SAVE_AT, resume a fresh
+    optimized model from it; the losses of both, the full state dict of each, and the keys the rank's
+    checkpoint view holds."""
+    import torch.distributed.checkpoint as dcp
+
+    from themis_compile.checkpoint import full_state_dict, get_state_dict, set_state_dict
+
+    def optimized():
+        model = themis_compile.optimize(build(), themis_compile.ThemisConfig(policy="themis", reshard_interval=2,
+                                                                             **CONFIG), strict=True)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def save(model, opt):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+    model, opt = optimized()
+    full_losses = global_losses(model, opt, batches(), loss, save=save, save_at=SAVE_AT)
+    full = full_state_dict(model)
+    resumed, opt2 = optimized()
+    model_sd, optim_sd = get_state_dict(resumed, opt2)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(resumed, opt2, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    losses = global_losses(resumed, opt2, batches(), loss, SAVE_AT)
+    return full_losses, losses, full, full_state_dict(resumed), sorted(model_sd)
+
+
+def _atol(key: str) -> float:
+    # The key projection's bias shifts every score of a query alike: softmax cancels it, its gradient is
+    # rounding noise that AdamW scales to full steps, so its value is compared with 10 such steps.
+    return 10 * LR if key.endswith("qkv.bias") else 5e-4
+
+
+def checkpoint_resumes_in_the_users_keys(build: Callable, tmp_path) -> None:
+    """On 2 gloo ranks (themis, re-sharding every 2 steps): torch.distributed.checkpoint through
+    themis_compile.checkpoint holds the user's keys (each rank its own experts, together all of them) and
+    resumes the run exactly; the full state dict is the unmodified model's keys in order, its values those
+    of one process trained on the whole batch."""
+    from themis_compile.testing.multirank import run_multirank
+
+    reference_model = build()
+    unmodified_keys = list(reference_model.state_dict())
+    opt = torch.optim.AdamW(reference_model.parameters(), lr=LR)
+    for tokens in batches():
+        reference_model.loss(tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    results = run_multirank(_checkpointed, 2, args=(build, str(tmp_path / "ckpt")), timeout_s=180)
+    full_losses, losses, full, resumed_full, saved_keys = results[0]
+    assert set().union(*(r[4] for r in results)) == set(unmodified_keys)
+    for r in results:
+        for a, b in zip(r[1], r[0][SAVE_AT:]):
+            assert abs(a - b) <= 1e-6 * abs(b), (r[1], r[0])
+    assert list(full) == unmodified_keys and list(resumed_full) == unmodified_keys
+    for key, value in reference_model.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-4, atol=_atol(key), msg=key)
+        torch.testing.assert_close(resumed_full[key], full[key], rtol=0, atol=1e-6, msg=key)

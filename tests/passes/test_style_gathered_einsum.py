@@ -15,7 +15,8 @@ import functools
 
 from tests.passes import style_models
 from tests.passes.style_models import E, K
-from tests.passes.style_training import check_explained, check_own_weights_rewrite, trains_like_one_process
+from tests.passes.style_training import (check_explained, check_own_weights_rewrite,
+                                         checkpoint_resumes_in_the_users_keys, trains_like_one_process)
 
 STYLE = "gathered_einsum"
 LAYERS = style_models.LAYERS[STYLE]
@@ -39,3 +40,7 @@ def test_trains_like_one_process_on_2_ranks():
 
 def test_trains_like_one_process_on_2_nodes_of_2():
     trains_like_one_process(build, is_expert, LAYERS, E, 4, ("themis",), devices_per_node=2)
+
+
+def test_checkpoint_resumes_in_the_users_keys(tmp_path):
+    checkpoint_resumes_in_the_users_keys(build, tmp_path)

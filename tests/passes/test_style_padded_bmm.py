@@ -23,7 +23,8 @@ import torch.nn.functional as F
 import themis_compile
 from tests.passes import style_models, zoo_models as zoo
 from tests.passes.style_models import E, K, PaddedBmmMoE
-from tests.passes.style_training import check_explained, check_own_weights_rewrite, trains_like_one_process
+from tests.passes.style_training import (check_explained, check_own_weights_rewrite,
+                                         checkpoint_resumes_in_the_users_keys, trains_like_one_process)
 
 STYLE = "padded_bmm"
 LAYERS = style_models.LAYERS[STYLE]
@@ -74,3 +75,7 @@ def test_code_that_cannot_be_an_expert_stays_data_parallel_with_the_step_named()
             "them) failed") in text, text
     assert ("step 2 (record the code applying them on a probe) failed: TensorBase.__float__ reads values computed "
             "from the stacked weights into Python") in text, text
+
+
+def test_checkpoint_resumes_in_the_users_keys(tmp_path):
+    checkpoint_resumes_in_the_users_keys(build, tmp_path)

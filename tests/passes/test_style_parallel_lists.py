@@ -20,6 +20,8 @@ per step, dense parameters and every expert at the end), with the router skewed 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,9 +30,8 @@ from torch import nn
 import themis_compile
 from tests.passes import zoo_models as zoo
 from tests.passes.test_trial3 import ParallelListsMoE
-from tests.passes.style_training import (CONFIG, LR, POLICIES, batches, check_sharded_and_equal, loss, reference,
-                                         train)
-from tests.runtime.equivalence import global_losses
+from tests.passes.style_training import (CONFIG, LR, POLICIES, batches, check_sharded_and_equal,
+                                         checkpoint_resumes_in_the_users_keys, loss, reference, train)
 
 H, FFN, E, K = zoo.H, zoo.FFN, zoo.E, zoo.K
 SKEW = 3.0
@@ -199,61 +200,8 @@ def test_random_code_between_the_lists_stays_rejected():
     assert "are spread over parallel ModuleLists 'up' (4 x Linear), 'down' (4 x Linear)" in text, text
 
 
-SAVE_AT = 3
-
-
-def _checkpointed(rank: int, world_size: int, style: str, path: str):
-    """Train with a checkpoint (``themis_compile.checkpoint`` + DCP) before step SAVE_AT, resume a fresh
-    optimized model from it; the full state dict of each, and the keys the checkpoint holds."""
-    import torch.distributed.checkpoint as dcp
-
-    from themis_compile.checkpoint import full_state_dict, get_state_dict, set_state_dict
-
-    def build():
-        model = themis_compile.optimize(_model(style), themis_compile.ThemisConfig(policy="themis", reshard_interval=2,
-                                                                                   **CONFIG), strict=True)
-        return model, torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def save(model, opt):
-        model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-
-    model, opt = build()
-    full_losses = global_losses(model, opt, batches(), loss, save=save, save_at=SAVE_AT)
-    full = full_state_dict(model)
-    resumed, opt2 = build()
-    model_sd, optim_sd = get_state_dict(resumed, opt2)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(resumed, opt2, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    losses = global_losses(resumed, opt2, batches(), loss, SAVE_AT)
-    return full_losses, losses, full, full_state_dict(resumed), sorted(model_sd)
-
-
 @pytest.mark.parametrize("style", ["sorted_split"])
 def test_checkpoint_and_export_in_the_users_keys(style, tmp_path):
     """torch.distributed.checkpoint through themis_compile.checkpoint holds the user's keys and resumes the
     run exactly; the full state dict is the unmodified model's, equal to one process's training."""
-    from themis_compile.testing.multirank import run_multirank
-
-    reference = _model(style)
-    unmodified_keys = list(reference.state_dict())
-    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    for tokens in batches():
-        reference.loss(tokens).backward()
-        opt.step()
-        opt.zero_grad()
-    results = run_multirank(_checkpointed, 2, args=(style, str(tmp_path / "ckpt")), timeout_s=180)
-    full_losses, losses, full, resumed_full, saved_keys = results[0]
-    # The ranks' views hold the user's keys (each rank its own experts), together all of them.
-    assert set().union(*(r[4] for r in results)) == set(unmodified_keys)
-    assert all(set(r[4]) < set(unmodified_keys) for r in results)
-    for r in results:
-        for a, b in zip(r[1], r[0][SAVE_AT:]):
-            assert abs(a - b) <= 1e-6 * abs(b), (r[1], r[0])
-    assert list(full) == unmodified_keys and list(resumed_full) == unmodified_keys
-    for key, value in reference.state_dict().items():
-        # The key projection's bias shifts every score of a query alike: softmax cancels it, its gradient is
-        # rounding noise that AdamW scales to full steps, so its value is compared with 10 such steps.
-        atol = 10 * LR if key.endswith("qkv.bias") else 5e-4
-        torch.testing.assert_close(full[key], value, rtol=1e-4, atol=atol, msg=key)
-        torch.testing.assert_close(resumed_full[key], full[key], rtol=0, atol=1e-6, msg=key)
+    checkpoint_resumes_in_the_users_keys(functools.partial(_model, style), tmp_path)

@@ -48,6 +48,8 @@ output width.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -396,3 +398,22 @@ def apply_joined(block: nn.Module, plan: JoinedPlan, layer: str = "") -> None:
     block._themis_layer = layer
     block.register_state_dict_post_hook(JoinedKeys(plan.attr, (plan.first, plan.second), loading=False))
     block.register_load_state_dict_pre_hook(JoinedKeys(plan.attr, (plan.first, plan.second), loading=True))
+
+
+# --- The keys of rewritten blocks ---------------------------------------------------------------------
+# Rewrites that move a block's experts into a child keep the user's state-dict keys by hooks. Torch's
+# sharded state-dict functions look tensors up by module path; inside `internal_keys` the hooks leave the
+# keys as the module paths, and `passes.parallel_lists.to_user_keys` renames afterwards.
+_INTERNAL_KEYS = contextvars.ContextVar("themis_internal_keys", default=False)
+
+
+@contextlib.contextmanager
+def internal_keys():
+    """Within it, state dicts of rewritten blocks keep the joined experts' module paths as keys."""
+    token = _INTERNAL_KEYS.set(True)
+    try:
+        yield
+    finally:
+        _INTERNAL_KEYS.reset(token)
+
+

@@ -57,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from themis_compile.passes.fx_graph import TensorMeta, TracedBlock, ancestors, descendants, is_inplace
-from themis_compile.passes.joined import VALUE_READS, in_place_call
+from themis_compile.passes.joined import _INTERNAL_KEYS, VALUE_READS, in_place_call
 
 __all__ = ["OwnWeightsExperts", "OwnWeightsPlan", "own_stacked_weights", "own_weights_region", "apply_own_weights",
            "PerRowCall", "OwnWeightsKeys", "ServedOwnWeightsExperts",
@@ -284,21 +284,27 @@ def block_forward_class(base: type, plan: OwnWeightsPlan) -> type:
 
 
 class OwnWeightsKeys:
-    """A state-dict hook: the experts' keys ``<block>.<attr>.<name>`` are the user's ``<block>.<name>`` when
-    saving (``loading=False``), in the user's order of the block's own parameters (``order``), and back when
-    loading."""
+    """A state-dict hook: the experts' keys ``<block>.<attr>.<name>[.<rest>]`` are the user's
+    ``<block>.<name>[.<rest>]`` when saving (``loading=False``), in the user's order of the block's own
+    parameters (``order``), and back when loading. ``<rest>``: what a flattened optimizer state dict adds
+    (``.exp_avg``). Inside ``passes.joined.internal_keys`` the hook leaves the keys as they are."""
 
     def __init__(self, attr: str, names: tuple[str, ...], loading: bool, order: tuple[str, ...] = ()) -> None:
         self.attr, self.names, self.loading, self.order = attr, names, loading, order
         alt = "|".join(map(re.escape, names))
-        self._inner = re.compile(rf"^{re.escape(attr)}\.({alt})$")
-        self._outer = re.compile(rf"^({alt})$")
+        self._inner = re.compile(rf"^{re.escape(attr)}\.({alt})((?:\..+)?)$")
+        self._outer = re.compile(rf"^({alt})((?:\..+)?)$")
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        if not _INTERNAL_KEYS.get():
+            self.apply(state_dict, prefix)
+
+    def apply(self, state_dict: dict, prefix: str) -> None:
+        """Rename the keys under ``prefix`` of ``state_dict`` in place (see the class)."""
         if self.loading:
             for key in [k for k in state_dict if k.startswith(prefix)]:
                 if m := self._outer.match(key[len(prefix):]):
-                    state_dict[f"{prefix}{self.attr}.{m[1]}"] = state_dict.pop(key)
+                    state_dict[f"{prefix}{self.attr}.{m[1]}{m[2]}"] = state_dict.pop(key)
             return
         # Saving: the block's own parameters where and in the order the user's block has them (first).
         items = list(state_dict.items())
@@ -306,16 +312,21 @@ class OwnWeightsKeys:
         for i, (k, _) in enumerate(items):
             rest = k[len(prefix):] if k.startswith(prefix) else None
             if rest is not None and (m := self._inner.match(rest)):
-                own[i] = m[1]
+                own[i] = m[1] + m[2]
             elif rest in self.order:
                 own[i] = rest
-        if not any(name in self.names for name in own.values()):
+        if not any(name.split(".")[0] in self.names for name in own.values()):
             return
         at = next(i for i, (k, _) in enumerate(items) if k.startswith(prefix))
+
+        def rank(j: int) -> tuple:
+            name = own[j].split(".")[0]
+            return (self.order.index(name) if name in self.order else len(self.order), j)
+
         state_dict.clear()
         for i, (k, v) in enumerate(items):
             if i == at:
-                for j in sorted(own, key=lambda j: self.order.index(own[j])):
+                for j in sorted(own, key=rank):
                     state_dict[prefix + own[j]] = items[j][1]
             if i not in own:
                 state_dict[k] = v

@@ -37,8 +37,6 @@ Shape suffixes: N rows, H hidden size, W ``up``'s output width, E experts.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -47,7 +45,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from themis_compile.passes.joined import BetweenRecorder, row_mixing_reason
+from themis_compile.passes.joined import _INTERNAL_KEYS, BetweenRecorder, internal_keys, row_mixing_reason
+from themis_compile.passes.own_weights import OwnWeightsKeys
 
 
 # --- The experts -------------------------------------------------------------------------------------
@@ -298,24 +297,16 @@ class ListsKeys:
 # (``<block>.<attr>.<e>.<list>.<name>``: they check state-dict keys against parameter names), and the user's
 # key swaps two of its parts, which no ``_fqn_modifiers`` can express. So within `internal_keys` the hooks
 # stand aside, and `to_user_keys` renames the results of those functions afterwards (and back before a load).
-_INTERNAL_KEYS = contextvars.ContextVar("themis_parallel_lists_internal_keys", default=False)
-
-
-@contextlib.contextmanager
-def internal_keys():
-    """Within it, state dicts of rewritten blocks keep the joined experts' module paths as keys."""
-    token = _INTERNAL_KEYS.set(True)
-    try:
-        yield
-    finally:
-        _INTERNAL_KEYS.reset(token)
-
-
 def _joined_blocks(model: nn.Module) -> list[tuple[str, ParallelListsPlan]]:
     """(key prefix without wrapper names, plan) of every rewritten block in ``model``."""
+    return _rewritten_blocks(model, "_themis_parallel_lists")
+
+
+def _rewritten_blocks(model: nn.Module, plan_attr: str) -> list[tuple[str, Any]]:
+    """(key prefix without wrapper names, plan) of every block of ``model`` whose class holds ``plan_attr``."""
     out = []
     for path, module in model.named_modules():
-        plan = getattr(type(module), "_themis_parallel_lists", None)
+        plan = getattr(type(module), plan_attr, None)
         if plan is not None:
             fqn = ".".join(part for part in path.split(".") if part not in ("_orig_mod", "_checkpoint_wrapped_module"))
             out.append((f"{fqn}." if fqn else "", plan))
@@ -328,6 +319,10 @@ def to_user_keys(model: nn.Module, state_dict: dict, *, heads: Sequence[str] = (
     module paths to the user's keys, or back with ``loading=True``."""
     for prefix, plan in _joined_blocks(model):
         hook = ListsKeys(plan.attr, (plan.first, plan.second), loading)
+        for head in heads:
+            hook.apply(state_dict, head + prefix)
+    for prefix, plan in _rewritten_blocks(model, "_themis_own_weights"):
+        hook = OwnWeightsKeys(plan.attr, plan.names, loading, order=plan.order)
         for head in heads:
             hook.apply(state_dict, head + prefix)
 
