@@ -164,3 +164,16 @@ def test_explain_reports_layers_and_rejections():
     short = themis_compile.explain(model)
     assert "moe: 4 experts (stacked" in short and "rejected odd: router 'gate' scores 6" in short
     assert SEARCHED in explain_moe_layers(zoo.DenseModel())
+
+
+def test_a_block_whose_hidden_size_equals_the_expert_count_is_not_its_parents_experts():
+    """H == E: the MoE block (router Linear(16 -> 16), stacked [16, 16, 16] experts) has every parameter
+    leading with 16, like stacked experts; it is the layer, and its decoder block is no rejected candidate
+    (whose warning would say experts stay dense while they are sharded)."""
+    import themis_compile
+    from themis_compile.models import build_model
+
+    model = build_model("tiny-moe", d_model=16, n_heads=2, d_ffn=16, n_layers=2, num_experts=16, top_k=2,
+                        vocab_size=64, seq_len=16, experts_form="stacked")
+    text = themis_compile.explain(model)
+    assert text.startswith("2 MoE layer(s) found") and "rejected" not in text, text

@@ -166,9 +166,17 @@ def _experts_children(module: nn.Module) -> list[_ExpertsChild]:
             continue
         if isinstance(child, nn.ModuleList) and len(child) >= 2 and all(is_mlp_like(c) for c in child):
             found.append(_ExpertsChild(attr, child, len(child), "modulelist"))
-        elif (E := _stacked_width(child) or _stacked_width_with_shared(child)) is not None:
+        elif (E := _stacked_width(child) or _stacked_width_with_shared(child)) is not None \
+                and not _holds_stacked_experts(child, E):
             found.append(_ExpertsChild(attr, child, E, "stacked"))
     return found
+
+
+def _holds_stacked_experts(child: nn.Module, num_experts: int) -> bool:
+    """Whether a module below ``child`` holds E stacked experts itself: then ``child`` is an MoE block (its
+    router's width and the hidden size may both be E: ``Linear(16 -> 16)`` beside ``[16, 16, 16]`` experts),
+    inspected as a candidate of its own, not the experts of its parent."""
+    return any(_stacked_width(m) == num_experts for _, m in child.named_modules() if m is not child)
 
 
 def _stacked_width_with_shared(m: nn.Module) -> int | None:

@@ -374,12 +374,14 @@ class _Groups:
                  layout_E: ChunkLayout | Sequence[ChunkLayout]) -> None:
         D = node_ids.size
         expert_X, device_X = np.divmod(added_X, D)
-        if isinstance(layout_E, ChunkLayout):
-            psi_X = np.full(added_X.size, layout_E.nbytes, dtype=np.int64)
+        if isinstance(layout_E, ChunkLayout):        # one layout: no per-pair sizes
+            psi_X = None
+            if not layout_E.nbytes:
+                expert_X, device_X = expert_X[:0], device_X[:0]
         else:
             psi_X = np.array([layout_E[e].nbytes for e in expert_X.tolist()], dtype=np.int64)
-        keep_X = psi_X > 0
-        expert_X, device_X, psi_X = expert_X[keep_X], device_X[keep_X], psi_X[keep_X]
+            keep_X = psi_X > 0
+            expert_X, device_X, psi_X = expert_X[keep_X], device_X[keep_X], psi_X[keep_X]
         # Flat ids ascend by expert, then device; nodes are runs of devices: groups are runs of (e, node).
         key_X = expert_X * (int(node_ids.max(initial=0)) + 1) + node_ids[device_X]
         first_G = np.flatnonzero(np.r_[True, key_X[1:] != key_X[:-1]]) if key_X.size else np.zeros(0, np.int64)
@@ -387,7 +389,8 @@ class _Groups:
         self.start_G = np.r_[first_G, key_X.size].astype(np.int64)
         self.device_X = device_X
         self.owner_G = np.asarray(owners_E, dtype=np.int64)[self.expert_G]
-        self.prior_D = np.bincount(self.owner_G, weights=psi_X[first_G], minlength=D)
+        self.prior_D = np.bincount(self.owner_G, minlength=D) * float(layout_E.nbytes) if psi_X is None else \
+            np.bincount(self.owner_G, weights=psi_X[first_G], minlength=D)
         self.num_stages = 0 if not first_G.size else 2 if (np.diff(self.start_G) > 1).any() else 1
 
     def __len__(self) -> int:
