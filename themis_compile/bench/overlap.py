@@ -71,7 +71,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-class _CollectiveClock:
+class CollectiveClock:
     """Per-kind total (creation -> completion) and exposed (blocked in wait) seconds of sparse collectives."""
 
     def __init__(self) -> None:
@@ -109,6 +109,13 @@ class _CollectiveClock:
     def restore(self) -> None:
         cls = self.C.SparseCollectiveHandle
         cls.__init__, cls._run, cls.wait = self._orig
+
+    def per_step(self, steps: int) -> dict[str, dict[str, float]]:
+        """Per kind (SpAG, SpRS): milliseconds per step in flight, exposed (waited for) and hidden."""
+        s = self.summary()
+        return {name: {"in_flight": s[short]["total_s"] * 1e3 / steps, "exposed": s[short]["exposed_s"] * 1e3 / steps,
+                       "hidden": (s[short]["total_s"] - s[short]["exposed_s"]) * 1e3 / steps, "count": s[short]["count"]}
+                for name, short in (("SpAG", "spag"), ("SpRS", "sprs"))}
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -205,7 +212,7 @@ def _bench_rank(rank: int, world_size: int, settings: dict[str, Any]) -> dict[st
     from themis_compile.runtime import profiling
 
     torch.set_num_threads(1)
-    clock = _CollectiveClock()
+    clock = CollectiveClock()
     try:
         # Step 1: profile T_attn on the scheduled model's first steps, and bw on the process group.
         model, cfg, _ = _build(settings, world_size, schedule=True)
