@@ -556,7 +556,8 @@ class _PolicyRun:
             clock.restore()
             for h in handles:
                 h.remove()
-        prof.export_chrome_trace(os.path.join(trace_dir, f"step_{self.policy}_rank{self.rank}.json"))
+        suffix = f"_{self.args.workload}" if getattr(self.args, "workload_list", None) else ""
+        prof.export_chrome_trace(os.path.join(trace_dir, f"step_{self.policy}{suffix}_rank{self.rank}.json"))
         torch.distributed.barrier()
         self.overlap = clock.per_step(n)
         # Our ranges, and FSDP2's own per-phase ranges (not their per-module copies "FSDP::x (blocks.0)").
@@ -687,7 +688,53 @@ def _one_workload(args: argparse.Namespace, policies: list[str], rank: int, worl
             if p in pol:
                 out["ratios"][f"{p}_over_uniform"] = pol[p]["step_time_s"] / pol["uniform"]["step_time_s"]
     out.update(_against_the_ideal(pol))
+    if args.trace and any(v.get("phases_ms_per_step") for v in pol.values()):
+        name = f"breakdown_{args.workload}.png" if args.workload_list else "breakdown.png"
+        out["breakdown_plot"] = plot_breakdown(pol, os.path.join(args.trace, name),
+                                               f"Where a step goes: workload {args.workload or args.skew}")
     return out
+
+
+def plot_breakdown(pol: dict, path: str, title: str) -> str | None:
+    """A horizontal stacked bar per policy of its ``phases_ms_per_step`` (`runtime.profiling.step_phases`
+    order, one colour per phase, the rest grey), SpAG / SpRS hidden behind compute noted per policy;
+    written to ``path`` (PNG). None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    import numpy as np
+
+    from themis_compile.runtime.profiling import OTHER_PHASE, step_phases
+
+    profiled = {p: v["phases_ms_per_step"] for p, v in pol.items() if v.get("phases_ms_per_step")}
+    order = step_phases()
+    phases = [name for name in order if any(name in b for b in profiled.values())]
+    labels = []
+    for p, v in pol.items():
+        if p not in profiled:
+            continue
+        hidden = {k: c["hidden"] for k, c in (v.get("collectives_ms_per_step") or {}).items() if c["count"]}
+        note = ", ".join(f"{k} hidden {ms:.1f} ms" for k, ms in hidden.items())
+        labels.append(f"{p} (rest {v['rest_fraction']:.0%}" + (f"; {note})" if note else ")"))
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.6 * len(profiled)))
+    cmap = plt.get_cmap("tab20")
+    left = np.zeros(len(profiled))
+    for phase in phases:
+        ms = np.array([b.get(phase, 0.0) for b in profiled.values()])
+        color = "lightgray" if phase == OTHER_PHASE else cmap(order.index(phase) % 20)
+        ax.barh(labels, ms, left=left, label=phase, color=color)
+        left += ms
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per step (rank 0, profiled steps)", title=title)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _against_the_ideal(pol: dict) -> dict:

@@ -397,6 +397,8 @@ ROUTER_RANGE = "themis::router"              # a MoE block's forward: the gate a
 MOE_RUNTIME_RANGE = "themis::moe_runtime"    # the sharded experts' forward: the runtime's own bookkeeping
 DENSE_RANGE = "themis::dense"                # embeddings, norms, head and dense MLPs outside attention and MoE
 MODEL_RANGE = "themis::model_forward"        # the model's forward (its own glue: residual adds, reshapes)
+HARNESS_RANGE = "bench::harness"             # a benchmark's own work inside a step, outside its timings
+HARNESS_PHASE = "harness (not in the timed steps)"
 
 FORWARD_KINDS = (
     ("attention", (ATTENTION_RANGE,)),
@@ -432,7 +434,7 @@ def step_phases() -> list[str]:
     kinds = [kind for kind, _ in FORWARD_KINDS]
     return ([f"forward: {k}" for k in kinds] + [COMM_PHASES[0][0], COMM_PHASES[1][0]]
             + [f"backward: {k}" for k in kinds] + [GRAD_ACCUMULATION_PHASE]
-            + [name for name, _ in COMM_PHASES[2:]] + [DENSE_FSDP2_PHASE, OTHER_PHASE])
+            + [name for name, _ in COMM_PHASES[2:]] + [DENSE_FSDP2_PHASE, HARNESS_PHASE, OTHER_PHASE])
 
 
 _FORWARD_KIND_OF = {name: kind for kind, names in FORWARD_KINDS for name in names}
@@ -448,6 +450,8 @@ def _label(event) -> str | None:
         return "kind:" + _FORWARD_KIND_OF[name]
     if name.startswith("FSDP::"):
         return DENSE_FSDP2_PHASE
+    if name == HARNESS_RANGE:
+        return HARNESS_PHASE
     if name.startswith(_EVALUATE):
         return "backward"
     if name in _REST_RANGES:
@@ -505,6 +509,10 @@ def step_breakdown(events, steps: int, step_range: str) -> dict[str, float]:
             own[id(parent)] = own.get(id(parent), 0.0) - event.time_range.elapsed_us()
     totals: dict[str, float] = {}
     for event, label in inside:
+            if label == "backward" and "AccumulateGrad" not in event.name and kind_of_seq.get(getattr(event, "sequence_nr", -1)) is None or label == OTHER_PHASE:
+                rest[event.name] = rest.get(event.name, 0.0) + own[id(event)]
+        open("/tmp/perf/rest.txt", "a").write("REST " + repr(sorted(((round(v / 1e3 / steps, 2), k) for k, v in rest.items()), reverse=True)[:12]) + "\n")
+    for event, label in inside:
         if label == "backward":
             if "AccumulateGrad" in event.name:
                 label = GRAD_ACCUMULATION_PHASE
@@ -533,7 +541,9 @@ def annotate_step(model: nn.Module, moe_blocks: Sequence[nn.Module] = (), expert
     handles: list = []
 
     def mark(module: nn.Module, name: str) -> None:
-        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: ranges.enter(id(m), name)))
+        # First in and last out: the range holds the module's other hooks too.
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: ranges.enter(id(m), name),
+                                                        prepend=True))
         handles.append(module.register_forward_hook(lambda m, a, o: ranges.exit(id(m)), always_call=True))
 
     blocks, expert_modules = list(moe_blocks), list(experts)
