@@ -509,10 +509,6 @@ def step_breakdown(events, steps: int, step_range: str) -> dict[str, float]:
             own[id(parent)] = own.get(id(parent), 0.0) - event.time_range.elapsed_us()
     totals: dict[str, float] = {}
     for event, label in inside:
-            if label == "backward" and "AccumulateGrad" not in event.name and kind_of_seq.get(getattr(event, "sequence_nr", -1)) is None or label == OTHER_PHASE:
-                rest[event.name] = rest.get(event.name, 0.0) + own[id(event)]
-        open("/tmp/perf/rest.txt", "a").write("REST " + repr(sorted(((round(v / 1e3 / steps, 2), k) for k, v in rest.items()), reverse=True)[:12]) + "\n")
-    for event, label in inside:
         if label == "backward":
             if "AccumulateGrad" in event.name:
                 label = GRAD_ACCUMULATION_PHASE
