@@ -100,18 +100,21 @@ def test_apply_budgets_sets_t_and_m_on_the_layers_that_take_them():
                                                                      b["l0"].materialization_budget)
 
 
+def _busy(seconds: float) -> None:
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def test_phase_breakdown_counts_each_range_once_where_outermost():
     """Nested ranges count towards the outer phase; what no phase covers is the rest of the step; the
     phases add up to the step. (Lower bounds only: a busy loop takes at least its time, on a loaded
     machine more.)"""
-    import time
-
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    def busy(seconds):
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+    busy = _busy
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(2):
@@ -138,14 +141,9 @@ def test_phase_breakdown_counts_each_range_once_where_outermost():
 def test_phase_breakdown_splits_the_rest_by_the_parts_of_the_step():
     """Within the step's forward, backward and optimizer ranges, what no phase covers is that part's own
     compute; only what lies outside every part is the rest of the step; the phases still add up."""
-    import time
-
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    def busy(seconds):
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+    busy = _busy
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("step"):
@@ -221,14 +219,9 @@ def test_step_breakdown_splits_forward_and_backward_by_kind_and_leaves_little_re
 
 def test_step_breakdown_counts_the_runtime_ranges_and_their_nesting():
     """Collective starts and waits are their own phases inside any kind; each instant counts once."""
-    import time
-
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    def busy(seconds):
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+    busy = _busy
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("step"):
