@@ -113,9 +113,11 @@ class CollectiveClock:
     def per_step(self, steps: int) -> dict[str, dict[str, float]]:
         """Per kind (SpAG, SpRS): milliseconds per step in flight, exposed (waited for) and hidden."""
         s = self.summary()
-        return {name: {"in_flight": s[short]["total_s"] * 1e3 / steps, "exposed": s[short]["exposed_s"] * 1e3 / steps,
-                       "hidden": (s[short]["total_s"] - s[short]["exposed_s"]) * 1e3 / steps, "count": s[short]["count"]}
-                for name, short in (("SpAG", "spag"), ("SpRS", "sprs"))}
+        out = {}
+        for name, short in (("SpAG", "spag"), ("SpRS", "sprs")):
+            total, exposed = s[short]["total_s"] * 1e3 / steps, s[short]["exposed_s"] * 1e3 / steps
+            out[name] = {"in_flight": total, "exposed": exposed, "hidden": total - exposed, "count": s[short]["count"]}
+        return out
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

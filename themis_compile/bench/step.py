@@ -826,8 +826,8 @@ def _format_one(out: dict) -> str:
         for kind in ("SpAG", "SpRS"):
             cells = [pol[p].get("collectives_ms_per_step", {}).get(kind) for p in names]
             if any(c and c["count"] for c in cells):
-                lines.append(f"| {kind} in flight / hidden | " + " | ".join(
-                    "" if not c or not c["count"] else f"{c['in_flight']:.1f} / {c['hidden']:.1f}" for c in cells) + " |")
+                shown = ["" if not c or not c["count"] else f"{c['in_flight']:.1f} / {c['hidden']:.1f}" for c in cells]
+                lines.append(f"| {kind} in flight / hidden | " + " | ".join(shown) + " |")
     phases = sorted({k for v in pol.values() for k in v.get("phase_ms_per_step", {})})
     if phases:
         names = list(pol)

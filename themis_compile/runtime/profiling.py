@@ -11,6 +11,10 @@
   overlap.
 - `phase_breakdown` turns a profile of training steps into milliseconds per step and phase (plan + SpAG,
   dispatch, experts, combine, ...), each range counted once, where it is outermost.
+- `annotate_step` marks a model's modules (attention, MoE blocks, experts, embeddings/norms/head) with
+  profiler ranges, and `step_breakdown` splits profiled steps into forward and backward by those kinds
+  (a backward node counted by the forward op that created it), the sparse collectives' starts and exposed
+  waits, the optimizer, re-sharding and FSDP2, adding up to the step with a small rest.
 
 `runtime/budgets.py` drives them and turns their result into t and m (`cost_model.profile.budgets`).
 """
@@ -471,8 +475,7 @@ def step_breakdown(events, steps: int, step_range: str) -> dict[str, float]:
         phase time = Σ own(e) over the labelled events inside the step ranges, by label
     """
     inside: list = []               # (event, label) of labelled events within a step range
-    kind_of_seq: dict[int, str] = {}
-    step_us = 0.0
+    kind_of_seq: dict[int, str | None] = {}
     for event in events:
         chain, in_step, in_backward = [], False, False
         parent = event.cpu_parent
@@ -482,7 +485,6 @@ def step_breakdown(events, steps: int, step_range: str) -> dict[str, float]:
             in_backward = in_backward or parent.name.startswith(_EVALUATE) or parent.name == BACKWARD_RANGE
             parent = parent.cpu_parent
         if event.name == step_range:
-            step_us += event.time_range.elapsed_us()
             inside.append((event, OTHER_PHASE))
             continue
         if not in_step:
