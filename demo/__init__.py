@@ -54,8 +54,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from themis_compile.models.data import build_corpus, sample_batch, stdlib_sources
-from themis_compile.runtime.profiling import (BACKWARD_RANGE, FORWARD_RANGE, OPTIMIZER_RANGE, OTHER_PHASE, PART_PHASES,
-                                              PHASES)
+from themis_compile.runtime.profiling import (BACKWARD_RANGE, FORWARD_RANGE, OPTIMIZER_RANGE, OTHER_PHASE,
+                                              step_phases)
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
     from themis_compile.api import runtime_of
     from themis_compile.models import build_model, lm_loss
     from themis_compile.runtime.ep import ShardedExperts
-    from themis_compile.runtime.profiling import phase_breakdown
+    from themis_compile.runtime.profiling import annotate_step, step_breakdown
 
     torch.manual_seed(args.seed)
     model = build_model(args.model, router_skew=args.router_skew,
@@ -301,6 +301,7 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
             if step >= args.steps:
                 # The breakdown's steps: after the timed ones, under the profiler (which slows them).
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                marks = annotate_step(model, blocks, [b.experts for b in blocks])
                 with _quiet_stderr():
                     prof.start()
             t0 = time.perf_counter()
@@ -317,7 +318,9 @@ def _train_policy(policy: str, args: argparse.Namespace, corpus: np.ndarray, ran
             if prof is not None:
                 with _quiet_stderr():
                     prof.stop()
-                phases.append(phase_breakdown(prof.events(), 1, STEP_RANGE))
+                for handle in marks:
+                    handle.remove()
+                phases.append(step_breakdown(prof.events(), 1, STEP_RANGE))
                 yield
                 continue
             # One all-gather carries both losses and this rank's per-layer routing counts.
@@ -542,12 +545,12 @@ def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
     if profiled:
         phases = _phase_order(profiled.values())
         fig, ax = plt.subplots(figsize=(9, 1.2 + 0.6 * len(profiled)))
-        colors = plt.get_cmap("tab10").colors
+        colors = plt.get_cmap("tab20").colors
         left = np.zeros(len(profiled))
         for phase in phases:
             ms = np.array([p.get(phase, 0.0) for p in profiled.values()])
             # A phase keeps its colour whichever phases a run has.
-            color = "lightgray" if phase == OTHER_PHASE else colors[[n for n, _ in PHASES + PART_PHASES].index(phase) % len(colors)]
+            color = "lightgray" if phase == OTHER_PHASE else colors[step_phases().index(phase) % len(colors)]
             ax.barh(list(profiled), ms, left=left, label=phase, color=color)
             left += ms
         ax.invert_yaxis()
@@ -561,10 +564,11 @@ def _plot(out: Path, runs: dict[str, dict]) -> list[str]:
 
 
 def _phase_order(breakdowns) -> list[str]:
-    """Every phase that any policy reports, in the order of a step (`PHASES`, then the parts' own compute
-    of `PART_PHASES`), the rest of the step last."""
+    """Every phase that any policy reports, in the order of a step (`runtime.profiling.step_phases`: the
+    forward by kind, the SpAG start and wait, the backward by kind, SpRS, optimizer, re-shard, FSDP2), the
+    rest of the step last."""
     seen = {name for b in breakdowns for name in b}
-    return [name for name, _ in PHASES + PART_PHASES if name in seen] + [OTHER_PHASE]
+    return [name for name in step_phases() if name in seen and name != OTHER_PHASE] + [OTHER_PHASE]
 
 
 def format_summary(summary: dict[str, Any], out: Path) -> str:
@@ -587,9 +591,9 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
     profiled = {p: s["phase_ms_per_step"] for p, s in summary["policies"].items() if s.get("phase_ms_per_step")}
     if profiled:
         lines.append("breakdown, ms per step (rank 0, profiled steps; breakdown.png):")
-        lines.append(f"{'phase':>22} " + " ".join(f"{p:>9}" for p in profiled))
+        lines.append(f"{'phase':>40} " + " ".join(f"{p:>9}" for p in profiled))
         for phase in _phase_order(profiled.values()):
-            lines.append(f"{phase:>22} " + " ".join(f"{b[phase]:9.1f}" if phase in b else f"{'-':>9}"
+            lines.append(f"{phase:>40} " + " ".join(f"{b[phase]:9.1f}" if phase in b else f"{'-':>9}"
                                                     for b in profiled.values()))
     for policy, diff in summary.get("loss_max_rel_diff", {}).items():
         verdict = "coincide" if summary["loss_coincide"][policy] else "DIFFER"

@@ -99,7 +99,7 @@ def _metrics(policy: str, losses: list[float], delta_p=None) -> dict:
 def test_summary_compares_exact_policies_and_plots(tmp_path):
     (tmp_path / "metrics_ep.json").write_text(json.dumps(_metrics("ep", [4.0, 3.0, 2.0, 1.0])))
     themis = _metrics("themis", [4.0, 3.0, 2.0, 1.00001], delta_p=[3, 2, 2, 1])
-    themis["phase_ms_per_step"] = {"plan + SpAG": 2.0, "experts (forward)": 30.0, "rest of the step": 50.0}
+    themis["phase_ms_per_step"] = {"SpAG start (plan, post)": 2.0, "forward: experts": 30.0, "rest of the step": 50.0}
     (tmp_path / "metrics_themis.json").write_text(json.dumps(themis))
     (tmp_path / "metrics_uniform.json").write_text(json.dumps(_metrics("uniform", [4.0, 2.5, 2.0, 1.5])))
     (tmp_path / "metrics_themis-rm.json").write_text(json.dumps({"policy": "themis-rm", "skipped": "why"}))
@@ -116,7 +116,7 @@ def test_summary_compares_exact_policies_and_plots(tmp_path):
     assert s["skipped"] == {"themis-rm": "why"}
     for name in ("loss.png", "imbalance.png", "delta_p.png", "breakdown.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-    assert s["policies"]["themis"]["phase_ms_per_step"]["experts (forward)"] == 30.0
+    assert s["policies"]["themis"]["phase_ms_per_step"]["forward: experts"] == 30.0
     assert s["policies"]["ep"]["phase_ms_per_step"] == {}
     text = demo.format_summary(s, tmp_path)
     assert "coincide" in text and "themis-rm skipped: why" in text
@@ -170,11 +170,13 @@ def test_demo_runs_under_torchrun(tmp_path, capsys):
         assert (out / name).stat().st_size > 0
     # The profiled step's breakdown: each policy's own phases (the profiled step is not a timed one).
     phases = {p: set(summary["policies"][p]["phase_ms_per_step"]) for p in ran}
-    assert {"dispatch", "experts (forward)", "combine", "rest of the step"} <= phases["ep"]
+    for kind in ("attention", "router", "dispatch", "experts", "combine"):
+        assert {f"forward: {kind}", f"backward: {kind}"} <= phases["ep"], kind
+    assert "rest of the step" in phases["ep"]
     if "fsdp2" in ran:
-        assert "dense FSDP2" in phases["fsdp2"] and "experts (forward)" not in phases["fsdp2"]
+        assert "dense FSDP2 (gather, reduce)" in phases["fsdp2"] and "forward: dispatch" not in phases["fsdp2"]
     if "themis" in ran:
-        assert {"plan + SpAG", "SpRS", "experts (forward)"} <= phases["themis"]
+        assert {"SpAG start (plan, post)", "SpRS start", "forward: experts"} <= phases["themis"]
     assert "tokens/s" in printed and "ep" in printed
     if "themis" in ran:
         # Same model, seed and data: Themis trains exactly what EP trains.

@@ -11,6 +11,7 @@ import themis_compile
 from themis_compile.api import runtime_of
 from themis_compile.bench import step
 from themis_compile.bench.models import MODELS, build_bench_model, router_skew_bias
+from themis_compile.runtime.profiling import step_phases
 from themis_compile.testing import run_multirank
 
 DEMO_TRACE = Path(__file__).resolve().parents[1] / "sim" / "data" / "demo_trace.jsonl"
@@ -72,8 +73,22 @@ def test_step_benchmark_reports_every_policy_with_trace(tmp_path):
     for policy, v in pol.items():
         phases = v["phases_ms_per_step"]
         assert math.isclose(sum(phases.values()), v["phase_ms_per_step"]["bench::step"], rel_tol=1e-6), policy
-    assert {"plan + SpAG", "SpRS", "experts (forward)"} <= set(pol["themis"]["phases_ms_per_step"])
-    assert "dense FSDP2" in pol["fsdp2"]["phases_ms_per_step"]
+    # The breakdown has no large rest: forward and backward split by kind, the sparse collectives' starts
+    # and exposed waits, the optimizer; SpAG / SpRS in flight beside it, split into exposed and hidden.
+    themis = pol["themis"]["phases_ms_per_step"]
+    for kind in ("attention", "router", "dispatch", "experts", "combine"):
+        assert f"forward: {kind}" in themis and f"backward: {kind}" in themis, kind
+    assert {"SpAG start (plan, post)", "SpAG exposed (wait)", "SpRS start", "SpRS exposed (wait)",
+            "optimizer step"} <= set(themis)
+    for kind in ("SpAG", "SpRS"):
+        c = pol["themis"]["collectives_ms_per_step"][kind]
+        assert c["count"] > 0 and c["in_flight"] >= c["hidden"] >= 0
+    assert pol["ep"]["collectives_ms_per_step"]["SpAG"]["count"] == 0
+    assert {"forward: experts", "dense FSDP2 (gather, reduce)"} <= set(pol["fsdp2"]["phases_ms_per_step"])
+    for policy, v in pol.items():
+        assert set(v["phases_ms_per_step"]) <= set(step_phases()), policy
+        assert v["rest_fraction"] < 0.10, (policy, v["phases_ms_per_step"])
+    assert (tmp_path / "breakdown.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_step_benchmark_rejects_unknown_skew():

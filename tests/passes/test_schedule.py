@@ -285,3 +285,81 @@ def test_schedule_model_without_layers_raises():
         assert "optimize" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+# ------------------------------------------------------------------------------- the runtime's end of the fence
+class _Handle:
+    def __init__(self, name: str, done: bool) -> None:
+        self.name, self.done = name, done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class _Layer:
+    """Enough of an FSSDP layer for `FSSDPExperts.wait_reduction`: the shared pending list."""
+
+    def __init__(self, state, taken: list) -> None:
+        self.state, self.taken = state, taken
+
+    def accumulate_reduced(self, handle) -> None:
+        self.taken.append(handle.name)
+
+
+def test_fence_takes_a_finished_reduction_and_leaves_one_in_flight():
+    """At the end of attention l's backward the fence blocks on nothing: a finished SpRS of l is accumulated
+    there, one in flight (and every later one of l, so that .grad sums them in issue order) is left to the
+    end of the backward; other layers' reductions are not touched."""
+    from types import SimpleNamespace
+
+    from themis_compile.runtime.fssdp import FSSDPExperts
+
+    taken: list = []
+    state = SimpleNamespace(pending=[])
+    layer, other = _Layer(state, taken), _Layer(state, taken)
+    h1, h2, h3, h4 = _Handle("l1", True), _Handle("other", True), _Handle("l3", False), _Handle("l4", True)
+    state.pending = [(layer, h1), (other, h2), (layer, h3), (layer, h4)]
+    FSSDPExperts.wait_reduction(layer)
+    assert taken == ["l1"]
+    assert state.pending == [(other, h2), (layer, h3), (layer, h4)]
+    h3.done = True
+    FSSDPExperts.wait_reduction(layer)
+    assert taken == ["l1", "l3", "l4"] and state.pending == [(other, h2)]
+
+
+def _background_jobs_rank(rank: int, world: int) -> dict:
+    import themis_compile
+    from themis_compile.models.gpt_moe import GPTMoE, MoEModelConfig, lm_loss
+    from themis_compile.runtime import collectives
+
+    torch.manual_seed(0)
+    model = GPTMoE(MoEModelConfig(d_model=16, n_heads=2, n_layers=2, d_ffn=16, num_experts=4, top_k=2, seq_len=8,
+                                  vocab_size=16, experts_form="stacked", router_skew=4.0))
+    out = {}
+    for budget in (0, 2):      # no replica may be added / replicas of the skewed experts
+        m = themis_compile.optimize(copy.deepcopy(model), themis_compile.ThemisConfig(
+            policy="themis", overlap_degree=budget, materialization_budget=budget, cost_benefit=False,
+            reshard_interval=0))
+        assert S.schedule_of(m) is not None and S.schedule_of(m).layers
+        submitted = []
+        submit = collectives._GroupWorker.submit
+        collectives._GroupWorker.submit = lambda self, job: (submitted.append(job), submit(self, job))[1]
+        try:
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(3):
+                tokens = torch.randint(0, 16, (2, 8), generator=g)
+                lm_loss(m(tokens), tokens).backward()
+        finally:
+            collectives._GroupWorker.submit = submit
+        out[budget] = len(submitted)
+    return out
+
+
+def test_nothing_to_hide_costs_no_background_work():
+    """With the pass on and no replica to gather (budgets 0), no SpAG or SpRS job reaches the collectives'
+    background thread: nothing competes with the attention the pass would hide it behind. With replicas,
+    jobs do run there (the check can fail)."""
+    from themis_compile.testing import run_multirank
+
+    for jobs in run_multirank(_background_jobs_rank, 2):
+        assert jobs[0] == 0 and jobs[2] > 0, jobs

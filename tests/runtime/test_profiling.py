@@ -100,18 +100,21 @@ def test_apply_budgets_sets_t_and_m_on_the_layers_that_take_them():
                                                                      b["l0"].materialization_budget)
 
 
+def _busy(seconds: float) -> None:
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def test_phase_breakdown_counts_each_range_once_where_outermost():
     """Nested ranges count towards the outer phase; what no phase covers is the rest of the step; the
     phases add up to the step. (Lower bounds only: a busy loop takes at least its time, on a loaded
     machine more.)"""
-    import time
-
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    def busy(seconds):
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+    busy = _busy
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(2):
@@ -138,14 +141,9 @@ def test_phase_breakdown_counts_each_range_once_where_outermost():
 def test_phase_breakdown_splits_the_rest_by_the_parts_of_the_step():
     """Within the step's forward, backward and optimizer ranges, what no phase covers is that part's own
     compute; only what lies outside every part is the rest of the step; the phases still add up."""
-    import time
-
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    def busy(seconds):
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+    busy = _busy
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("step"):
@@ -170,4 +168,82 @@ def test_phase_breakdown_splits_the_rest_by_the_parts_of_the_step():
     assert got[parts[profiling.BACKWARD_RANGE]] >= 30.0 and got[parts[profiling.OPTIMIZER_RANGE]] >= 10.0
     assert got[profiling.OTHER_PHASE] < got[parts[profiling.BACKWARD_RANGE]]
     step_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.name == "step") / 1e3
+    assert sum(got.values()) == pytest.approx(step_ms)
+
+
+def _profiled_steps(model, steps: int, seq_len: int = 32):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    blocks = model.moe_layers()
+    handles = profiling.annotate_step(model, blocks, [b.experts for b in blocks])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 16, (4, seq_len))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                with record_function("step"):
+                    with record_function(profiling.FORWARD_RANGE):
+                        loss = lm_loss(model(tokens), tokens)
+                    with record_function(profiling.BACKWARD_RANGE):
+                        loss.backward()
+                    with record_function(profiling.OPTIMIZER_RANGE):
+                        opt.step()
+                        opt.zero_grad()
+    finally:
+        for h in handles:
+            h.remove()
+    return prof
+
+
+def test_step_breakdown_splits_forward_and_backward_by_kind_and_leaves_little_rest():
+    """A short training run under the profiler: every kind of compute the model has appears in forward and
+    in backward (a backward node counted by the forward op that made it), the optimizer step is its own
+    phase, the phases add up to the step, and the rest of the step is below 10 %."""
+    torch.manual_seed(0)
+    model = GPTMoE(MoEModelConfig(d_model=64, n_heads=4, n_layers=2, d_ffn=128, num_experts=4, top_k=2,
+                                  seq_len=32, vocab_size=16, experts_form="stacked"))
+    _profiled_steps(model, 1)                       # warm-up outside the profile
+    prof = _profiled_steps(model, 2)
+    got = profiling.step_breakdown(prof.events(), 2, "step")
+    for kind in ("attention", "router", "experts", "dense (embeddings, norms, head)", "loss"):
+        assert got.get(f"forward: {kind}", 0.0) > 0, kind
+        assert got.get(f"backward: {kind}", 0.0) > 0, kind
+    assert got["optimizer step"] > 0 and got[profiling.GRAD_ACCUMULATION_PHASE] > 0
+    assert set(got) <= set(profiling.step_phases())
+    step_ms = sum(e.time_range.elapsed_us() for e in prof.events() if e.name == "step") / 1e3 / 2
+    assert sum(got.values()) == pytest.approx(step_ms)
+    assert got[profiling.OTHER_PHASE] < 0.10 * step_ms, got
+    # The hooks are gone: a later forward records no range.
+    assert not model._forward_pre_hooks and not model.blocks[0].attn._forward_pre_hooks
+
+
+def test_step_breakdown_counts_the_runtime_ranges_and_their_nesting():
+    """Collective starts and waits are their own phases inside any kind; each instant counts once."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    busy = _busy
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("step"):
+            with record_function(profiling.FORWARD_RANGE):
+                with record_function(profiling.ROUTER_RANGE):
+                    busy(0.004)
+                    with record_function(profiling.MOE_RUNTIME_RANGE):
+                        with record_function("themis::spag_wait"):
+                            busy(0.006)
+                        with record_function("themis::experts"):
+                            busy(0.008)
+            with record_function(profiling.OPTIMIZER_RANGE):
+                with record_function("themis::reshard"):
+                    busy(0.005)
+                busy(0.003)
+    got = profiling.step_breakdown(prof.events(), 1, "step")
+    assert got["SpAG exposed (wait)"] >= 6.0 and got["forward: experts"] >= 8.0
+    assert got["forward: router"] >= 4.0 and got["re-shard"] >= 5.0 and got["optimizer step"] >= 3.0
+    def ms(name):
+        return sum(e.time_range.elapsed_us() for e in prof.events() if e.name == name) / 1e3
+
+    # the nested ranges are not counted twice: the router's own time is its range less the runtime's
+    assert got["forward: router"] == pytest.approx(ms(profiling.ROUTER_RANGE) - ms(profiling.MOE_RUNTIME_RANGE))
+    step_ms = ms("step")
     assert sum(got.values()) == pytest.approx(step_ms)

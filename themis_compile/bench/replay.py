@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from themis_compile.runtime.profiling import HARNESS_RANGE
 from themis_compile.sim.traces import RoutingTrace, read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -163,13 +164,17 @@ class TraceReplay:
 
     def _hook(self, layer: int, router):
         def fit(block, args) -> None:
-            t0 = time.perf_counter()
-            x_TH = args[0].detach().reshape(-1, args[0].shape[-1])
-            T = x_TH.shape[0]
-            counts_E = target_counts(self.target_shares(self.step, layer, local=True), T * self.top_k, T)
-            with torch.no_grad():
-                bias_E = fit_router_bias(router.logits(x_TH), counts_E, self.top_k)
-                router.router_bias.copy_(bias_E.to(router.router_bias.dtype))
-            self.fit_seconds += time.perf_counter() - t0
+            with torch.profiler.record_function(HARNESS_RANGE):
+                self._fit(layer, router, args)
 
         return fit
+
+    def _fit(self, layer: int, router, args) -> None:
+        t0 = time.perf_counter()
+        x_TH = args[0].detach().reshape(-1, args[0].shape[-1])
+        T = x_TH.shape[0]
+        counts_E = target_counts(self.target_shares(self.step, layer, local=True), T * self.top_k, T)
+        with torch.no_grad():
+            bias_E = fit_router_bias(router.logits(x_TH), counts_E, self.top_k)
+            router.router_bias.copy_(bias_E.to(router.router_bias.dtype))
+        self.fit_seconds += time.perf_counter() - t0

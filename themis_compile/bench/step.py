@@ -539,19 +539,32 @@ class _PolicyRun:
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        from themis_compile.runtime.profiling import phase_breakdown
+        from themis_compile.bench.overlap import CollectiveClock
+        from themis_compile.runtime.profiling import annotate_step, step_breakdown
 
         n = self.args.trace_steps
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for i in range(n):
-                self.step(first_step + i, timed=False)
-        prof.export_chrome_trace(os.path.join(trace_dir, f"step_{self.policy}_rank{self.rank}.json"))
+        blocks = [r.block for r in self.bench.routers]
+        experts = [b.experts for b in blocks if isinstance(getattr(b, "experts", None), torch.nn.Module)]
+        handles = annotate_step(self.model, blocks, experts)
+        clock = CollectiveClock()
+        try:
+            clock.enabled = True
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for i in range(n):
+                    self.step(first_step + i, timed=False)
+        finally:
+            clock.restore()
+            for h in handles:
+                h.remove()
+        suffix = f"_{self.args.workload}" if getattr(self.args, "workload_list", None) else ""
+        prof.export_chrome_trace(os.path.join(trace_dir, f"step_{self.policy}{suffix}_rank{self.rank}.json"))
         torch.distributed.barrier()
+        self.overlap = clock.per_step(n)
         # Our ranges, and FSDP2's own per-phase ranges (not their per-module copies "FSDP::x (blocks.0)").
         ranges = {e.key: e.cpu_time_total / 1e3 / n for e in prof.key_averages()
                   if e.key.startswith(("themis::", "bench::"))
                   or (e.key.startswith("FSDP::") and "(" not in e.key and " for " not in e.key)}
-        return ranges, phase_breakdown(prof.events(), n, "bench::step")
+        return ranges, step_breakdown(prof.events(), n, "bench::step")
 
 
 def _worker(args: argparse.Namespace) -> dict | None:
@@ -594,6 +607,8 @@ def _one_workload(args: argparse.Namespace, policies: list[str], rank: int, worl
     import torch
     import torch.distributed as dist
 
+    from themis_compile.runtime.profiling import OTHER_PHASE
+
     args.router_skew = _resolve_skew(args, world)
     runs = [_PolicyRun(policy, args, rank, world) for policy in policies]
     for step in range(args.warmup + args.steps):
@@ -610,6 +625,10 @@ def _one_workload(args: argparse.Namespace, policies: list[str], rank: int, worl
             ranges, phases = run.profile(args.warmup + args.steps, args.trace)
             results[run.policy]["phase_ms_per_step"] = ranges
             results[run.policy]["phases_ms_per_step"] = phases
+            results[run.policy]["rest_fraction"] = phases[OTHER_PHASE] / max(sum(phases.values()), 1e-12)
+            # SpAG / SpRS beside the step: how long they were in flight (ms per step) and how much of that
+            # the training thread waited (the "exposed (wait)" phases), the rest hidden behind compute.
+            results[run.policy]["collectives_ms_per_step"] = run.overlap
     for run in runs:
         run.close()
     results = {"policies": results, "peak_rss_bytes": _peak_rss_bytes()}
@@ -640,7 +659,7 @@ def _one_workload(args: argparse.Namespace, policies: list[str], rank: int, worl
                                               for m in mem),
             "replica_bytes_max_rank": max(m["replica_buffers_peak"] for m in mem),
         }
-        for key in ("phase_ms_per_step", "phases_ms_per_step"):
+        for key in ("phase_ms_per_step", "phases_ms_per_step", "rest_fraction", "collectives_ms_per_step"):
             if key in r0:
                 out["policies"][policy][key] = r0[key]
     pol = out["policies"]
@@ -669,7 +688,53 @@ def _one_workload(args: argparse.Namespace, policies: list[str], rank: int, worl
             if p in pol:
                 out["ratios"][f"{p}_over_uniform"] = pol[p]["step_time_s"] / pol["uniform"]["step_time_s"]
     out.update(_against_the_ideal(pol))
+    if args.trace and any(v.get("phases_ms_per_step") for v in pol.values()):
+        name = f"breakdown_{args.workload}.png" if args.workload_list else "breakdown.png"
+        out["breakdown_plot"] = plot_breakdown(pol, os.path.join(args.trace, name),
+                                               f"Where a step goes: workload {args.workload or args.skew}")
     return out
+
+
+def plot_breakdown(pol: dict, path: str, title: str) -> str | None:
+    """A horizontal stacked bar per policy of its ``phases_ms_per_step`` (`runtime.profiling.step_phases`
+    order, one colour per phase, the rest grey), SpAG / SpRS hidden behind compute noted per policy;
+    written to ``path`` (PNG). None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    import numpy as np
+
+    from themis_compile.runtime.profiling import OTHER_PHASE, step_phases
+
+    profiled = {p: v["phases_ms_per_step"] for p, v in pol.items() if v.get("phases_ms_per_step")}
+    order = step_phases()
+    phases = [name for name in order if any(name in b for b in profiled.values())]
+    labels = []
+    for p, v in pol.items():
+        if p not in profiled:
+            continue
+        hidden = {k: c["hidden"] for k, c in (v.get("collectives_ms_per_step") or {}).items() if c["count"]}
+        note = ", ".join(f"{k} hidden {ms:.1f} ms" for k, ms in hidden.items())
+        labels.append(f"{p} (rest {v['rest_fraction']:.0%}" + (f"; {note})" if note else ")"))
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.6 * len(profiled)))
+    cmap = plt.get_cmap("tab20")
+    left = np.zeros(len(profiled))
+    for phase in phases:
+        ms = np.array([b.get(phase, 0.0) for b in profiled.values()])
+        color = "lightgray" if phase == OTHER_PHASE else cmap(order.index(phase) % 20)
+        ax.barh(labels, ms, left=left, label=phase, color=color)
+        left += ms
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per step (rank 0, profiled steps)", title=title)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _against_the_ideal(pol: dict) -> dict:
@@ -749,14 +814,20 @@ def _format_one(out: dict) -> str:
         lines += [f"| {k} | {v:.3f} |" for k, v in out["ratios"].items()]
     breakdowns = {p: v["phases_ms_per_step"] for p, v in pol.items() if v.get("phases_ms_per_step")}
     if breakdowns:
-        from themis_compile.runtime.profiling import OTHER_PHASE, PART_PHASES, PHASES
+        from themis_compile.runtime.profiling import step_phases
 
         names = list(breakdowns)
         lines += ["", "| phase (ms/step, rank 0) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-        for phase in [name for name, _ in PHASES + PART_PHASES] + [OTHER_PHASE, "step"]:
+        for phase in step_phases() + ["step"]:
             cells = [sum(b.values()) if phase == "step" else b.get(phase) for b in breakdowns.values()]
             if any(c is not None for c in cells):
                 lines.append(f"| {phase} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+        lines.append("| rest / step | " + " | ".join(f"{pol[p]['rest_fraction']:.1%}" for p in names) + " |")
+        for kind in ("SpAG", "SpRS"):
+            cells = [pol[p].get("collectives_ms_per_step", {}).get(kind) for p in names]
+            if any(c and c["count"] for c in cells):
+                shown = ["" if not c or not c["count"] else f"{c['in_flight']:.1f} / {c['hidden']:.1f}" for c in cells]
+                lines.append(f"| {kind} in flight / hidden | " + " | ".join(shown) + " |")
     phases = sorted({k for v in pol.values() for k in v.get("phase_ms_per_step", {})})
     if phases:
         names = list(pol)

@@ -359,6 +359,9 @@ class _TrainableReduction:
     owned: list[int]
     num_tensors: int
 
+    def is_completed(self) -> bool:
+        return self.handle.is_completed()
+
     def wait(self) -> dict[int, list[torch.Tensor | None]]:
         reduced = self.handle.wait()
         out = {}
@@ -891,12 +894,18 @@ class FSSDPExperts(ShardedExperts):
                     p.grad = g if p.grad is None else p.grad + g
 
     def wait_reduction(self) -> None:
-        """Wait for this layer's pending SpRS now (a scheduling pass may call this early)."""
+        """Take this layer's finished SpRS now (the scheduling pass calls this at the end of the preceding
+        attention's backward): accumulate it into the owners' ``.grad``. One still in flight is not waited
+        for here: the end of the backward waits for it (only the optimizer reads these gradients, and
+        blocking here would stall the rest of the backward). A layer's reductions are taken in issue
+        order, so ``.grad`` sums them in the same order either way."""
         keep = []
+        blocked = False
         for layer, handle in self.state.pending:
-            if layer is self:
+            if layer is self and not blocked and handle.is_completed():
                 layer.accumulate_reduced(handle)
             else:
+                blocked = blocked or layer is self
                 keep.append((layer, handle))
         self.state.pending = keep
 

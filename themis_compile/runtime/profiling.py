@@ -11,6 +11,10 @@
   overlap.
 - `phase_breakdown` turns a profile of training steps into milliseconds per step and phase (plan + SpAG,
   dispatch, experts, combine, ...), each range counted once, where it is outermost.
+- `annotate_step` marks a model's modules (attention, MoE blocks, experts, embeddings/norms/head) with
+  profiler ranges, and `step_breakdown` splits profiled steps into forward and backward by those kinds
+  (a backward node counted by the forward op that created it), the sparse collectives' starts and exposed
+  waits, the optimizer, re-sharding and FSDP2, adding up to the step with a small rest.
 
 `runtime/budgets.py` drives them and turns their result into t and m (`cost_model.profile.budgets`).
 """
@@ -22,7 +26,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +40,8 @@ from themis_compile.runtime import deadline
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionProfiler", "PHASES", "annotate_attention", "export_chrome_trace", "measure_bandwidth",
+__all__ = ["AttentionProfiler", "PHASES", "annotate_attention", "annotate_step", "export_chrome_trace",
+           "measure_bandwidth", "step_breakdown", "step_phases",
            "phase_breakdown", "PART_PHASES", "FORWARD_RANGE", "BACKWARD_RANGE", "OPTIMIZER_RANGE"]
 
 
@@ -383,3 +388,187 @@ def phase_breakdown(events, steps: int, step_range: str) -> dict[str, float]:
     out.update({parts[name]: max(us, 0.0) / 1e3 / steps for name, us in part_us.items() if us > 0})
     out[OTHER_PHASE] = max(step_us / 1e3 / steps - sum(out.values()), 0.0)
     return out
+
+
+# ----------------------------------------------------------------------------------------- the step's breakdown
+# `step_breakdown` splits a profiled step into forward and backward per kind of compute (attention, router,
+# dispatch, experts, combine, ...), the sparse collectives' starts and exposed waits, FSDP2's dense
+# collectives, the optimizer step and re-sharding. The forward kinds come from ranges around modules
+# (`annotate_step`) and the runtime's own ranges; a backward node counts towards the kind of the forward op
+# that created it (the profiler records both with the autograd sequence number), so the backward needs no
+# hook of its own. Each instant of the step counts once, towards the innermost range that has a phase.
+ROUTER_RANGE = "themis::router"              # a MoE block's forward: the gate and top-k (the experts nest in it)
+MOE_RUNTIME_RANGE = "themis::moe_runtime"    # the sharded experts' forward: the runtime's own bookkeeping
+DENSE_RANGE = "themis::dense"                # embeddings, norms, head and dense MLPs outside attention and MoE
+MODEL_RANGE = "themis::model_forward"        # the model's forward (its own glue: residual adds, reshapes)
+HARNESS_RANGE = "bench::harness"             # a benchmark's own work inside a step, outside its timings
+HARNESS_PHASE = "harness (not in the timed steps)"
+
+FORWARD_KINDS = (
+    ("attention", (ATTENTION_RANGE,)),
+    ("router", (ROUTER_RANGE,)),
+    ("token counts + dispatch plan", (MOE_RUNTIME_RANGE, "themis::token_counts", "themis::calibrate",
+                                      "themis::dispatch_plan", "themis::check_routing", "themis::count_exchange",
+                                      "themis::assign_destinations")),
+    ("dispatch", ("themis::dispatch", "themis::routing_metadata", "themis::permute")),
+    ("experts", ("themis::experts",)),
+    ("combine", ("themis::combine", "themis::unpermute_combine")),
+    ("dense (embeddings, norms, head)", (DENSE_RANGE,)),
+    ("loss", (FORWARD_RANGE,)),    # what step::forward runs outside the model's forward: the loss
+)
+COMM_PHASES = (
+    ("SpAG start (plan, post)", ("themis::spag_start", "themis::plan", "themis::spag", "themis::spag_window_end",
+                                 "themis::spag_rematerialize")),
+    ("SpAG exposed (wait)", ("themis::spag_wait", "themis::spag_calibration", "themis::rematerialize_for_recompute")),
+    ("SpRS start", ("themis::sprs",)),
+    ("SpRS exposed (wait)", ("themis::sprs_wait",)),
+    ("optimizer step", (OPTIMIZER_RANGE,)),
+    ("re-shard", ("themis::reshard",)),
+)
+DENSE_FSDP2_PHASE = "dense FSDP2 (gather, reduce)"
+GRAD_ACCUMULATION_PHASE = "backward: gradient accumulation"
+# Ranges whose own time is the rest: the step's and its parts' glue (Python between the phases, the autograd
+# engine between nodes) and the model's glue.
+_REST_RANGES = (BACKWARD_RANGE, MODEL_RANGE)
+_EVALUATE = "autograd::engine::evaluate_function: "
+
+
+def step_phases() -> list[str]:
+    """Every phase `step_breakdown` may report, in order (forward kinds, the same backward, the rest)."""
+    kinds = [kind for kind, _ in FORWARD_KINDS]
+    return ([f"forward: {k}" for k in kinds] + [COMM_PHASES[0][0], COMM_PHASES[1][0]]
+            + [f"backward: {k}" for k in kinds] + [GRAD_ACCUMULATION_PHASE]
+            + [name for name, _ in COMM_PHASES[2:]] + [DENSE_FSDP2_PHASE, HARNESS_PHASE, OTHER_PHASE])
+
+
+_FORWARD_KIND_OF = {name: kind for kind, names in FORWARD_KINDS for name in names}
+_COMM_PHASE_OF = {name: phase for phase, names in COMM_PHASES for name in names}
+
+
+def _label(event) -> str | None:
+    """The phase an event's own time counts towards ("kind:..." for a forward kind), None: its parent's."""
+    name = event.name
+    if name in _COMM_PHASE_OF:
+        return _COMM_PHASE_OF[name]
+    if name in _FORWARD_KIND_OF:
+        return "kind:" + _FORWARD_KIND_OF[name]
+    if name.startswith("FSDP::"):
+        return DENSE_FSDP2_PHASE
+    if name == HARNESS_RANGE:
+        return HARNESS_PHASE
+    if name.startswith(_EVALUATE):
+        return "backward"
+    if name in _REST_RANGES:
+        return OTHER_PHASE
+    return None
+
+
+def step_breakdown(events, steps: int, step_range: str) -> dict[str, float]:
+    """Milliseconds per step of every phase of `step_phases` in ``events`` (``torch.profiler`` events of
+    ``steps`` steps, each inside a ``step_range`` range, modules marked by `annotate_step`); the phases add
+    up to the step ranges' time, `OTHER_PHASE` holding what no phase covers.
+
+    Pseudo-code:
+        kind[seq]  = forward kind of the innermost marked range around the forward op numbered seq
+        label(e)   = phase of e's range; a backward node: "backward: " + kind[its sequence number]
+        own(e)     = duration(e) - Σ duration of the nearest labelled events inside e
+        phase time = Σ own(e) over the labelled events inside the step ranges, by label
+    """
+    inside: list = []               # (event, label) of labelled events within a step range
+    kind_of_seq: dict[int, str | None] = {}
+    for event in events:
+        chain, in_step, in_backward = [], False, False
+        parent = event.cpu_parent
+        while parent is not None:
+            chain.append(parent)
+            in_step = in_step or parent.name == step_range
+            in_backward = in_backward or parent.name.startswith(_EVALUATE) or parent.name == BACKWARD_RANGE
+            parent = parent.cpu_parent
+        if event.name == step_range:
+            inside.append((event, OTHER_PHASE))
+            continue
+        if not in_step:
+            continue
+        seq = getattr(event, "sequence_nr", -1)
+        # An op records the sequence number the next autograd node will get: the last forward op with it
+        # is the one that created the node (or runs inside it).
+        if seq is not None and seq >= 0 and not in_backward and not event.name.startswith(_EVALUATE):
+            kind = next((_FORWARD_KIND_OF[p.name] for p in [event] + chain if p.name in _FORWARD_KIND_OF), None)
+            marked = next((p.name for p in [event] + chain if _label(p) is not None), None)
+            # an op whose innermost marked range is the model's glue has no kind (the rest)
+            kind_of_seq[seq] = kind if marked not in _REST_RANGES else None
+        label = _label(event)
+        if label is not None:
+            inside.append((event, label))
+    own: dict[int, float] = {}
+    labelled = {id(e) for e, _ in inside}
+    for event, _label_ in inside:
+        own[id(event)] = own.get(id(event), 0.0) + event.time_range.elapsed_us()
+        parent = event.cpu_parent
+        while parent is not None and id(parent) not in labelled:
+            parent = parent.cpu_parent
+        if parent is not None:
+            own[id(parent)] = own.get(id(parent), 0.0) - event.time_range.elapsed_us()
+    totals: dict[str, float] = {}
+    for event, label in inside:
+        if label == "backward":
+            if "AccumulateGrad" in event.name:
+                label = GRAD_ACCUMULATION_PHASE
+            else:
+                kind = kind_of_seq.get(getattr(event, "sequence_nr", -1))
+                label = f"backward: {kind}" if kind is not None else OTHER_PHASE
+        elif label.startswith("kind:"):
+            label = "forward: " + label[5:]
+        totals[label] = totals.get(label, 0.0) + own[id(event)]
+    out = {phase: totals[phase] / 1e3 / steps for phase in step_phases() if totals.get(phase, 0.0) > 0}
+    out[OTHER_PHASE] = max(totals.get(OTHER_PHASE, 0.0), 0.0) / 1e3 / steps
+    return out
+
+
+def _norm_module(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def annotate_step(model: nn.Module, moe_blocks: Sequence[nn.Module] = (), experts: Sequence[nn.Module] = ()) -> list:
+    """Mark the modules `step_breakdown` reads: the model's forward (`MODEL_RANGE`), attention
+    (`ATTENTION_RANGE`), MoE blocks (`ROUTER_RANGE`: what they compute outside their experts), their experts
+    modules (a sharded one `MOE_RUNTIME_RANGE`, its runtime's ranges nested; plain experts, e.g. under plain
+    FSDP2, ``themis::experts``), and the outermost embeddings, norms and other weighted layers outside
+    attention and MoE blocks (`DENSE_RANGE`). Returns the hook handles (``.remove()`` each to unmark)."""
+    ranges = _Range()
+    handles: list = []
+
+    def mark(module: nn.Module, name: str) -> None:
+        # First in and last out: the range holds the module's other hooks too.
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: ranges.enter(id(m), name),
+                                                        prepend=True))
+        handles.append(module.register_forward_hook(lambda m, a, o: ranges.exit(id(m)), always_call=True))
+
+    blocks, expert_modules = list(moe_blocks), list(experts)
+    special = {id(m) for m in blocks + expert_modules}
+    special |= {id(m) for _n, m in attention_modules(model)}
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) in special:
+                continue
+            if isinstance(child, (nn.Embedding, nn.Linear)) or _norm_module(child):
+                mark(child, DENSE_RANGE)
+            elif len(list(child.children())) == 0 and any(True for _ in child.parameters(recurse=False)):
+                mark(child, DENSE_RANGE)        # another leaf with its own weights (a custom norm or head)
+            else:
+                walk(child)
+
+    mark(model, MODEL_RANGE)
+    walk(model)
+    for _name, module in attention_modules(model):
+        mark(module, ATTENTION_RANGE)
+    for module in blocks:
+        mark(module, ROUTER_RANGE)
+    for module in expert_modules:
+        if hasattr(module, "shard_placement"):
+            mark(module, MOE_RUNTIME_RANGE)
+        else:    # a ModuleList of experts is never called itself: its experts are
+            for expert in (module if isinstance(module, nn.ModuleList) else [module]):
+                mark(expert, "themis::experts")
+    return handles
