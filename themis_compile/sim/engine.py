@@ -251,6 +251,7 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
     skews = []
     bar = _progress(n_it * len(runs), progress, progress_label or "simulating")
     started = time.perf_counter()
+    tokens_ED = np.empty((setup.num_experts, D), dtype=np.int64)
     try:
         for it in range(n_it):
             predicted_LE = [predictor.predict(layer) for layer in range(L)]
@@ -261,12 +262,17 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
             # Layer-major: one layer's counts, as the int64 the planner reads, serve every policy (each
             # policy still plans its layers in order; the policies share no state).
             for layer in range(L):
-                tokens_ED = np.asarray(trace.record(steps[it], layer).tokens_ED(D), dtype=np.int64)
-                tokens_ED.setflags(write=False)
+                # One buffer for every layer: the planner keeps no reference to a layer's counts.
+                layer_ED = trace.record(steps[it], layer).tokens_ED(D)
+                if layer_ED.dtype.kind in "iu" and layer_ED.shape == tokens_ED.shape:
+                    tokens_ED.setflags(write=True)
+                    np.copyto(tokens_ED, layer_ED)
+                    tokens_ED.setflags(write=False)
+                    layer_ED = tokens_ED
                 for run in runs:
-                    run.layer(coster, layer, tokens_ED, predicted_LE[layer], measured)
-                loads_LE.append(tokens_ED.sum(axis=1, dtype=np.int64))
-                del tokens_ED
+                    run.layer(coster, layer, layer_ED, predicted_LE[layer], measured)
+                loads_LE.append(layer_ED.sum(axis=1, dtype=np.int64))
+                del layer_ED
             for run in runs:
                 run.end_iteration(setup, coster, it, measured, it == trace_iteration)
                 if bar is not None:
