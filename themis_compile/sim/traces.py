@@ -27,7 +27,9 @@ that drifts as an AR(1) process between steps (innovation ``drift``) plus a fres
 (after capping p_e at 1/k: a token picks k distinct experts). They are generated a step at a time when
 first read (`SyntheticRecords`), from the same random stream as generating them all at once: a large
 cluster's counts do not fit in memory together (one [D, E] record is 134 MB at 4,096 devices, stored in
-the narrowest integer type that holds it). `trace_statistics` measures what a recorded
+the narrowest integer type that holds it). Records past `SyntheticRecords.EXACT_CELLS` cells (1,024
+devices and more) draw the same multinomial distribution with a faster exact sampler, from another
+random stream. `trace_statistics` measures what a recorded
 trace and a synthetic one are compared by (tests/sim/test_traces.py holds the defaults to a trace the
 demo recorded): CV, lag-1 autocorrelation of the shares, and how often the hottest expert changes.
 
