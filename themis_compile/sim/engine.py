@@ -324,14 +324,11 @@ class _PolicyRun:
         charges = self.charges
         step = charges.plan(layer, predicted_E, tokens_ED)
         self._costs.append(_layer_cost(coster, charges, layer, step, predicted_E))
-        shard_slots_D = step.shard.slots()
-        if step.placement is not step.shard:
+        if step.placement is not step.shard:                # replicas added this layer
             added_D = (step.placement.mask & ~step.shard.mask).sum(axis=0)
             self._added_sum_D += added_D
             self.layer_max = max(self.layer_max, int(added_D.max()))
-        else:
-            self.layer_max = max(self.layer_max, 0)
-        self._owned_D += shard_slots_D
+        self._owned_D += step.shard.slots()
         # Persistent state that changed since last iteration: migration / re-sharding.
         state_ED = charges.persistent_state(step)
         prev_ED = self.persistent_LED.get(layer)
