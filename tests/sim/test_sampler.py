@@ -1,6 +1,7 @@
-"""The synthetic traces' two samplers (`traces.SyntheticRecords`): records up to ``EXACT_CELLS`` cells keep
-numpy's multinomial stream, so the small-size figures stay bit for bit what they were (pinned below);
-larger records are drawn by the exact Poisson sampler, which must be the same multinomial distribution."""
+"""The synthetic traces' two samplers (`traces.SyntheticRecords`): records up to ``EXACT_CELLS`` cells (up to
+1,024 devices) keep numpy's multinomial stream, so those figures stay bit for bit what they were (the small
+ones pinned below); larger records are drawn by the exact Poisson sampler, which must be the same
+multinomial distribution."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ def _poisson(monkeypatch):
     monkeypatch.setattr(SyntheticRecords, "EXACT_CELLS", 0)
 
 
-def test_small_records_use_the_multinomial_and_large_ones_the_poisson_sampler():
-    assert synthetic_trace(2, 1024, 256, 4096, 8, 2).records._poisson is False          # DeepSeek-V3 at 256
-    assert synthetic_trace(2, 4096, 1024, 64, 8, 2).records._poisson is True             # ... at 1,024
+def test_records_to_1024_devices_use_the_multinomial_and_larger_ones_the_poisson_sampler(monkeypatch):
+    assert 4096 * 1024 <= SyntheticRecords.EXACT_CELLS < 8192 * 4096       # DeepSeek-V3 at 1,024, Qwen at 4,096
+    assert synthetic_trace(2, 1024, 256, 4096, 8, 2).records._poisson is False
+    monkeypatch.setattr(SyntheticRecords, "EXACT_CELLS", 1024 * 256 - 1)
+    assert synthetic_trace(2, 1024, 256, 4096, 8, 2).records._poisson is True
 
 
 def test_poisson_records_sum_to_the_assignments_and_are_read_only(monkeypatch):

@@ -27,9 +27,9 @@ that drifts as an AR(1) process between steps (innovation ``drift``) plus a fres
 (after capping p_e at 1/k: a token picks k distinct experts). They are generated a step at a time when
 first read (`SyntheticRecords`), from the same random stream as generating them all at once: a large
 cluster's counts do not fit in memory together (one [D, E] record is 134 MB at 4,096 devices, stored in
-the narrowest integer type that holds it). Records past `SyntheticRecords.EXACT_CELLS` cells (1,024
-devices and more) draw the same multinomial distribution with a faster exact sampler, from another
-random stream. `trace_statistics` measures what a recorded
+the narrowest integer type that holds it). Records past `SyntheticRecords.EXACT_CELLS` cells (4,096
+devices) draw the same multinomial distribution with a faster exact sampler, from another random
+stream. `trace_statistics` measures what a recorded
 trace and a synthetic one are compared by (tests/sim/test_traces.py holds the defaults to a trace the
 demo recorded): CV, lag-1 autocorrelation of the shares, and how often the hottest expert changes.
 
@@ -361,15 +361,15 @@ class SyntheticRecords(Sequence[RoutingRecord]):
     Two samplers draw the multinomial, the same distribution from different random streams:
 
     * records of at most `EXACT_CELLS` cells (E·D; every configuration of `simulate --paper` and the
-      weak scaling to 256 devices): numpy's ``Generator.multinomial`` on the main stream, the spread
+      weak scaling to 1,024 devices): numpy's ``Generator.multinomial`` on the main stream, the spread
       drawn from it too (the stream every figure before this sampler was measured on);
     * larger records: `_poisson_multinomial`, in blocks of devices — independent Poisson counts with a
       mean a little below the row total, a row whose sum overshoots drawn again, the shortfall added as
       categorical draws. That is exactly Multinomial(n, p) (given its sum s, a Poisson vector is
       Multinomial(s, p); s ≤ n depends on s alone; Multinomial(s, p) + Multinomial(n - s, p) is
-      Multinomial(n, p)) at a fraction of the cost: numpy's multinomial is one binomial per cell, 90 ns
-      and more each (several hundred where n·p > 30), which made trace generation 80–90 % of a 4,096-device
-      run. The spread comes from a generator of its own per layer (so it can be drawn again block by
+      Multinomial(n, p)) at less cost: numpy's multinomial is one binomial per cell (about 90 ns each
+      at 4,096 devices), its Poisson draw cheaper for the small counts there, and the blocks need no
+      transpose and no float64 spread (30 % less time per record for DeepSeek-V3 at 4,096 devices). The spread comes from a generator of its own per layer (so it can be drawn again block by
       block, or kept as float16 when it fits in `SPREAD_CACHE_BYTES`: the same values either way).
 
     What is kept is small: the generator's state where each layer's spread starts (small records: the
@@ -383,8 +383,10 @@ class SyntheticRecords(Sequence[RoutingRecord]):
 
     CACHE_BYTES = 256 * 2 ** 20
     SPREAD_CACHE_BYTES = 1024 * 2 ** 20
-    # Records up to this many cells (E·D) are drawn by numpy's multinomial on the original stream.
-    EXACT_CELLS = 2 ** 20
+    # Records up to this many cells (E·D) are drawn by numpy's multinomial on the original stream: every
+    # configuration up to 1,024 devices (DeepSeek-V3 there: 4,096 x 1,024 cells); 4,096 devices use the
+    # Poisson sampler.
+    EXACT_CELLS = 2 ** 24
     # The Poisson sampler's work unit (cells per block of devices) and the margin of its Poisson mean
     # below the row total n, in standard deviations: n - margin·√n (a row is drawn again with probability
     # about Φ(-margin), 7 %; about margin·√n categorical draws complete a row).
