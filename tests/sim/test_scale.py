@@ -103,5 +103,5 @@ def test_deepseek_v3_at_scale_runs_themis_and_ep(capsys):
 def test_weak_scaling_takes_the_model(capsys):
     rows = paper.weak_scaling([16], iterations=2, model="qwen1.5-moe")
     assert rows[0]["model"] == "qwen1.5-moe" and rows[0]["num_experts"] == 32 and rows[0]["num_layers"] == 12
-    assert rows[0]["wall_s"] > 0 and rows[0]["peak_rss_bytes"] > 0
+    assert rows[0]["wall_s"] > 0 and rows[0]["cpu_s"] > 0 and rows[0]["peak_rss_bytes"] > 0
     assert "qwen1.5-moe" in paper.format_weak_scaling(rows)

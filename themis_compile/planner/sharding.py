@@ -27,6 +27,8 @@ Legend: L layers, E experts per layer, D devices, N nodes.
 
 from __future__ import annotations
 
+import heapq
+
 import logging
 
 import numpy as np
@@ -90,26 +92,40 @@ def heterogeneous_sharding(load_LE: np.ndarray, overlap_degree: int, topology: T
     # l.6-7: layers by the max load of their J' experts, descending (ties: lower layer id).
     max_rest_L = load_LE[np.arange(L)[:, None], rest_LJ].max(axis=1) if rest_LJ.size else np.zeros(L)
     layer_order = np.argsort(-max_rest_L, kind="stable").tolist()
+    # The minima of l.10, l.11 and l.16 are over (load, slots left, id) keys among the nodes / devices
+    # with slots left; only the chosen node's and device's keys change, so each is a heap (popped,
+    # updated, pushed back while it has slots): the same picks as scanning every candidate, in
+    # O(log N + log D) per expert instead of O(N + D / N).
     dev_load_LD = [[0.0] * D for _ in range(L)]
     for l in layer_order:
         dev_load = dev_load_LD[l]
-        node_load = [0.0] * N
+        node_heap = [(0.0, node_slots[k], k) for k in range(N) if node_slots[k] > 0]
+        dev_heaps = [[(0.0, slots[x], x) for x in devices_of[k] if slots[x] > 0] for k in range(N)]
+        for heap in [node_heap, *dev_heaps]:
+            heapq.heapify(heap)
         for e in rest_LJ[l].tolist():                                               # l.9
-            n = min((node_load[k], node_slots[k], k) for k in range(N) if node_slots[k] > 0)[2]  # l.10
-            d = min((dev_load[x], slots[x], x) for x in devices_of[n] if slots[x] > 0)[2]     # l.11
+            node_load_n, _, n = heapq.heappop(node_heap)                             # l.10
+            _, _, d = heapq.heappop(dev_heaps[n])                                    # l.11
             owners_LE[l, e] = d                                                      # l.12
             slots[d] -= 1                                                            # l.13
             node_slots[n] -= 1
             dev_load[d] += loads[l][e]
-            node_load[n] += loads[l][e]
+            if slots[d] > 0:
+                heapq.heappush(dev_heaps[n], (dev_load[d], slots[d], d))
+            if node_slots[n] > 0:
+                heapq.heappush(node_heap, (node_load_n + loads[l][e], node_slots[n], n))
 
     # l.16: fill the remaining slots with J, layer by layer.
     for l in range(L):
         dev_load = dev_load_LD[l]
+        heap = [(dev_load[x], slots[x], x) for x in range(D) if slots[x] > 0]
+        heapq.heapify(heap)
         for e in top_LJ[l].tolist():
-            d = min((dev_load[x], slots[x], x) for x in range(D) if slots[x] > 0)[2]
+            _, _, d = heapq.heappop(heap)
             owners_LE[l, e] = d
             slots[d] -= 1
             dev_load[d] += loads[l][e]
+            if slots[d] > 0:
+                heapq.heappush(heap, (dev_load[d], slots[d], d))
 
     return [Placement.from_owners(owners_LE[l], D) for l in range(L)]

@@ -251,18 +251,33 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
     skews = []
     bar = _progress(n_it * len(runs), progress, progress_label or "simulating")
     started = time.perf_counter()
+    tokens_ED = np.empty((setup.num_experts, D), dtype=np.int64)
     try:
         for it in range(n_it):
-            records = [trace.record(steps[it], layer) for layer in range(L)]
-            tokens_LED = [r.tokens_ED(D) for r in records]
             predicted_LE = [predictor.predict(layer) for layer in range(L)]
             measured = it >= warmup
             for run in runs:
-                run.iteration(setup, coster, it, tokens_LED, predicted_LE, measured, it == trace_iteration)
+                run.begin_iteration(D)
+            loads_LE = []
+            # Layer-major: one layer's counts, as the int64 the planner reads, serve every policy (each
+            # policy still plans its layers in order; the policies share no state).
+            for layer in range(L):
+                # One buffer for every layer: the planner keeps no reference to a layer's counts.
+                layer_ED = trace.record(steps[it], layer).tokens_ED(D)
+                if layer_ED.dtype.kind in "iu" and layer_ED.shape == tokens_ED.shape:
+                    tokens_ED.setflags(write=True)
+                    np.copyto(tokens_ED, layer_ED)
+                    tokens_ED.setflags(write=False)
+                    layer_ED = tokens_ED
+                for run in runs:
+                    run.layer(coster, layer, layer_ED, predicted_LE[layer], measured)
+                loads_LE.append(layer_ED.sum(axis=1, dtype=np.int64))
+                del layer_ED
+            for run in runs:
+                run.end_iteration(setup, coster, it, measured, it == trace_iteration)
                 if bar is not None:
                     bar.update(1)
-            for layer in range(L):
-                load_E = tokens_LED[layer].sum(axis=1, dtype=np.int64)
+            for layer, load_E in enumerate(loads_LE):
                 predictor.update(layer, load_E)
                 if measured:
                     skews.append(load_skew(load_E))
@@ -291,37 +306,50 @@ class _PolicyRun:
     layer_max: int = 0             # most replicas a device added in one layer
     owned_max: int = 0             # most experts a device owns over all layers
 
-    def iteration(self, setup: SimSetup, coster: Coster, it: int, tokens_LED: list[np.ndarray],
-                  predicted_LE: list[np.ndarray], measured: bool, record: bool) -> None:
-        """Plan and charge iteration ``it`` of this policy."""
-        charges, D = self.charges, setup.num_devices
-        costs, nbytes, new_copies = [], 0.0, []
-        added_sum_D = np.zeros(D, dtype=np.int64)
-        owned_D = np.zeros(D, dtype=np.int64)
-        for layer in range(setup.num_layers):
-            step = charges.plan(layer, predicted_LE[layer], tokens_LED[layer])
-            costs.append(_layer_cost(coster, charges, layer, step, predicted_LE[layer]))
+    _costs: list[LayerCost] = field(default_factory=list)
+    _nbytes: float = 0.0
+    _new_copies: list = field(default_factory=list)
+    _added_sum_D: np.ndarray | None = None
+    _owned_D: np.ndarray | None = None
+
+    def begin_iteration(self, num_devices: int) -> None:
+        """Start an iteration: its layers come next (`layer`), then `end_iteration`."""
+        self._costs, self._nbytes, self._new_copies = [], 0.0, []
+        self._added_sum_D = np.zeros(num_devices, dtype=np.int64)
+        self._owned_D = np.zeros(num_devices, dtype=np.int64)
+
+    def layer(self, coster: Coster, layer: int, tokens_ED: np.ndarray, predicted_E: np.ndarray,
+              measured: bool) -> None:
+        """Plan and charge ``layer`` of the current iteration."""
+        charges = self.charges
+        step = charges.plan(layer, predicted_E, tokens_ED)
+        self._costs.append(_layer_cost(coster, charges, layer, step, predicted_E))
+        if step.placement is not step.shard:                # replicas added this layer
             added_D = (step.placement.mask & ~step.shard.mask).sum(axis=0)
-            added_sum_D += added_D
+            self._added_sum_D += added_D
             self.layer_max = max(self.layer_max, int(added_D.max()))
-            owned_D += step.shard.slots()
-            # Persistent state that changed since last iteration: migration / re-sharding.
-            state_ED = charges.persistent_state(step)
-            prev_ED = self.persistent_LED.get(layer)
-            if prev_ED is not None and not np.array_equal(prev_ED, state_ED):
-                new_copies.append((state_ED & ~prev_ED, np.logical_or.reduceat(prev_ED, coster.offsets, axis=1)))
-            self.persistent_LED[layer] = state_ED
-            moved = charges.bytes_moved(layer, step)
-            nbytes += moved["migration"] + moved["reshard"]
-            if measured:
-                for k, v in moved.items():
-                    self.moved[k] += v
+        self._owned_D += step.shard.slots()
+        # Persistent state that changed since last iteration: migration / re-sharding.
+        state_ED = charges.persistent_state(step)
+        prev_ED = self.persistent_LED.get(layer)
+        if prev_ED is not None and prev_ED is not state_ED and not np.array_equal(prev_ED, state_ED):
+            self._new_copies.append((state_ED & ~prev_ED, np.logical_or.reduceat(prev_ED, coster.offsets, axis=1)))
+        self.persistent_LED[layer] = state_ED
+        moved = charges.bytes_moved(layer, step)
+        self._nbytes += moved["migration"] + moved["reshard"]
+        if measured:
+            for k, v in moved.items():
+                self.moved[k] += v
+
+    def end_iteration(self, setup: SimSetup, coster: Coster, it: int, measured: bool, record: bool) -> None:
+        """Charge iteration ``it`` from its layers."""
+        charges, costs = self.charges, self._costs
         plan_s = charges.take_plan_times()
         if measured:
             self.result.plan_s += plan_s
-        self.sum_max = max(self.sum_max, int(added_sum_D.max()))
-        self.owned_max = max(self.owned_max, int(owned_D.max()))
-        migrate_s = charges.rearrangement_s(coster.migration_time(nbytes, new_copies))
+        self.sum_max = max(self.sum_max, int(self._added_sum_D.max()))
+        self.owned_max = max(self.owned_max, int(self._owned_D.max()))
+        migrate_s = charges.rearrangement_s(coster.migration_time(self._nbytes, self._new_copies))
         _, _, rep_opt = charges.held_replicas(self.sum_max, self.layer_max)
         tl = _iteration(setup, coster, costs, migrate_s, rep_opt * setup.expert_params,
                         self.owned_max * setup.expert_params, record=record)
@@ -335,6 +363,7 @@ class _PolicyRun:
         if tl.events is not None:
             self.result.events = tl.events
         charges.end_iteration(it)
+        self._costs, self._new_copies = [], []
 
     def finish(self, setup: SimSetup, n_meas: int) -> None:
         res = self.result

@@ -217,7 +217,8 @@ def weak_scaling(devices: list[int] | tuple[int, ...], *, iterations: int = 12, 
     """Fig. 13b's weak scaling past the paper's scale: ``model`` (the paper's DeepSeek-V3, E = 4 experts
     per device; any preset whose E grows with the devices, such as Qwen1.5-MoE's 2) on Cluster A nodes of
     8 devices, with the inputs of `simulate --paper`, at each device count. One row per size: Themis's
-    throughput over EP's and over FasterMoE's, t, m, the mean iteration times and the wall time.
+    throughput over EP's and over FasterMoE's, t, m, the mean iteration times, and the wall and CPU
+    times (the CPU time is what other jobs on a shared machine do not inflate).
 
     Raises ValueError for a size that is not whole nodes, or whose simulation would exceed the memory
     limit (`setup.check_simulation_size`; every size is checked before the first one runs).
@@ -231,7 +232,7 @@ def weak_scaling(devices: list[int] | tuple[int, ...], *, iterations: int = 12, 
     rows = []
     for D in sizes:
         cfg = resolve_model_config(model, devices=D, cluster="A")
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         res = run_config(model, get_cluster("A", D // 8), policies=policies, iterations=iterations,
                          progress=progress, progress_label=f"{D} devices", max_memory_bytes=max_memory_bytes)
         speed = res.speedup_over("ep")
@@ -240,6 +241,7 @@ def weak_scaling(devices: list[int] | tuple[int, ...], *, iterations: int = 12, 
                "materialization_budget": res.setup.materialization_budget, "iterations": iterations,
                "mean_iteration_s": {n: r.mean_iteration_s for n, r in res.policies.items()},
                "themis_vs_ep": speed["themis"], "wall_s": time.perf_counter() - started,
+               "cpu_s": time.process_time() - cpu_started,
                "peak_rss_bytes": _peak_rss_bytes()}
         if "fastermoe" in speed:
             row["themis_vs_fastermoe"] = speed["themis"] / speed["fastermoe"]
@@ -261,13 +263,14 @@ def format_weak_scaling(rows: list[dict[str, Any]]) -> str:
     model = rows[0]["model"] if rows else "deepseek-v3"
     lines = [f"Weak scaling (Fig. 13b's setup: {model}, Cluster A, experts growing with the devices)", "",
              f"{'devices':>8}{'experts':>9}{'t':>5}{'m':>6}{'EP ms':>10}{'Themis ms':>11}{'Themis/EP':>11}"
-             f"{'Themis/FasterMoE':>18}{'wall s':>9}{'peak RSS GiB':>14}"]
+             f"{'Themis/FasterMoE':>18}{'wall s':>9}{'CPU s':>9}{'peak RSS GiB':>14}"]
     for r in rows:
         vs_fm = r.get("themis_vs_fastermoe")
         it = r["mean_iteration_s"]
         lines.append(f"{r['devices']:>8}{r['num_experts']:>9}{r['overlap_degree']:>5}{r['materialization_budget']:>6}"
                      f"{it['ep'] * 1e3:>10.1f}{it['themis'] * 1e3:>11.1f}"
                      f"{r['themis_vs_ep']:>11.2f}{'-' if vs_fm is None else f'{vs_fm:.2f}':>18}{r['wall_s']:>9.1f}"
+                     f"{r.get('cpu_s', math.nan):>9.1f}"
                      f"{r.get('peak_rss_bytes', math.nan) / 2 ** 30:>14.2f}")
     return "\n".join(lines)
 
