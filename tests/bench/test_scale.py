@@ -38,26 +38,17 @@ def mask(self):
     return lazy_mask(self)
 
 Placement.mask = property(mask)
-forward = fssdp.FSSDPExperts.forward
+def counted(method):
+    def run(self, *args, **kwargs):
+        in_step[0] += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            in_step[0] -= 1
+    return run
 
-def counted_forward(self, *args, **kwargs):
-    in_step[0] += 1
-    try:
-        return forward(self, *args, **kwargs)
-    finally:
-        in_step[0] -= 1
-
-fssdp.FSSDPExperts.forward = counted_forward
-start = fssdp.FSSDPExperts.start_materialization
-
-def counted_start(self, *args, **kwargs):
-    in_step[0] += 1
-    try:
-        return start(self, *args, **kwargs)
-    finally:
-        in_step[0] -= 1
-
-fssdp.FSSDPExperts.start_materialization = counted_start
+for name in ("forward", "start_materialization"):
+    setattr(fssdp.FSSDPExperts, name, counted(getattr(fssdp.FSSDPExperts, name)))
 
 from themis_compile.bench.scale import run_one
 ranks, experts, steps, cap = (int(a) for a in sys.argv[1:5])

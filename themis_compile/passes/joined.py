@@ -417,3 +417,32 @@ def internal_keys():
         _INTERNAL_KEYS.reset(token)
 
 
+
+
+class KeyHook:
+    """A state-dict hook renaming a rewritten block's keys: its internal module paths are the user's keys
+    when saving (``loading=False``) and back when loading; inside `internal_keys` it stands aside.
+    Subclasses give ``_outer`` (a user key, under the block's prefix), `inner_key` (its internal key) and
+    `save` (the renaming, in the user's order)."""
+
+    loading: bool
+    _outer: Any
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        if not _INTERNAL_KEYS.get():
+            self.apply(state_dict, prefix)
+
+    def apply(self, state_dict: dict, prefix: str) -> None:
+        """Rename the keys under ``prefix`` of ``state_dict`` in place."""
+        if not self.loading:
+            self.save(state_dict, prefix)
+            return
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            if m := self._outer.match(key[len(prefix):]):
+                state_dict[prefix + self.inner_key(m)] = state_dict.pop(key)
+
+    def inner_key(self, m: Any) -> str:
+        raise NotImplementedError
+
+    def save(self, state_dict: dict, prefix: str) -> None:
+        raise NotImplementedError

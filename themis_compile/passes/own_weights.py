@@ -57,7 +57,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from themis_compile.passes.fx_graph import TensorMeta, TracedBlock, ancestors, descendants, is_inplace
-from themis_compile.passes.joined import _INTERNAL_KEYS, VALUE_READS, in_place_call
+from themis_compile.passes.joined import VALUE_READS, KeyHook, in_place_call
 
 __all__ = ["OwnWeightsExperts", "OwnWeightsPlan", "own_stacked_weights", "own_weights_region", "apply_own_weights",
            "PerRowCall", "OwnWeightsKeys", "ServedOwnWeightsExperts",
@@ -283,7 +283,7 @@ def block_forward_class(base: type, plan: OwnWeightsPlan) -> type:
                                          "_themis_original_class": base, "_themis_own_weights": plan})
 
 
-class OwnWeightsKeys:
+class OwnWeightsKeys(KeyHook):
     """A state-dict hook: the experts' keys ``<block>.<attr>.<name>[.<rest>]`` are the user's
     ``<block>.<name>[.<rest>]`` when saving (``loading=False``), in the user's order of the block's own
     parameters (``order``), and back when loading. ``<rest>``: what a flattened optimizer state dict adds
@@ -295,18 +295,11 @@ class OwnWeightsKeys:
         self._inner = re.compile(rf"^{re.escape(attr)}\.({alt})((?:\..+)?)$")
         self._outer = re.compile(rf"^({alt})((?:\..+)?)$")
 
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        if not _INTERNAL_KEYS.get():
-            self.apply(state_dict, prefix)
+    def inner_key(self, m: Any) -> str:
+        return f"{self.attr}.{m[1]}{m[2]}"
 
-    def apply(self, state_dict: dict, prefix: str) -> None:
-        """Rename the keys under ``prefix`` of ``state_dict`` in place (see the class)."""
-        if self.loading:
-            for key in [k for k in state_dict if k.startswith(prefix)]:
-                if m := self._outer.match(key[len(prefix):]):
-                    state_dict[f"{prefix}{self.attr}.{m[1]}{m[2]}"] = state_dict.pop(key)
-            return
-        # Saving: the block's own parameters where and in the order the user's block has them (first).
+    def save(self, state_dict: dict, prefix: str) -> None:
+        # The block's own parameters where and in the order the user's block has them (first).
         items = list(state_dict.items())
         own = {}
         for i, (k, _) in enumerate(items):

@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from themis_compile.passes.joined import _INTERNAL_KEYS, BetweenRecorder, internal_keys, row_mixing_reason
+from themis_compile.passes.joined import BetweenRecorder, KeyHook, internal_keys, row_mixing_reason
 from themis_compile.passes.own_weights import OwnWeightsKeys
 
 
@@ -255,7 +255,7 @@ class PairedLists:
                              "entry(rows) calls are served once its entries are sharded")
 
 
-class ListsKeys:
+class ListsKeys(KeyHook):
     """A state-dict hook: the joined experts' keys ``<block>.<attr>.<e>.<list>.<name>`` are the user's
     ``<block>.<list>.<e>.<name>`` when saving (``loading=False``), and back when loading."""
 
@@ -265,18 +265,11 @@ class ListsKeys:
         self._inner = re.compile(rf"^{re.escape(attr)}\.(\d+)\.({names})\.(.+)$")
         self._outer = re.compile(rf"^({names})\.(\d+)\.(.+)$")
 
-    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        if not _INTERNAL_KEYS.get():
-            self.apply(state_dict, prefix)
+    def inner_key(self, m: Any) -> str:
+        return f"{self.attr}.{m[2]}.{m[1]}.{m[3]}"
 
-    def apply(self, state_dict: dict, prefix: str) -> None:
-        """Rename the keys under ``prefix`` of ``state_dict`` in place (see the class)."""
-        if self.loading:
-            for key in [k for k in state_dict if k.startswith(prefix)]:
-                if m := self._outer.match(key[len(prefix):]):
-                    state_dict[f"{prefix}{self.attr}.{m[2]}.{m[1]}.{m[3]}"] = state_dict.pop(key)
-            return
-        # Saving: the user's order too, each list's entries in turn (where the joined experts' keys were).
+    def save(self, state_dict: dict, prefix: str) -> None:
+        # The user's order too, each list's entries in turn (where the joined experts' keys were).
         items = list(state_dict.items())
         inner = [(i, m) for i, (k, _) in enumerate(items)
                  if k.startswith(prefix) and (m := self._inner.match(k[len(prefix):]))]
