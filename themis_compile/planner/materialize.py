@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from themis_compile.planner.backend import compiled_core
-from themis_compile.planner.cost import PlanCost, fluid_device_load, straggler_time
+from themis_compile.planner.cost import PlanCost, bottleneck_time, fluid_device_load, straggler_time
 from themis_compile.planner.dispatch import dispatch_device_load
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
@@ -491,11 +491,24 @@ def _calibrate_pairs(core, shard: Placement, materialized: Placement, actual_loa
         return materialized
     merged_copies_E = copies_E.copy()
     merged_copies_E[experts_J] = copies_J
-    merged_X = np.concatenate([flat_P, experts_J[new_j] * D + new_d])      # disjoint: new holders
-    merged_X.sort()
+    new_X = np.sort(experts_J[new_j] * D + new_d)            # disjoint from P': new holders
+    merged_X = np.insert(flat_P, np.searchsorted(flat_P, new_X), new_X)
     merged = Placement.from_pairs(merged_X, E, D, merged_copies_E)
     # Step 2: adopt only when the gain pays for the extra critical-path transfer.
-    extra_s = cost.transfer_time(materialized, merged)
+    if cost.topology is topology:
+        # cost.transfer_time(materialized, merged) from the rows that changed: the new holders receive
+        # one chunk each, and a node newly reached by an expert takes one inter-node transfer.
+        node_D = topology.node_ids
+        N = topology.num_nodes
+        before_JN = np.zeros((experts_J.size, N), dtype=np.bool_)
+        before_JN[np.nonzero(before_JD)[0], node_D[np.nonzero(before_JD)[1]]] = True
+        reached_JN = np.zeros_like(before_JN)
+        reached_JN[new_j, node_D[new_d]] = True
+        psi = float(cost.expert_bytes)
+        extra_s = bottleneck_time(np.bincount(new_d, minlength=D) * psi,
+                                  np.count_nonzero(reached_JN & ~before_JN, axis=0) * psi, topology)
+    else:
+        extra_s = cost.transfer_time(materialized, merged)
     if extra_s > cost.calibration_budget_s:
         return materialized
     same = cost.topology is topology
