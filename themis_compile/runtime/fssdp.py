@@ -259,10 +259,14 @@ class _Holdings:
     held_H: np.ndarray
 
     @classmethod
-    def of(cls, owners_E: np.ndarray, added_X: np.ndarray, num_devices: int, rank: int) -> "_Holdings":
+    def of(cls, owners_E: np.ndarray, added_X: np.ndarray, num_devices: int, rank: int,
+           shard_K: np.ndarray | None = None) -> "_Holdings":
+        """``shard_K``: the shard's pairs as ascending keys holder·E + expert (`owner_keys`), when known."""
         E, D = owners_E.size, num_devices
-        keys_P = np.concatenate([owners_E * E + np.arange(E, dtype=np.int64), (added_X % D) * E + added_X // D])
-        keys_P.sort()
+        if shard_K is None:
+            shard_K = owner_keys(owners_E)
+        added_K = np.sort((added_X % D) * E + added_X // D)
+        keys_P = np.insert(shard_K, np.searchsorted(shard_K, added_K), added_K)
         holder_P, expert_P = np.divmod(keys_P, E)
         lo, hi = np.searchsorted(keys_P, [rank * E, (rank + 1) * E])
         return cls(added_X, expert_P, holder_P, np.bincount(holder_P, minlength=D).tolist(), expert_P[lo:hi])
@@ -309,6 +313,13 @@ class _OwnRow:
         return dest_N.view_as(ids_TK)
 
 
+def owner_keys(owners_E: np.ndarray) -> np.ndarray:
+    """A shard placement's pairs as ascending keys owner·E + expert (what `_Holdings` merges ΔP into)."""
+    keys_E = owners_E * owners_E.size + np.arange(owners_E.size, dtype=np.int64)
+    keys_E.sort()
+    return keys_E
+
+
 def _added_pairs(owners_E: np.ndarray, full_J: np.ndarray, replicas_X: np.ndarray, num_devices: int) -> np.ndarray:
     """ΔP as ascending flat ids e·D + d, from Alg. 1's sparse form (`materialize_pairs`): the experts
     every device holds (less their owners) and the other replicas."""
@@ -325,7 +336,9 @@ def _placement_of(shard: Placement, full_J: np.ndarray, added_X: np.ndarray) -> 
     if not added_X.size:
         return shard
     copies_E = np.bincount(added_X // shard.num_devices, minlength=shard.num_experts) + 1
-    return Placement.from_pairs(np.sort(np.concatenate([shard.flat_ids(), added_X])), *shard.shape, copies_E)
+    shard_X = shard.flat_ids()           # both ascending, disjoint: ΔP inserted, no sort
+    return Placement.from_pairs(np.insert(shard_X, np.searchsorted(shard_X, added_X), added_X), *shard.shape,
+                                copies_E)
 
 
 @dataclass(frozen=True, eq=False)
@@ -507,6 +520,7 @@ class FSSDPExperts(ShardedExperts):
         self.plan_ns = 0
         self.comm_plan_ns = 0     # the part of plan_ns spent on the SpAG / SpRS message plans
         self._planned: Placement | None = None
+        self._owner_keys: tuple[Placement, np.ndarray] | None = None
         self._planned_added = np.zeros(0, dtype=np.int64)        # ΔP of _planned, flat ids
         self._spag = None
         self._replicas: dict[int, list[torch.Tensor]] | None = None
@@ -519,6 +533,13 @@ class FSSDPExperts(ShardedExperts):
                              "(their frozen flags travel as the bits of one int64)")
         # Per expert, bit i set: chunk tensor i is frozen on the owner (agreed by the last count all-gather).
         self._frozen_E = [0] * self.num_experts
+
+    def _shard_keys(self) -> np.ndarray:
+        """`owner_keys` of the current shard placement, kept until it changes (re-sharding)."""
+        shard = self.shard_placement
+        if self._owner_keys is None or self._owner_keys[0] is not shard:
+            self._owner_keys = (shard, owner_keys(shard.owners()))
+        return self._owner_keys[1]
 
     def set_shard_placement(self, shard: Placement) -> None:
         super().set_shard_placement(shard)
@@ -685,7 +706,8 @@ class FSSDPExperts(ShardedExperts):
         if self.state.check_plans:
             self._check_plan_digest(placement)
         with record_function("themis::dispatch_plan"):
-            holdings = _Holdings.of(self.shard_placement.owners(), added_X, self.world_size, self.rank)
+            holdings = _Holdings.of(self.shard_placement.owners(), added_X, self.world_size, self.rank,
+                                    self._shard_keys())
             row = self._dispatch_plan(added_X, local_E)
             send_P = row.counts_of(holdings.expert_P, holdings.holder_P, self.world_size)
         self.plan_ns += time.perf_counter_ns() - start_ns
