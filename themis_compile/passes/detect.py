@@ -766,16 +766,11 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     weights_TK = torch.rand(T, K, generator=g).to(x)
     if (why := combine_mismatch(experts, x_TH, ids_TK, weights_TK, E)) is not None:
         raise _Reject(f"{head}; step 3 (each expert alone) failed: {why}")
-    scores, selection = _recorded_routing(rec)
     call = {"per-slot": "(x [T, H], ids [T, K]) -> [T, K, H]", "per-row": "(rows [N, H], ids [N]) -> [N, H]",
             "expert-batched": "(buf [E, C, H]) -> [E, C, H], expert e on buf[e], recorded on a probe"}[form]
-    return MoELayerInfo(
-        name=name, module=module, num_experts=E, top_k=K, experts_form="own-weights",
-        router=(f"'{router_name}' [E={E}, H={H}]: scores {scores}, selection {selection}, {K} slot(s) per token "
-                f"seen at the code applying the stacked weights"),
-        activation=f"the block's own code on {', '.join(names)} {call}", shared_experts=False,
-        experts_attr=attr, rewrite="own-weights", router_path=router_name,
-        score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=x.dim() == 2, plan=plan)
+    return _recorded_layer(name, module, "own-weights", E, K, router_name, H, x, rec, attr, plan,
+                           "slot(s) per token seen at the code applying the stacked weights",
+                           f"the block's own code on {', '.join(names)} {call}")
 
 
 def _recorded_own_weights_plan(module: nn.Module, names: tuple[str, ...], attr: str, x: torch.Tensor, H: int,
@@ -869,15 +864,21 @@ def _parallel_lists_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
         raise _Reject(f"{head}, and capture and replay cannot serve them joined: {why}")
     T = x.shape[:-1].numel()
     K = min(E, max(1, -(-captured_rows(trial, attr, x, PROBE_SEED) // T)))
-    rec = record_calls(module, x)
-    scores, selection = _recorded_routing(rec)
     plan = dataclasses.replace(plan, replay=replay_plan)
+    return _recorded_layer(name, module, "parallel-lists", E, K, router_name, H, x, record_calls(module, x), attr,
+                           plan, "row(s) per token seen at the expert calls (behaviour)",
+                           f"{plan.first}[e] -> {describe_between(plan.between)} -> {plan.second}[e]")
+
+
+def _recorded_layer(name: str, module: nn.Module, rewrite: str, E: int, K: int, router_name: str, H: int,
+                    x: torch.Tensor, rec: Any, attr: str, plan: Any, seen: str, activation: str) -> MoELayerInfo:
+    """The layer record of a rewrite whose router is described from the calls ``rec`` recorded on the
+    probe ``x`` (``seen``: where the K slots per token were counted)."""
+    scores, selection = _recorded_routing(rec)
     return MoELayerInfo(
-        name=name, module=module, num_experts=E, top_k=K, experts_form="parallel-lists",
-        router=(f"'{router_name}' [E={E}, H={H}]: scores {scores}, selection {selection}, {K} row(s) per token "
-                f"seen at the expert calls (behaviour)"),
-        activation=f"{plan.first}[e] -> {describe_between(plan.between)} -> {plan.second}[e]", shared_experts=False,
-        experts_attr=attr, rewrite="parallel-lists", router_path=router_name,
+        name=name, module=module, num_experts=E, top_k=K, experts_form=rewrite,
+        router=f"'{router_name}' [E={E}, H={H}]: scores {scores}, selection {selection}, {K} {seen}",
+        activation=activation, shared_experts=False, experts_attr=attr, rewrite=rewrite, router_path=router_name,
         score_fn=rec.scores[0] if rec.scores else "none", hidden_size=H, probe_flat=x.dim() == 2, plan=plan)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from themis_compile.planner.dispatch import DispatchTraffic
-from themis_compile.planner.placement import Placement
+from themis_compile.planner.placement import Placement, run_starts, sorted_members
 from themis_compile.planner.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def _fluid_load_of_pairs(flat_X: np.ndarray, copies_E: np.ndarray, load_E: np.nd
     k_N = topology.devices_per_node_f
     n_P = topology.node_ids[d_P]
     key_P = e_P * N + n_P                      # ascending: pairs by expert, then device, nodes are runs
-    first_G = np.flatnonzero(np.r_[True, key_P[1:] != key_P[:-1]]) if key_P.size else np.zeros(0, np.int64)
+    first_G = run_starts(key_P)
     count_G = np.diff(np.r_[first_G, key_P.size])
     holders_P = np.repeat(count_G, count_G)
     covered_E = np.bincount(e_P[first_G], weights=k_N[n_P[first_G]], minlength=copies_E.size)
@@ -166,10 +166,8 @@ def sparse_transfer_time(base: Placement, target: Placement, psi: float, topolog
         else:   # (expert, node) keys ascend with the flat ids: nodes are runs of devices
             base_e, base_d = np.divmod(base.flat_ids(), D)
             keys_X = expert_X * N + topology.node_ids[device_X]
-            keys_X = keys_X[np.r_[True, keys_X[1:] != keys_X[:-1]]]
-            base_K = base_e * N + topology.node_ids[base_d]
-            at_X = np.minimum(np.searchsorted(base_K, keys_X), max(base_K.size - 1, 0))
-            new_X = keys_X if not base_K.size else keys_X[base_K[at_X] != keys_X]
+            keys_X = keys_X[run_starts(keys_X)]
+            new_X = keys_X[~sorted_members(keys_X, base_e * N + topology.node_ids[base_d])]
             entries_N = np.bincount(new_X % N, minlength=N)
     else:
         recv_D = np.count_nonzero(target.mask & ~base.mask, axis=0)

@@ -432,13 +432,23 @@ def _nothing_to_calibrate(shard: Placement, materialized: Placement, overlap_deg
     if type(overlap_degree) is not int or type(materialization_budget) is not int or overlap_degree < 0 \
             or materialization_budget < 0 or not shard.issubset(materialized):
         return False
+    slots_D, _, new_allowed = _remaining_budget(shard, materialized, overlap_degree, materialization_budget)
+    return new_allowed < 0 or not slots_D.any()
+
+
+def _remaining_budget(shard: Placement, materialized: Placement, overlap_degree: int,
+                      materialization_budget: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Step 1's remaining budget from the pairs: ``(slots_D, replicated_E, new_allowed)`` — the replicas
+    each device may still add (m less those ΔP gave it), the experts ΔP replicates, and how many more
+    experts the overlap degree t allows."""
     E, D = shard.shape
     t = min(overlap_degree, E)
     m = min(materialization_budget, t)
-    expert_X, device_X = np.divmod(materialized.added_over(shard), D)       # experts ascending
-    if t - (expert_X.size and 1 + np.count_nonzero(expert_X[1:] != expert_X[:-1])) < 0:
-        return True
-    return bool(np.count_nonzero(np.bincount(device_X, minlength=D) >= m) == D)
+    expert_X, device_X = np.divmod(materialized.added_over(shard), D)
+    slots_D = np.maximum(m - np.bincount(device_X, minlength=D), 0).astype(np.int64)
+    replicated_E = np.zeros(E, dtype=np.bool_)
+    replicated_E[expert_X] = True
+    return slots_D, replicated_E, t - int(np.count_nonzero(replicated_E))
 
 
 def _calibrate_pairs(core, shard: Placement, materialized: Placement, actual_load_E: np.ndarray,
@@ -457,13 +467,8 @@ def _calibrate_pairs(core, shard: Placement, materialized: Placement, actual_loa
     except ValueError:
         return None
     E, D = shard.shape
-    t = min(overlap_degree, E)
-    m = min(materialization_budget, t)
-    expert_X, device_X = np.divmod(materialized.added_over(shard), D)
-    slots_D = np.maximum(m - np.bincount(device_X, minlength=D), 0).astype(np.int64)
-    replicated_E = np.zeros(E, dtype=np.bool_)
-    replicated_E[expert_X] = True
-    new_allowed = t - int(replicated_E.sum())
+    slots_D, replicated_E, new_allowed = _remaining_budget(shard, materialized, overlap_degree,
+                                                           materialization_budget)
     if not slots_D.any() or new_allowed < 0:
         return materialized
     experts_J = _by_load(np.union1d(np.flatnonzero(replicated_E),

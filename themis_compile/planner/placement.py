@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "run_starts", "sorted_members"]
 
 
 class Placement:
@@ -296,7 +296,7 @@ class Placement:
         elif other._mask_ED is not None:
             subset = bool(other._mask_ED.reshape(-1)[self.flat_ids()].all())
         else:
-            subset = bool(_members(self.flat_ids(), other.flat_ids()).all())
+            subset = bool(sorted_members(self.flat_ids(), other.flat_ids()).all())
         other._remember(self, subset, None)
         return subset
 
@@ -314,11 +314,14 @@ class Placement:
             return known[1]
         if self._both_dense(base):
             added_X = np.flatnonzero(self._mask_ED & ~base._mask_ED).astype(np.int64, copy=False)
+            subset = base.issubset(self)
         else:
             flat_X = self.flat_ids()
-            added_X = flat_X[~_members(flat_X, base.flat_ids())]
+            in_base_X = sorted_members(flat_X, base.flat_ids())
+            added_X = flat_X[~in_base_X]
+            subset = int(np.count_nonzero(in_base_X)) == base.num_pairs()     # pairs are unique
         added_X.setflags(write=False)
-        self._remember(base, base.issubset(self), added_X)
+        self._remember(base, subset, added_X)
         return added_X
 
     def __le__(self, other: Placement) -> bool:
@@ -396,9 +399,17 @@ class Placement:
         return "\n".join("".join("#" if x else "." for x in row) for row in self.mask)
 
 
-def _members(flat_X: np.ndarray, sorted_Y: np.ndarray) -> np.ndarray:
+def sorted_members(flat_X: np.ndarray, sorted_Y: np.ndarray) -> np.ndarray:
     """[X] bool: which of ``flat_X`` occur in the ascending ``sorted_Y``."""
     if not sorted_Y.size:
         return np.zeros(flat_X.size, dtype=np.bool_)
     at_X = np.minimum(np.searchsorted(sorted_Y, flat_X), sorted_Y.size - 1)
     return sorted_Y[at_X] == flat_X
+
+
+def run_starts(keys_X: np.ndarray) -> np.ndarray:
+    """Positions where a run of equal values of the non-decreasing ``keys_X`` starts (pairs grouped by
+    expert, or by expert and node, read off their sorted flat ids)."""
+    if not keys_X.size:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.r_[True, keys_X[1:] != keys_X[:-1]])

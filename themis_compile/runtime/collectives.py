@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from themis_compile.cost_model.volume import SPAG, SPRS, CollectiveVolume
-from themis_compile.planner.placement import Placement
+from themis_compile.planner.placement import Placement, run_starts
 from themis_compile.planner.topology import Topology
 from themis_compile.runtime.comm_plan import (
     DIRECT, BoundedCache, ChunkLayout, ChunkSpec, CommPlan, RankPlan, RankSchedule, Run, Segment, Transfer,
@@ -503,7 +503,7 @@ def _common(shard: Placement, placement: Placement, topology: Topology | None, g
     D = shard.num_devices
     owners = shard.owners()
     expert_X, device_X = np.divmod(placement.added_over(shard), D)
-    replicated_E = expert_X[np.r_[True, expert_X[1:] != expert_X[:-1]]] if expert_X.size else expert_X
+    replicated_E = expert_X[run_starts(expert_X)]
     added_E = expert_X[device_X == rank]
     owned_E = np.flatnonzero(owners == rank)
     local = _Local(owners, tuple(added_E.tolist()),

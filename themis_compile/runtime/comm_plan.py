@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from themis_compile.cost_model.volume import SPAG, SPRS, CollectiveVolume
-from themis_compile.planner.placement import Placement
+from themis_compile.planner.placement import Placement, run_starts
 from themis_compile.planner.topology import Topology
 
 __all__ = [
@@ -384,7 +384,7 @@ class _Groups:
             expert_X, device_X, psi_X = expert_X[keep_X], device_X[keep_X], psi_X[keep_X]
         # Flat ids ascend by expert, then device; nodes are runs of devices: groups are runs of (e, node).
         key_X = expert_X * (int(node_ids.max(initial=0)) + 1) + node_ids[device_X]
-        first_G = np.flatnonzero(np.r_[True, key_X[1:] != key_X[:-1]]) if key_X.size else np.zeros(0, np.int64)
+        first_G = run_starts(key_X)
         self.expert_G = expert_X[first_G]
         self.start_G = np.r_[first_G, key_X.size].astype(np.int64)
         self.device_X = device_X
@@ -427,7 +427,7 @@ class _Groups:
                               if d2 != d and (rank is None or rank in (d, d2)))      # all-gather inside it
 
 
-_GROUPS_CACHE = None     # the BoundedCache below: SpAG and SpRS of a layer step share their groups
+_GROUPS_CACHE = BoundedCache(16)     # SpAG and SpRS of a layer step share their groups
 
 
 def _groups_of(shard: Placement, placement: Placement, topology: Topology,
@@ -624,7 +624,6 @@ class RankPlan:
 
 
 _RANK_PLAN_CACHE = BoundedCache(_PLAN_CACHE_SIZE)
-_GROUPS_CACHE = BoundedCache(16)
 
 
 def rank_plan(collective: str, shard: Placement, placement: Placement, topology: Topology,
