@@ -59,8 +59,7 @@ from themis_compile.planner.placement import Placement, run_starts
 from themis_compile.planner.topology import Topology
 from themis_compile.runtime.comm_plan import (
     DIRECT, BoundedCache, ChunkLayout, ChunkSpec, CommPlan, RankPlan, RankSchedule, Run, Segment, Transfer,
-    check_placements, layout_of, plan_sparse_all_gather, plan_sparse_reduce_scatter, rank_plan, rank_schedule,
-    require_placements,
+    check_placements, layout_of, plan_sparse_all_gather, plan_sparse_reduce_scatter, rank_plan, require_placements,
 )
 
 logger = logging.getLogger(__name__)

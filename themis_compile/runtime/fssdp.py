@@ -58,6 +58,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch.profiler import record_function
 
+from themis_compile.cost_model.volume import SPAG, SPRS
 from themis_compile.planner import (
     LoadPredictor,
     Placement,
@@ -71,7 +72,6 @@ from themis_compile.planner import (
 )
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
-from themis_compile.cost_model.volume import SPAG, SPRS
 from themis_compile.runtime.comm_plan import ChunkLayout, rank_plan
 from themis_compile.runtime.ep import ShardedExperts, uniform_ids
 from themis_compile.runtime.exchange import dispatch_compute_combine, exchange_held_counts
@@ -104,11 +104,7 @@ class LayerStats:
     @property
     def placement(self) -> list[list[bool]]:
         """The realized P' as [E][D] booleans (built on every call: O(E·D))."""
-        E, D = self.owners_E.size, self.device_load.size
-        mask_ED = np.zeros((E, D), dtype=bool)
-        mask_ED[np.arange(E), self.owners_E] = True
-        mask_ED.reshape(-1)[self.added_X] = True
-        return mask_ED.tolist()
+        return _placement_of(Placement.from_owners(self.owners_E, self.device_load.size), self.added_X).mask.tolist()
 
     def held_on(self, rank: int) -> int:
         """How many experts ``rank`` held in P' (owned and replicas)."""
@@ -331,7 +327,7 @@ def _added_pairs(owners_E: np.ndarray, full_J: np.ndarray, replicas_X: np.ndarra
     return np.sort(np.concatenate([full_X, replicas_X]))
 
 
-def _placement_of(shard: Placement, full_J: np.ndarray, added_X: np.ndarray) -> Placement:
+def _placement_of(shard: Placement, added_X: np.ndarray) -> Placement:
     """P' = shard ∪ ΔP as the Placement the sparse collectives take."""
     if not added_X.size:
         return shard
@@ -563,7 +559,7 @@ class FSSDPExperts(ShardedExperts):
             added_X = _added_pairs(shard.owners(), full_J, replicas_X, self.world_size)
             if self.state.cost_benefit and not replicas_pay(load_E, shard.owners(), added_X, self.cost):
                 full_J, added_X = full_J[:0], added_X[:0]       # replicas that cannot pay: none this step
-            planned = _placement_of(shard, full_J, added_X)
+            planned = _placement_of(shard, added_X)
         self._planned, self._planned_added = planned, added_X
         spag_ns = time.perf_counter_ns()
         self._plan_collectives(planned)
