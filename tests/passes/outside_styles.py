@@ -46,9 +46,10 @@ class _SwiGLU(nn.Module):
 
 
 class BincountIndexAddMoE(nn.Module):
-    """The "MoE from scratch" tutorial / OLMoE-like training loop: softmax over all experts, top-k,
-    renormalised; per-expert counts from ``torch.bincount``, the (token, slot) pairs sorted by expert and
-    split by the counts, each chunk through its expert, the weighted results ``index_add_``-ed back."""
+    """DeepSeek's ``moe_infer`` (the (token, slot) pairs sorted by expert, each expert on its run of rows)
+    as training forks write it: softmax over all experts, top-k, renormalised; the counts from
+    ``torch.bincount`` split the sorted rows, each chunk through its biased GELU expert, the weighted
+    results ``index_add_``-ed back."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,9 +76,9 @@ class BincountIndexAddMoE(nn.Module):
 
 
 class HistcOffsetsMoE(nn.Module):
-    """MegaBlocks / early torchtitan bookkeeping on a ``ModuleList``: ids sorted, ``torch.histc`` counts,
-    ``cumsum`` end offsets, each expert on its slice ``[start, end)`` of the sorted rows, the rows written
-    back to their (token, slot) places and the slots summed with the router weights."""
+    """MegaBlocks' host bookkeeping (``torch.sort`` of the flat ids, ``torch.histc`` counts, ``cumsum``
+    bins) over a ``ModuleList`` of SwiGLU experts: each expert on its slice ``[start, end)`` of the sorted
+    rows, the rows written back to their (token, slot) places, the slots summed with the router weights."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,9 +108,10 @@ class HistcOffsetsMoE(nn.Module):
 
 
 class SearchsortedIndexPutMoE(nn.Module):
-    """Boundaries found by binary search, as vLLM-style ``moe_align`` helpers and sparse kernels' host code
-    do: the flat ids sorted, ``torch.searchsorted(sorted_ids, arange(E + 1))`` the start of every expert's
-    rows, each expert on its rows, the weighted results combined with ``index_put_(..., accumulate=True)``."""
+    """CSR pointers found by binary search, as segment code builds a ``ptr`` from a sorted index: the flat
+    ids sorted, ``torch.searchsorted(sorted_ids, arange(E + 1))`` the start of every expert's rows, top-k
+    over the logits with a softmax over the k kept, each expert on its rows, the weighted results combined
+    with ``index_put_(..., accumulate=True)``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -139,9 +141,10 @@ class SearchsortedIndexPutMoE(nn.Module):
 
 
 class ArgmaxMaskSwitchMoE(nn.Module):
-    """Switch Transformer as PyTorch ports write it on ``[B, S, H]`` without flattening: top-1 by
-    ``argmax`` of the router probabilities, a boolean ``[B, S]`` mask per expert, ``out[mask] =
-    expert(x[mask])``, the output scaled by the chosen probability. Experts are biased ReLU MLPs."""
+    """Switch Transformer as its PyTorch ports write it (labml.ai's annotated ``SwitchFeedForward``, HF's
+    ``SwitchTransformersTop1Router``), here on ``[B, S, H]`` without flattening: top-1 by ``argmax`` of the
+    router probabilities, a boolean ``[B, S]`` mask per expert, ``out[mask] = expert(x[mask])``, the output
+    scaled by the chosen probability. Experts are biased ReLU MLPs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -162,9 +165,10 @@ class ArgmaxMaskSwitchMoE(nn.Module):
 
 
 class GegluGateMatrixMoE(nn.Module):
-    """Research code that keeps a dense ``[T, E]`` gate matrix (zeros except the top-k renormalised
-    probabilities, ``scatter``-ed in) and loops over the experts, each on the tokens its column selects,
-    adding ``gates[:, e] * expert(x)``; the experts are GEGLU FFNs with biases (T5 v1.1 / PaLM-style FFN)."""
+    """The sparsely-gated MoE reference code (davidmrau/mixture-of-experts after Shazeer et al. 2017): a
+    dense ``[T, E]`` gate matrix, zeros with the top-k renormalised probabilities ``scatter``-ed in, each
+    expert on the tokens its column selects (``nonzero``), ``gates[:, e] * expert(x)`` added in; the
+    experts are GEGLU FFNs with biases (Shazeer 2020, "GLU Variants Improve Transformer")."""
 
     class GEGLU(nn.Module):
         def __init__(self) -> None:
@@ -197,9 +201,10 @@ class GegluGateMatrixMoE(nn.Module):
 
 
 class OneHotModuleDictMoE(nn.Module):
-    """Experts in an ``nn.ModuleDict`` keyed by the expert's number as a string (configs that name experts),
-    a ``one_hot`` dispatch mask ``[T, K, E]``, each expert's (token, slot) pairs from ``torch.where`` on
-    its column, the weighted results summed in with ``index_add``."""
+    """HF Mixtral's ``one_hot`` expert-mask loop (transformers 4.x) with the experts in an ``nn.ModuleDict``
+    keyed ``"0"`` .. ``"E-1"`` (as code that loads experts by name keeps them): a ``[T, K, E]`` mask, each
+    expert's (token, slot) pairs from ``torch.where`` on its column, the weighted results added with the
+    out-of-place ``index_add``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -222,9 +227,9 @@ class OneHotModuleDictMoE(nn.Module):
 
 
 class UniqueConsecutiveMoE(nn.Module):
-    """Grouping by ``torch.unique_consecutive`` of the sorted ids (``return_counts=True``), as generic
-    "group by key" code does: only the experts present are run, on their contiguous run of sorted rows;
-    the results go back to their (token, slot) places through the inverse permutation."""
+    """The group-by-key idiom of data-processing code, ``torch.unique_consecutive(sorted_keys,
+    return_counts=True)``: only the experts present run, each on its contiguous run of sorted rows; the
+    results go back to their (token, slot) places through the inverse permutation (``argsort(order)``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -285,9 +290,9 @@ class SigmoidBiasRelu2MoE(nn.Module):
 
 
 class StackedSplitMoE(nn.Module):
-    """Stacked ``[E, H, F]`` weights held by the block itself (no experts module), the sorted rows split by
-    the ``bincount`` counts and each chunk multiplied by ``self.w1[e]`` / ``self.w2[e]`` in a loop (how
-    grouped-GEMM fallbacks are written when no kernel is at hand)."""
+    """torchtitan's for-loop fallback of its grouped experts (``_run_experts_for_loop``: the sorted rows
+    split by the per-expert counts, each chunk multiplied by ``w1[e]`` / ``w2[e]``), written on stacked
+    ``[E, H, F]`` weights held by the block itself, the counts from ``torch.bincount``."""
 
     def __init__(self) -> None:
         super().__init__()
