@@ -100,13 +100,7 @@ def test_found(style):
     assert [(i.name, i.num_experts, i.experts_attr) for i in infos] == [(n, outside.E, "experts") for n in LAYERS]
 
 
-# The detector reads the slice ``indices[0:end]`` of the ids sorted by expert (``torch.sort(top_experts)``) as
-# a top-k by sorting, so k is the first expert's row count (1 here; where it exceeds E the layer is rejected).
-_K_FROM_A_SORTED_SLICE = pytest.mark.xfail(strict=True, reason="top-k read off the sorted ids' first slice")
-
-
-@pytest.mark.parametrize("style", [pytest.param(s, marks=_K_FROM_A_SORTED_SLICE) if s == "histc_offsets" else s
-                                   for s in RECOGNIZED])
+@pytest.mark.parametrize("style", RECOGNIZED)
 def test_top_k(style):
     infos, _ = find_moe_layers(outside.build(style))
     assert [i.top_k for i in infos] == [outside.TOP_K[style]] * len(LAYERS)

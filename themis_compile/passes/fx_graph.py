@@ -537,14 +537,18 @@ class _CallRecorder(TorchFunctionMode):
 def record_sort_cut(rec: _CallRecorder, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Run a sort or an indexing under ``rec``: a sort's outputs are remembered, and the first cut of one
     of them to k entries along the sorted dimension (:func:`cut_length`) counts as a top-k with that k,
-    the selection recorded with its cut (``sort[:, :2]``, ``argsort[..., :2]``). A sort never cut stays
-    in ``uncut_sorts`` (tokens sorted by expert, or a variable-k cumulative threshold)."""
+    the selection recorded with its cut (``sort[:, :2]``, ``argsort[..., :2]``). Only a sort of scores
+    (floating point) can select: a sort of integer ids groups tokens by expert, and a slice of it
+    (``order[start:end]``, one expert's rows) is no top-k. A sort never cut stays in ``uncut_sorts``
+    (tokens sorted by expert, or a variable-k cumulative threshold)."""
     out = func(*args, **kwargs)
     if func in _SORTS:
         dim = _sort_dim(args, kwargs)
         if dim is not None:
             call = len(rec.uncut_sorts)
             rec.uncut_sorts.append(_SORTS[func])
+            if not (args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()):
+                return out
             outputs = [("ids", out)] if _SORTS[func] == "argsort" else [("values", out[0]), ("ids", out[1])]
             for kind, t in outputs:
                 rec.sorted[id(t)] = (t, _SORTS[func], dim % max(t.dim(), 1), call)
