@@ -371,10 +371,12 @@ class WeightsRecorder(TorchFunctionMode):
     """Records, as an FX graph ``region(experts, x)``, the torch functions applied from the first use of one of
     ``weights`` (name -> parameter) on, to the tensor ``x`` that use takes beside them and to everything
     computed from them, until the last (the ``uses``-th) use of a weight; ``reason`` says why the code cannot
-    be replayed on other rows."""
+    be replayed on other rows (``words``: how it names the weights, ``x`` and what ``x`` must be)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], uses: int) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], uses: int, *, words: tuple[str, str, str] = (
+            "the stacked weights", "the buffer", "one floating buffer of every expert's rows")) -> None:
         super().__init__()
+        self._words = words
         self.graph = fx.Graph()
         self._owner = self.graph.placeholder("experts")
         self._weights = {id(w): (w, n) for n, w in weights.items()}
@@ -408,7 +410,7 @@ class WeightsRecorder(TorchFunctionMode):
             # After the last use: the block's own code on the result, which must read nothing else computed
             # from the weights.
             if any(self._tracked(v) is not None for v in flat if v is not self._y):
-                self.reason = (f"{name} reads, after the last use of the stacked weights, a value computed from them "
+                self.reason = (f"{name} reads, after the last use of {self._words[0]}, a value computed from them "
                                "other than the result")
             return out
         if uses and not isinstance(out, torch.Tensor):
@@ -416,22 +418,22 @@ class WeightsRecorder(TorchFunctionMode):
         if uses and self.x_shape is None:
             others = [v for v in flat if not self._is_weight(v)]
             if len(others) != 1 or not others[0].is_floating_point():
-                self.reason = (f"the first use of a stacked weight ({name}) takes {len(others)} other tensors, not "
-                               "one floating buffer of every expert's rows")
+                self.reason = (f"the first use of {self._words[0]} ({name}) takes {len(others)} other tensors, not "
+                               f"{self._words[2]}")
                 return out
             self.x_shape = tuple(others[0].shape)
             self._node[id(others[0])] = (others[0], self.graph.placeholder("x"))
         if not any(self._tracked(v) is not None for v in flat):
             return out
         if func in VALUE_READS:
-            self.reason = f"{name} reads values computed from the stacked weights into Python"
+            self.reason = f"{name} reads values computed from {self._words[0]} into Python"
         elif any(self._tracked(v) is None for v in flat):
-            self.reason = f"{name} uses a tensor that is not computed from the buffer and the stacked weights"
+            self.reason = f"{name} uses a tensor that is not computed from {self._words[1]} and {self._words[0]}"
         elif func is torch.Tensor.__setitem__ or in_place_call(func, kwargs):
-            self.reason = f"{name} modifies a value computed from the stacked weights in place"
+            self.reason = f"{name} modifies a value computed from {self._words[0]} in place"
         elif not isinstance(out, torch.Tensor):
             if any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
-                self.reason = f"{name} returns several tensors from the stacked weights' code"
+                self.reason = f"{name} returns several tensors from the code on {self._words[0]}"
             return out   # (a size, a dtype: used as constants where the code goes on)
         if self.reason is not None:
             return out
@@ -446,7 +448,7 @@ class WeightsRecorder(TorchFunctionMode):
     def finish(self) -> fx.GraphModule | None:
         """The recorded code as ``region(experts, x) -> y``, y the result of the last use of a weight."""
         if self.reason is None and self._y is None:
-            self.reason = "the stacked weights are not used by torch functions on a probe"
+            self.reason = f"{self._words[0]} are not used by torch functions on a probe"
         if self.reason is not None:
             return None
         self.graph.output(self._node[id(self._y)][1])
