@@ -1,4 +1,8 @@
-"""Experts spread over parallel ModuleLists (``up[e]``, ``down[e]``), joined into one ModuleList of experts.
+"""Experts spread over parallel lists, entry e of each being expert e, joined into one ModuleList of experts.
+
+Two forms: ModuleLists of single layers called per expert (``up[e](rows)``, ``down[e](h)``), and
+ParameterLists of bare weights applied by the block's own code (``F.linear(rows, w_in[e])``: the section
+"Experts held as ParameterLists of bare weights" below). The first:
 
 Step / Hunyuan-style blocks and much research code hold expert e as entry e of two parallel
 ``nn.ModuleList`` s of single layers, and run the block's own code between the two calls::
