@@ -3,8 +3,9 @@ block's own code, as research code writes them:
 
 - ``NonzeroParamListsMoE``: ``w_in`` / ``w_out`` lists, a loop over ``zip(self.w_in, self.w_out)`` with
   ``nonzero``, ``F.linear(F.gelu(F.linear(rows, w_in)), w_out)`` per expert, experts without tokens skipped;
-- ``GatedParamListsMoE``: ``w1`` / ``w3`` / ``w2`` lists (a SwiGLU expert, two lists read on the same rows),
-  tokens sorted by expert and split by ``bincount(...).tolist()`` counts, every split run (empty ones too);
+- ``GatedParamListsMoE``: ``w1`` / ``w3`` / ``w2`` lists (a SwiGLU expert, two lists read on the same rows,
+  each weight transposed where it is applied: ``rows @ w1[e].t()``), tokens sorted by expert and split by
+  ``bincount(...).tolist()`` counts, every split run (empty ones too);
 - ``OneParamListMoE``: a single list of ``[H, H]`` weights, ``torch.tanh(rows @ w[e])`` (the ``tanh`` is the
   block's code on the expert's result), skipping experts without tokens.
 
@@ -73,7 +74,7 @@ class GatedParamListsMoE(nn.Module):
         chunks = x[order // K].split(torch.bincount(ids.flatten(), minlength=E).tolist())
         outs = []
         for e, rows in enumerate(chunks):
-            outs.append(F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e]))
+            outs.append((F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())) @ self.w2[e].t())
         y = torch.zeros(ids.numel(), H, dtype=x.dtype).index_copy(0, order, torch.cat(outs))
         return (y.view(-1, K, H) * top.unsqueeze(-1).to(x.dtype)).sum(1).view(shape)
 
@@ -100,7 +101,7 @@ class OneParamListMoE(nn.Module):
 BLOCKS = {"nonzero": NonzeroParamListsMoE, "gated": GatedParamListsMoE, "one_list": OneParamListMoE}
 LISTS = {"nonzero": ("w_in", "w_out"), "gated": ("w1", "w3", "w2"), "one_list": ("experts",)}
 ROUTER = {"nonzero": "router", "gated": "gate", "one_list": "router"}
-CODE = {"nonzero": "linear gelu linear", "gated": "linear silu linear mul linear", "one_list": "matmul"}
+CODE = {"nonzero": "linear gelu linear", "gated": "t matmul silu t matmul mul t matmul", "one_list": "matmul"}
 SKIPS = {"nonzero": True, "gated": False, "one_list": True}
 ATTR = {"nonzero": "experts", "gated": "experts", "one_list": "experts_2"}   # (a name the block does not use)
 LAYERS = ["layers.0.moe", "layers.1.moe"]

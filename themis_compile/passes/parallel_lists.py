@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from themis_compile.passes.joined import BetweenRecorder, KeyHook, internal_keys, row_mixing_reason
-from themis_compile.passes.own_weights import OwnWeightsKeys, WeightsRecorder
+from themis_compile.passes.own_weights import OwnWeightsKeys, WeightsRecorder, WeightValues
 
 
 # --- The experts -------------------------------------------------------------------------------------
@@ -384,14 +384,15 @@ def apply_parallel_lists(block: nn.Module, plan: ParallelListsPlan) -> None:
 #             out = out.index_add(0, rows, y * weight[rows, None])
 #
 # No module is an expert, and no call: the code on entry e's weights is. It is read off a probe
-# (``passes.own_weights.WeightsRecorder`` on the first used expert's weights: the torch functions from the
-# first one taking them, on the one other tensor it takes, the rows, to the U-th, U the number of
-# functions taking an expert's weights per expert), checked to be what every expert computes on the probe,
+# (``passes.own_weights.WeightsRecorder`` on the first used expert's weights: its uses, the torch functions
+# taking them or values computed from them alone (``w.t()``), from the first to the U-th, U the uses per
+# expert, with the one other tensor the first use on another takes as the rows), checked to be what every
+# expert computes on the probe,
 # and becomes :class:`EntriesExpert` e (parameters ``w_in``, ``w_out``: the user's parameter objects) of a
 # :class:`ParamListsExperts`. The rewritten block runs its forward as written with its lists seen as
-# tuples of shape-only (meta) stand-ins (:class:`EntryStandIns`): the first function taking expert e's
-# stand-ins calls ``experts[e](rows)`` and, like every one but the U-th, answers zeros, on which the block's
-# code runs to no effect; the U-th answers the expert's result. So the block calls ``experts[e](rows)`` one
+# tuples of shape-only (meta) stand-ins (:class:`EntryStandIns`): the first use of expert e's stand-ins on
+# rows calls ``experts[e](rows)`` and, like every use but the U-th, answers zeros, on which the block's code
+# runs to no effect; the U-th answers the expert's result. So the block calls ``experts[e](rows)`` one
 # by one, which capture and replay (``passes.replay``) serves with one ``experts(x, ids, weights)`` call.
 
 class EntriesExpert(nn.Module):
@@ -450,26 +451,27 @@ def describe_region(region: fx.GraphModule) -> str:
 
 
 class EntryUses(TorchFunctionMode):
-    """Logs, on a probe, every torch function taking entries of ``lists`` (by identity) and giving a
-    tensor: ``(e, the other tensors it takes, its output)``; ``reason`` says why the code is no expert
-    code (one function taking the weights of two experts)."""
+    """Logs, on a probe, every use of entries of ``lists`` (by identity; a use as in ``passes.own_weights``: a
+    torch function taking them, or values computed from them alone, and giving a tensor): ``(e, the other
+    tensors it takes, its output)``; ``reason`` says why the code is no expert code (one function taking the
+    weights of two experts)."""
 
     def __init__(self, lists: Sequence[nn.ParameterList]) -> None:
         super().__init__()
-        self._expert = {id(p): e for entries in lists for e, p in enumerate(entries)}
+        self._values = WeightValues({e: [entries[e] for entries in lists] for e in range(len(lists[0]))})
         self.log: list[tuple[int, list[torch.Tensor], torch.Tensor]] = []
         self.reason: str | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
-        experts = sorted({self._expert[id(v)] for v in flat if id(v) in self._expert})
-        if experts and isinstance(out, torch.Tensor):      # (a size or a dtype read off a weight is no use)
+        experts, others = self._values.split([v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)])
+        if experts and isinstance(out, torch.Tensor):
             if len(experts) > 1 and self.reason is None:
                 name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
-                self.reason = f"{name} takes the weights of experts {experts} at once"
-            self.log.append((experts[0], [v for v in flat if id(v) not in self._expert], out))
+                self.reason = f"{name} takes the weights of experts {sorted(experts)} at once"
+            self.log.append((min(experts), others, out))
+            self._values.follow(experts, others, out)
         return out
 
 
@@ -502,6 +504,7 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
     region = recorder.finish()
     if region is None:
         return None, f"the code on expert {first}'s weights cannot be recorded as an expert: {recorder.reason}"
+    # (x: the rows the first use taking another tensor takes, y: the U-th use's result)
     if not (len(recorder.x_shape) >= 1 and recorder.x_shape[-1] == hidden and recorder.y_shape == recorder.x_shape):
         return None, (f"the code on an expert's weights maps {list(recorder.x_shape)} to {list(recorder.y_shape)}, "
                       f"not rows [N, {hidden}] to rows of the same shape")
@@ -510,7 +513,7 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
         calls = [u for u in seen.log if u[0] == e]
         expert = EntriesExpert({name: lst[e] for name, lst in zip(lists, entries)}, region)
         for i in range(0, len(calls), U):
-            rows, y = calls[i][1], calls[i + U - 1][2]
+            rows, y = next((u[1] for u in calls[i:i + U] if u[1]), []), calls[i + U - 1][2]
             if len(rows) != 1 or rows[0].dim() != len(recorder.x_shape) or rows[0].shape[-1] != hidden:
                 return None, f"the first function taking expert {e}'s weights does not take its rows alone"
             try:
@@ -527,23 +530,23 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
 
 class EntryStandIns(TorchFunctionMode):
     """The rewritten block's ParameterLists while its forward runs: ``lists[name]`` is a tuple of E
-    shape-only (meta) stand-ins. The first of each ``plan.uses`` torch functions taking expert e's
-    stand-ins calls ``call(e, rows)`` on the one other tensor it takes; every one but the last answers
-    zeros of its shape, the last the call's result."""
+    shape-only (meta) stand-ins. Of every ``plan.uses`` uses of expert e's stand-ins, one on them alone
+    answers a stand-in too (``w.t()``), the first taking another tensor calls ``call(e, rows)`` on it, and
+    every other one but the last answers zeros of its shape, the last the call's result."""
 
     def __init__(self, plan: ParamListsPlan, call: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.lists = {name: tuple(torch.empty(shape, dtype=dtype, device="meta") for _ in range(plan.num_experts))
                       for name, shape, dtype in plan.specs}
-        self._expert = {id(t): e for stand_ins in self.lists.values() for e, t in enumerate(stand_ins)}
+        self._values = WeightValues({e: [stand_ins[e] for stand_ins in self.lists.values()]
+                                     for e in range(plan.num_experts)})
         self.plan, self.call = plan, call
         self.uses_E = [0] * plan.num_experts
         self._kept: dict[int, torch.Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
-        experts = {self._expert[id(v)] for v in flat if id(v) in self._expert}
+        experts, real = self._values.split([v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)])
         if not experts:
             return func(*args, **kwargs)
         meta = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))
@@ -556,11 +559,13 @@ class EntryStandIns(TorchFunctionMode):
         (e,) = experts
         self.uses_E[e] += 1
         step = (self.uses_E[e] - 1) % self.plan.uses + 1
-        real = [v for v in flat if id(v) not in self._expert]
-        if step == 1:
+        if not real and step < self.plan.uses:
+            self._values.follow(experts, real, out_meta)
+            return out_meta      # computed from the weights alone: a stand-in too
+        if e not in self._kept:
             if len(real) != 1:
-                raise RuntimeError(f"the first torch function taking expert {e}'s weights takes {len(real)} other "
-                                   "tensors, on the probe its rows alone")
+                raise RuntimeError(f"the first use of expert {e}'s weights on other tensors takes {len(real)}, on "
+                                   "the probe its rows alone")
             self._kept[e] = self.call(e, real[0])
         if step == self.plan.uses:
             y = self._kept.pop(e)
