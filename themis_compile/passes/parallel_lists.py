@@ -387,13 +387,13 @@ def apply_parallel_lists(block: nn.Module, plan: ParallelListsPlan) -> None:
 # (``passes.own_weights.WeightsRecorder`` on the first used expert's weights: its uses, the torch functions
 # taking them or values computed from them alone (``w.t()``), from the first to the U-th, U the uses per
 # expert, with the one other tensor the first use on another takes as the rows), checked to be what every
-# expert computes on the probe,
-# and becomes :class:`EntriesExpert` e (parameters ``w_in``, ``w_out``: the user's parameter objects) of a
-# :class:`ParamListsExperts`. The rewritten block runs its forward as written with its lists seen as
-# tuples of shape-only (meta) stand-ins (:class:`EntryStandIns`): the first use of expert e's stand-ins on
-# rows calls ``experts[e](rows)`` and, like every use but the U-th, answers zeros, on which the block's code
-# runs to no effect; the U-th answers the expert's result. So the block calls ``experts[e](rows)`` one
-# by one, which capture and replay (``passes.replay``) serves with one ``experts(x, ids, weights)`` call.
+# expert computes on the probe, and becomes :class:`EntriesExpert` e (parameters ``w_in``, ``w_out``: the
+# user's parameter objects) of a :class:`ParamListsExperts`. The rewritten block runs its forward as written
+# with its lists seen as tuples of shape-only (meta) stand-ins (:class:`EntryStandIns`): the first use of
+# expert e's stand-ins on rows calls ``experts[e](rows)`` and, like every use but the U-th, answers zeros,
+# on which the block's code runs to no effect; the U-th answers the expert's result. So the block calls
+# ``experts[e](rows)`` one by one, which capture and replay (``passes.replay``) serves with one
+# ``experts(x, ids, weights)`` call.
 
 class EntriesExpert(nn.Module):
     """Expert e of parallel ParameterLists: entry e of each list, under the list's name, computing the
@@ -465,7 +465,8 @@ class EntryUses(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        experts, others = self._values.split([v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)])
+        flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+        experts, others = self._values.split(flat)
         if experts and isinstance(out, torch.Tensor):
             if len(experts) > 1 and self.reason is None:
                 name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
@@ -481,7 +482,7 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
     same code on rows ``[N, hidden] -> [N, hidden]`` on the probe ``run()``; else (None, why). Read-only."""
     entries = [module._modules[name] for name in lists]
     E = len(entries[0])
-    # Step 1: which expert each torch function taking list entries serves, and how many per expert.
+    # Step 1: which expert each use of the lists' entries serves, and how many uses per expert.
     seen = EntryUses(entries)
     with torch.no_grad(), seen:
         run()
@@ -489,13 +490,13 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
         return None, seen.reason
     uses_E = [sum(e == u[0] for u in seen.log) for e in range(E)]
     if not any(uses_E):
-        return None, "no torch function takes their entries on a probe"
+        return None, "no torch function uses their entries on a probe"
     used = [e for e in range(E) if uses_E[e]]
     if len({uses_E[e] for e in used}) != 1:
-        return None, (f"the experts' weights are taken by different numbers of torch functions on a probe "
+        return None, (f"the experts' weights have different numbers of uses on a probe "
                       f"({dict((e, uses_E[e]) for e in used)}): no one code is every expert's")
     U = uses_E[used[0]]
-    # Step 2: the code of the first used expert, from the first function taking its weights to the U-th.
+    # Step 2: the code of the first used expert, from its first use to the U-th.
     first = seen.log[0][0]
     recorder = WeightsRecorder({name: lst[first] for name, lst in zip(lists, entries)}, U,
                                words=(f"expert {first}'s weights", "its rows", "its rows alone"))
@@ -504,7 +505,6 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
     region = recorder.finish()
     if region is None:
         return None, f"the code on expert {first}'s weights cannot be recorded as an expert: {recorder.reason}"
-    # (x: the rows the first use taking another tensor takes, y: the U-th use's result)
     if not (len(recorder.x_shape) >= 1 and recorder.x_shape[-1] == hidden and recorder.y_shape == recorder.x_shape):
         return None, (f"the code on an expert's weights maps {list(recorder.x_shape)} to {list(recorder.y_shape)}, "
                       f"not rows [N, {hidden}] to rows of the same shape")
@@ -515,7 +515,7 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
         for i in range(0, len(calls), U):
             rows, y = next((u[1] for u in calls[i:i + U] if u[1]), []), calls[i + U - 1][2]
             if len(rows) != 1 or rows[0].dim() != len(recorder.x_shape) or rows[0].shape[-1] != hidden:
-                return None, f"the first function taking expert {e}'s weights does not take its rows alone"
+                return None, f"the first use of expert {e}'s weights on another tensor does not take its rows alone"
             try:
                 with torch.no_grad():
                     same = torch.allclose(expert(rows[0]).double(), y.double(), rtol=1e-5, atol=1e-6)
@@ -546,7 +546,8 @@ class EntryStandIns(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        experts, real = self._values.split([v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)])
+        flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+        experts, real = self._values.split(flat)
         if not experts:
             return func(*args, **kwargs)
         meta = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))
