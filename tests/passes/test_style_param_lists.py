@@ -1,8 +1,9 @@
 """MoE blocks whose expert e is entry e of one or more ``nn.ParameterList`` s of bare weights, applied by the
 block's own code, as research code writes them:
 
-- ``NonzeroParamListsMoE``: ``w_in`` / ``w_out`` lists, a loop over ``zip(self.w_in, self.w_out)`` with
-  ``nonzero``, ``F.linear(F.gelu(F.linear(rows, w_in)), w_out)`` per expert, experts without tokens skipped;
+- ``NonzeroParamListsMoE``: ``w_in`` / ``b_in`` / ``w_out`` / ``b_out`` lists, a loop over ``zip(self.w_in,
+  self.w_out)`` with ``nonzero``, ``F.linear(F.gelu(F.linear(rows, w_in, b_in[e])), w_out, b_out[e])`` per
+  expert, experts without tokens skipped;
 - ``GatedParamListsMoE``: ``w1`` / ``w3`` / ``w2`` lists (a SwiGLU expert, two lists read on the same rows,
   each weight transposed where it is applied: ``rows @ w1[e].t()``), tokens sorted by expert and split by
   ``bincount(...).tolist()`` counts, every split run (empty ones too);
@@ -46,7 +47,9 @@ class NonzeroParamListsMoE(nn.Module):
         super().__init__()
         self.router = nn.Linear(H, E, bias=False)
         self.w_in = _weights(E, FFN, H)
+        self.b_in = _weights(E, FFN)
         self.w_out = _weights(E, H, FFN)
+        self.b_out = _weights(E, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, x = x.shape, x.reshape(-1, H)
@@ -55,7 +58,7 @@ class NonzeroParamListsMoE(nn.Module):
         for e, (w_in, w_out) in enumerate(zip(self.w_in, self.w_out)):
             tok, slot = torch.nonzero(ids_TK == e, as_tuple=True)
             if tok.numel():
-                y = F.linear(F.gelu(F.linear(x[tok], w_in)), w_out)
+                y = F.linear(F.gelu(F.linear(x[tok], w_in, self.b_in[e])), w_out, self.b_out[e])
                 out = out.index_add(0, tok, y * w_TK[tok, slot, None])
         return out.view(shape)
 
@@ -99,7 +102,7 @@ class OneParamListMoE(nn.Module):
 
 
 BLOCKS = {"nonzero": NonzeroParamListsMoE, "gated": GatedParamListsMoE, "one_list": OneParamListMoE}
-LISTS = {"nonzero": ("w_in", "w_out"), "gated": ("w1", "w3", "w2"), "one_list": ("experts",)}
+LISTS = {"nonzero": ("w_in", "b_in", "w_out", "b_out"), "gated": ("w1", "w3", "w2"), "one_list": ("experts",)}
 ROUTER = {"nonzero": "router", "gated": "gate", "one_list": "router"}
 CODE = {"nonzero": "linear gelu linear", "gated": "t matmul silu t matmul mul t matmul", "one_list": "matmul"}
 SKIPS = {"nonzero": True, "gated": False, "one_list": True}
@@ -193,15 +196,15 @@ def test_code_that_differs_per_expert_stays_rejected():
             out = torch.zeros_like(x)
             for e in range(E):
                 tok, slot = torch.nonzero(ids_TK == e, as_tuple=True)
-                y = F.linear(F.gelu(F.linear(x[tok], self.w_in[e])) * (e + 1), self.w_out[e])
+                y = F.linear(F.gelu(F.linear(x[tok], self.w_in[e], self.b_in[e])) * (e + 1), self.w_out[e])
                 out = out.index_add(0, tok, y * w_TK[tok, slot, None])
             return out.view(shape)
 
     torch.manual_seed(0)
     text = themis_compile.explain(zoo.ZooLM("scaled", blocks={"scaled": PerExpertScale}))
     assert text.startswith("0 MoE layer(s) found"), text
-    assert ("are entry e of each of the ParameterLists 'w_in' (4 x Parameter [32, 32]), 'w_out' (4 x Parameter "
-            "[32, 32]); step 1") in text, text
+    assert ("are entry e of each of the ParameterLists 'w_in' (4 x Parameter [32, 32]), 'b_in' (4 x Parameter "
+            "[32]), 'w_out' (4 x Parameter [32, 32]), 'b_out' (4 x Parameter [32]); step 1") in text, text
     assert "does not give what the block computes for expert 1" in text, text
 
 
