@@ -207,8 +207,8 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
     DDP replicates over all ranks either way.
 
     Any dense parameter may go without a gradient on some ranks in a step: the experts of a rejected
-    MoE-like module (``conditional`` names those) or of one detection did not recognise at all (experts in
-    ``ParameterList``s, say) get none on a rank that routed no token to them. Both wrappers are always told
+    MoE-like module (``conditional`` names those) or of one detection did not recognise at all get none on a
+    rank that routed no token to them. Both wrappers are always told
     so, or ranks would reduce different sets of gradients and the job would die in a mismatched collective:
     FSDP2 reduce-scatters a zero gradient for them (``set_reduce_scatter_unused_params``; free where every
     parameter has a gradient), DDP finds them in each backward (``find_unused_parameters``: one traversal of

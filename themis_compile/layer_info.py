@@ -44,7 +44,7 @@ class MoELayerInfo:
     rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
                                                # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay" |
                                                # "all-rows" | "scores-call" | "joined" | "zero-experts" |
-                                               # "parallel-lists" | "own-weights"
+                                               # "parallel-lists" | "param-lists" | "own-weights"
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -67,8 +67,9 @@ class MoELayerInfo:
 
     @property
     def experts(self) -> nn.Module:
-        if self.rewrite in ("joined", "parallel-lists", "own-weights"):   # joined or moved (passes.joined,
-            # passes.parallel_lists, passes.own_weights): the experts exist as one module once rewritten
+        if self.rewrite in ("joined", "parallel-lists", "param-lists", "own-weights"):
+            # Joined or moved (passes.joined, passes.parallel_lists, passes.own_weights): the experts exist
+            # as one module once rewritten.
             return self.plan.experts_of(self.module)
         return getattr(self.module, self.experts_attr)
 
@@ -95,6 +96,8 @@ class MoELayerInfo:
                           f"(joined into '{self.experts_attr}', rewritten to one experts call)",
                 "own-weights": f"applies stacked [E, ...] parameters of its own inline (moved into "
                                f"'{self.experts_attr}', rewritten to one experts call)",
+                "param-lists": f"applies entry e of each of its ParameterLists per expert (moved into "
+                               f"'{self.experts_attr}', capture and replay: one experts call)",
                 "parallel-lists": f"calls entry e of each of two parallel ModuleLists per expert (joined into "
                                   f"'{self.experts_attr}', capture and replay: one experts call)",
                 "zero-experts": f"calls {self.experts_attr}(x, ids, weights) with ids in [0, E + Z) (the "

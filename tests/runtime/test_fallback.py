@@ -2,8 +2,9 @@
 
 A model with no MoE layer, a model where one MoE-like block is rejected (its experts differ in width,
 which FSSDP cannot shard) next to one that is sharded, and a model whose only MoE block holds its experts
-as ParameterLists (nothing to shard; its experts get gradients on some ranks only) train on 2 ranks and on 4 (2 nodes x 2) exactly
-like one process on the whole global batch, under both dense wrappers (FSDP2 and DDP). The warning names
+as ParameterLists of different widths (nothing to shard; its experts get gradients on some ranks only)
+train on 2 ranks and on 4 (2 nodes x 2) exactly like one process on the whole global batch, under both
+dense wrappers (FSDP2 and DDP). The warning names
 the rejected block and why; ``strict=True`` refuses instead.
 
 Shape suffixes: B batch, S sequence, T tokens, H hidden, F ffn, E experts, K top-k, V vocab.
@@ -29,8 +30,8 @@ STEPS, BATCH, SEQ = 4, 8, 8
 VOCAB, H = 64, 32
 UNEVEN_WIDTHS = (48,) + (32,) * 7     # expert 0 is wider: not shardable, so rejected
 REJECTED_REASON = "experts are not identical"
-PARAMLIST_REASON = ("its 8 experts (scored by 'router') are spread over parallel ParameterLists 'w_in' "
-                    "(8 x Parameter [32, 32]), 'w_out' (8 x Parameter [32, 32]), expert e being entry e of each")
+PARAMLIST_REASON = ("its 8 experts (scored by 'router') are entry e of each of the ParameterLists 'w_in', 'w_out': "
+                    "experts are not identical (entries of 'w_in': 0: [48, 32] float32, 1: [32, 32] float32, ")
 
 
 class UnevenMoE(nn.Module):
@@ -62,15 +63,16 @@ class UnevenMoE(nn.Module):
 
 class ParameterListMoE(nn.Module):
     """Experts as ``nn.ParameterList``s of weights, applied with ``F.linear`` per expert, experts without
-    tokens skipped: no module per expert and no stacked tensor, so nothing here can be sharded (detection
-    names it and why), and the whole model is data-parallel while an expert's weights get a gradient on
-    some ranks only: the wrappers must expect that, or the ranks enter mismatched reduce-scatters."""
+    tokens skipped, expert 0 wider than the others: not identical, so nothing here can be sharded (detection
+    names it and why; of equal widths they are, ``tests/passes/test_style_param_lists.py``), and the whole
+    model is data-parallel while an expert's weights get a gradient on some ranks only: the wrappers must
+    expect that, or the ranks enter mismatched reduce-scatters."""
 
-    def __init__(self, num_experts: int = 8, ffn: int = 32) -> None:
+    def __init__(self, widths=UNEVEN_WIDTHS) -> None:
         super().__init__()
-        self.router = nn.Linear(H, num_experts, bias=False)
-        self.w_in = nn.ParameterList(nn.Parameter(torch.randn(ffn, H) * H ** -0.5) for _ in range(num_experts))
-        self.w_out = nn.ParameterList(nn.Parameter(torch.randn(H, ffn) * ffn ** -0.5) for _ in range(num_experts))
+        self.router = nn.Linear(H, len(widths), bias=False)
+        self.w_in = nn.ParameterList(nn.Parameter(torch.randn(f, H) * H ** -0.5) for f in widths)
+        self.w_out = nn.ParameterList(nn.Parameter(torch.randn(H, f) * f ** -0.5) for f in widths)
         self.used_E: list[bool] = []
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:

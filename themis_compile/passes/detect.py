@@ -107,7 +107,8 @@ from themis_compile.passes.joined import (JoinedPlan, describe_between, free_att
 from themis_compile.passes.own_weights import (OwnWeightsPlan, ServedOwnWeightsExperts, WeightsRecorder,
                                                WeightUses, apply_own_weights, own_stacked_weights,
                                                own_weights_region, region_module, replace_region)
-from themis_compile.passes.parallel_lists import apply_parallel_lists, parallel_lists_plan
+from themis_compile.passes.parallel_lists import (apply_param_lists, apply_parallel_lists, describe_region,
+                                                  param_lists_plan, parallel_lists_plan)
 from themis_compile.passes.probe import (ExampleInputs, ExpertsStandIn, NOT_CALLED, PROBE_SEED, preserved_state,
                                          probe_input, record_inputs, recorded_call, recorded_inputs, run_probe)
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
@@ -441,7 +442,7 @@ def skips_empty_experts(info: MoELayerInfo) -> bool:
             setattr(module, attr, experts)
         x_TH, ids_TK, weights_TK = stand_in.calls[0]
         return _skipped_expert_gradient(experts, x_TH, ids_TK, weights_TK, info.num_experts)
-    if info.rewrite in ("replay", "parallel-lists"):
+    if info.rewrite in ("replay", "parallel-lists", "param-lists"):
         return bool(getattr(info.plan, "skips_empty", False))     # decided by capture and replay's probe
     if info.rewrite not in ("none", "inline-loop", "sorted-rows") or info.top_k >= info.num_experts:
         return False
@@ -680,6 +681,8 @@ def _inspect(name: str, module: nn.Module) -> MoELayerInfo | None:
         raise _Reject(why)
     if (found := _parallel_lists_layer(name, module)) is not None:
         return found
+    if (found := _param_lists_layer(name, module)) is not None:
+        return found
     if (why := parallel_expert_lists_reason(module)) is not None:
         raise _Reject(why)
     return None
@@ -800,22 +803,34 @@ def _recorded_own_weights_plan(module: nn.Module, names: tuple[str, ...], attr: 
 
 def _parallel_lists(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, tuple[str, nn.Module]] | None:
     """(lists, E, router) of a block whose experts may be spread over parallel ModuleLists of single layers
-    (``up[e]``, ``down[e]``) or ParameterLists of bare weights: two or more such lists of E >= 2 entries next
-    to a Linear router of E outputs; None for any other module."""
+    (``up[e]``, ``down[e]``): two or more such lists of E >= 2 entries next to a Linear router of E outputs;
+    None for any other module."""
     lists = [(attr, child) for attr, child in module.named_children()
              if isinstance(child, nn.ModuleList) and len(child) >= 2 and not is_mlp_like(child[0])
              and all(type(c) is type(child[0]) and any(True for _ in c.parameters()) for c in child)]
-    # Bare weights per expert (``w_in[e]`` applied with F.linear): ParameterLists of one shape each.
-    lists += [(attr, child) for attr, child in module.named_children()
-              if isinstance(child, nn.ParameterList) and len(child) >= 2
-              and len({tuple(p.shape) for p in child}) == 1]
+    return _lists_and_router(module, lists, 2)
+
+
+def _lists_and_router(module: nn.Module, lists: list[tuple[str, nn.Module]], least: int
+                      ) -> tuple[list[tuple[str, nn.Module]], int, tuple[str, nn.Module]] | None:
+    """(lists, E, router) when ``module`` holds at least ``least`` of ``lists``, all of E entries, next to a
+    Linear router of E outputs; else None."""
     sizes = {len(child) for _, child in lists}
-    if len(lists) < 2 or len(sizes) != 1:
+    if len(lists) < least or len(sizes) != 1:
         return None
     E = sizes.pop()
     router = next(((n, c) for n, c in module.named_children() if isinstance(c, nn.Linear) and c.out_features == E),
                   None)
     return None if router is None else (lists, E, router)
+
+
+def _param_lists(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, tuple[str, nn.Module]] | None:
+    """(lists, E, router) of a block whose experts may be bare weights in ParameterLists (``w_in[e]``, applied
+    with ``F.linear``): one or more ParameterLists of E >= 2 entries next to a Linear router of E outputs;
+    None for any other module."""
+    lists = [(attr, child) for attr, child in module.named_children()
+             if isinstance(child, nn.ParameterList) and len(child) >= 2]
+    return _lists_and_router(module, lists, 1)
 
 
 def _parallel_lists_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
@@ -870,6 +885,57 @@ def _parallel_lists_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
                            f"{plan.first}[e] -> {describe_between(plan.between)} -> {plan.second}[e]")
 
 
+def _param_lists_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
+    """The layer of a block whose expert e is entry e of each of its ParameterLists, applied by the block's
+    own code (:mod:`themis_compile.passes.parallel_lists`, ``param_lists_plan``): the entries move into one
+    ModuleList of experts computing that code, served by capture and replay (``rewrite == "param-lists"``).
+    None when the block holds no such lists or does not select on a probe; raises _Reject naming the step
+    that failed when it does."""
+    found = _param_lists(module)
+    if found is None:
+        return None
+    lists, E, (router_name, router) = found
+    H = router.in_features
+    try:
+        x = probe_input(module, H)
+        rec = record_calls(module, x)
+    except Exception:  # noqa: BLE001 - not a block run on hidden states
+        return None
+    if not (rec.ks or rec.top1):
+        return None
+    names = tuple(attr for attr, _ in lists)
+    for attr, child in lists:
+        if len({(tuple(p.shape), p.dtype) for p in child}) != 1:
+            shapes = ", ".join(f"{e}: {list(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+                               for e, p in enumerate(child))
+            raise _Reject(f"its {E} experts (scored by '{router_name}') are entry e of each of the ParameterLists "
+                          f"{', '.join(map(repr, names))}: experts are not identical (entries of '{attr}': {shapes})")
+    shapes = ", ".join(f"'{attr}' ({E} x Parameter {list(child[0].shape)})" for attr, child in lists)
+    head = f"its {E} experts (scored by '{router_name}') are entry e of each of the ParameterLists {shapes}"
+    attr = free_attribute(module)
+    plans = [param_lists_plan(module, names, lambda: run_probe(module, x, training=training), H, attr)
+             for training in (True, False)]
+    (plan, why), (in_eval, eval_why) = plans
+    if plan is None or in_eval is None:
+        raise _Reject(f"{head}; step 1 (read the code applying them, per expert, on a probe) failed "
+                      f"({'train' if plan is None else 'eval'} mode): {why or eval_why}")
+    # One expert for both modes: the code on the weights must not depend on the block's training mode.
+    if in_eval.region.code != plan.region.code or in_eval.uses != plan.uses:
+        raise _Reject(f"{head}; step 1 failed: the code applying them differs between train and eval mode")
+    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    trial = copy.deepcopy(module, shared)
+    apply_param_lists(trial, plan)
+    replay_plan, why = replay_mismatch(trial, attr, x, PROBE_SEED, allow_skipping=True)
+    if why is not None:
+        raise _Reject(f"{head}; step 2 (serve the experts so read through capture and replay) failed: {why}")
+    T = x.shape[:-1].numel()
+    K = min(E, max(1, -(-captured_rows(trial, attr, x, PROBE_SEED) // T)))
+    plan = dataclasses.replace(plan, replay=replay_plan)
+    return _recorded_layer(name, module, "param-lists", E, K, router_name, H, x, rec, attr, plan,
+                           "row(s) per token seen at the expert code (behaviour)",
+                           f"{describe_region(plan.region)} on entry e of {', '.join(names)}")
+
+
 def _recorded_layer(name: str, module: nn.Module, rewrite: str, E: int, K: int, router_name: str, H: int,
                     x: torch.Tensor, rec: Any, attr: str, plan: Any, seen: str, activation: str) -> MoELayerInfo:
     """The layer record of a rewrite whose router is described from the calls ``rec`` recorded on the
@@ -884,8 +950,7 @@ def _recorded_layer(name: str, module: nn.Module, rewrite: str, E: int, K: int, 
 
 def parallel_expert_lists_reason(module: nn.Module) -> str | None:
     """Why a block whose experts are spread over parallel ModuleLists of single layers (``up[e]``,
-    ``down[e]``: expert e is one entry of each) or ParameterLists of bare weights (``F.linear(x, w_in[e])``)
-    cannot be sharded; None for any other module. It is when
+    ``down[e]``: expert e is one entry of each) cannot be sharded; None for any other module. It is when
     two or more such lists of E >= 2 entries sit next to a router of E experts and a forward on a probe
     selects (a top-k, a sort cut to k, a top-1 ``max`` / ``argmax``). The runtime shards, gathers and
     runs whole expert modules; here no module is an expert."""
@@ -899,10 +964,8 @@ def parallel_expert_lists_reason(module: nn.Module) -> str | None:
         return None
     if not (rec.ks or rec.top1):
         return None
-    names = ", ".join(f"'{attr}' ({E} x " + (f"Parameter {list(child[0].shape)})" if isinstance(child, nn.ParameterList)
-                                            else f"{type(child[0]).__name__})") for attr, child in lists)
-    kinds = " and ".join(dict.fromkeys(type(child).__name__ + "s" for _, child in lists))
-    return (f"its {E} experts (scored by '{router[0]}') are spread over parallel {kinds} {names}, expert e "
+    names = ", ".join(f"'{attr}' ({E} x {type(child[0]).__name__})" for attr, child in lists)
+    return (f"its {E} experts (scored by '{router[0]}') are spread over parallel ModuleLists {names}, expert e "
             "being entry e of each: the runtime shards whole expert modules; hold each expert as one module "
             "(an nn.ModuleList of MLPs called as experts[e](rows)) or as stacked [E, ...] weights called as "
             "experts(x, ids, weights)")
@@ -916,8 +979,8 @@ def _behaviour_candidates(module: nn.Module) -> list[_ExpertsChild]:
     for attr, child in module.named_children():
         if attr in seen or _is_sharded(child) or "expert" not in attr.lower() or "shared" in attr.lower():
             continue
-        if isinstance(child, (nn.Linear, nn.Embedding)) or not any(True for _ in child.parameters()):
-            continue
+        if isinstance(child, (nn.Linear, nn.Embedding, nn.ParameterList)) or not any(True for _ in child.parameters()):
+            continue     # (a ParameterList is never called: its entries are, passes.parallel_lists)
         E = declared_num_experts(child)
         if E is None and isinstance(child, (nn.ModuleList, nn.ModuleDict)):
             E = len(expert_modules(child))   # a ModuleDict's entries without parameters are not experts

@@ -348,36 +348,67 @@ def apply_own_weights(block: nn.Module, plan: OwnWeightsPlan) -> None:
 # (``region(experts, buf) -> y [E, C, H]``). The rewritten block runs its forward as written with its weights
 # seen as shape-only stand-ins: their first use calls the experts on the buffer (one ``experts(x, ids,
 # weights)`` call of the runtime) and answers zeros, on which the block's code between the uses runs to no
-# effect; their last use answers the experts' result.
+# effect; their last use answers the experts' result. A *use* is a torch function taking a weight or a
+# value computed from weights alone (``w.transpose(1, 2)``, ``w.t()``, ``w.to(dtype)``: such values stand for
+# the weights, `WeightValues`), giving a tensor (a size or a dtype read off a weight is no use).
+
+class WeightValues:
+    """The weights a mode follows, by identity, each under a key (the expert it belongs to, or one key for
+    all), and the values computed from the weights of one key alone, which stand for them where the code
+    applies them (``x @ w.t()``)."""
+
+    def __init__(self, weights: dict[Any, list[torch.Tensor]]) -> None:
+        self._held = {id(w): (key, w) for key, ws in weights.items() for w in ws}
+
+    def key(self, v: Any) -> Any:
+        """The key of ``v``, None when it is neither a weight nor computed from weights alone."""
+        entry = self._held.get(id(v)) if isinstance(v, torch.Tensor) else None
+        return entry[0] if entry is not None and entry[1] is v else None
+
+    def split(self, flat: list[torch.Tensor]) -> tuple[set, list[torch.Tensor]]:
+        """(the keys of the weights among ``flat``, the other tensors)."""
+        keys = {k for v in flat if (k := self.key(v)) is not None}
+        return keys, [v for v in flat if self.key(v) is None]
+
+    def follow(self, keys: set, others: list[torch.Tensor], out: Any) -> None:
+        """``out`` of a use with ``keys`` and ``others``: computed from the weights of one key alone, it stands
+        for them."""
+        if len(keys) == 1 and not others and isinstance(out, torch.Tensor):
+            self._held[id(out)] = (next(iter(keys)), out)
+
 
 class WeightUses(TorchFunctionMode):
-    """Counts the torch functions that take one of ``weights`` (by identity) on a run."""
+    """Counts the uses of ``weights`` (by identity) on a run."""
 
     def __init__(self, weights: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self._ids = {id(w) for w in weights.values()}
+        self._values = WeightValues({0: list(weights.values())})
         self.count = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and any(isinstance(v, torch.Tensor) and id(v) in self._ids
-                                                 for v in tree_flatten((args, kwargs))[0]):
-            self.count += 1     # (a size or a dtype read off a weight is no use)
+        keys, others = self._values.split([v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)])
+        if keys and isinstance(out, torch.Tensor):
+            self.count += 1
+            self._values.follow(keys, others, out)
         return out
 
 
 class WeightsRecorder(TorchFunctionMode):
-    """Records, as an FX graph ``region(experts, x)``, the torch functions applied from the first use of one of
-    ``weights`` (name -> parameter) on, to the tensor ``x`` that use takes beside them and to everything
-    computed from them, until the last (the ``uses``-th) use of a weight; ``reason`` says why the code cannot
-    be replayed on other rows."""
+    """Records, as an FX graph ``region(experts, x)``, the torch functions applied to ``weights`` (name ->
+    parameter), to the tensor ``x`` that the first use taking another tensor takes beside them and to
+    everything computed from them, until the last (the ``uses``-th) use; ``reason`` says why the code cannot
+    be replayed on other rows (``words``: how it names the weights, ``x`` and what ``x`` must be)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], uses: int) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], uses: int, *, words: tuple[str, str, str] = (
+            "the stacked weights", "the buffer", "one floating buffer of every expert's rows")) -> None:
         super().__init__()
+        self._words = words
         self.graph = fx.Graph()
         self._owner = self.graph.placeholder("experts")
         self._weights = {id(w): (w, n) for n, w in weights.items()}
+        self._values = WeightValues({0: list(weights.values())})
         self._node: dict[int, tuple[torch.Tensor, fx.Node]] = {}
         self._uses_left = uses
         self.reason: str | None = None
@@ -402,42 +433,43 @@ class WeightsRecorder(TorchFunctionMode):
         if self.reason is not None:
             return out
         flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
-        uses = any(self._is_weight(v) for v in flat)
+        keys, others = self._values.split(flat)
+        uses = bool(keys)
         name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
         if self._y is not None:
             # After the last use: the block's own code on the result, which must read nothing else computed
             # from the weights.
             if any(self._tracked(v) is not None for v in flat if v is not self._y):
-                self.reason = (f"{name} reads, after the last use of the stacked weights, a value computed from them "
+                self.reason = (f"{name} reads, after the last use of {self._words[0]}, a value computed from them "
                                "other than the result")
             return out
         if uses and not isinstance(out, torch.Tensor):
             return out   # a size, a dtype, a flag read off a weight
-        if uses and self.x_shape is None:
-            others = [v for v in flat if not self._is_weight(v)]
+        if uses and self.x_shape is None and others:
             if len(others) != 1 or not others[0].is_floating_point():
-                self.reason = (f"the first use of a stacked weight ({name}) takes {len(others)} other tensors, not "
-                               "one floating buffer of every expert's rows")
+                self.reason = (f"the first use of {self._words[0]} ({name}) takes {len(others)} other tensors, not "
+                               f"{self._words[2]}")
                 return out
             self.x_shape = tuple(others[0].shape)
             self._node[id(others[0])] = (others[0], self.graph.placeholder("x"))
         if not any(self._tracked(v) is not None for v in flat):
             return out
         if func in VALUE_READS:
-            self.reason = f"{name} reads values computed from the stacked weights into Python"
+            self.reason = f"{name} reads values computed from {self._words[0]} into Python"
         elif any(self._tracked(v) is None for v in flat):
-            self.reason = f"{name} uses a tensor that is not computed from the buffer and the stacked weights"
+            self.reason = f"{name} uses a tensor that is not computed from {self._words[1]} and {self._words[0]}"
         elif func is torch.Tensor.__setitem__ or in_place_call(func, kwargs):
-            self.reason = f"{name} modifies a value computed from the stacked weights in place"
+            self.reason = f"{name} modifies a value computed from {self._words[0]} in place"
         elif not isinstance(out, torch.Tensor):
             if any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
-                self.reason = f"{name} returns several tensors from the stacked weights' code"
+                self.reason = f"{name} returns several tensors from the code on {self._words[0]}"
             return out   # (a size, a dtype: used as constants where the code goes on)
         if self.reason is not None:
             return out
         node = self.graph.call_function(func, *tree_map(lambda v: self._tracked(v) or v, (tuple(args), kwargs)))
         self._node[id(out)] = (out, node)
         if uses:
+            self._values.follow(keys, others, out)
             self._uses_left -= 1
             if self._uses_left == 0:
                 self._y, self.y_shape = out, tuple(out.shape)
@@ -446,7 +478,9 @@ class WeightsRecorder(TorchFunctionMode):
     def finish(self) -> fx.GraphModule | None:
         """The recorded code as ``region(experts, x) -> y``, y the result of the last use of a weight."""
         if self.reason is None and self._y is None:
-            self.reason = "the stacked weights are not used by torch functions on a probe"
+            self.reason = f"{self._words[0]} are not used by torch functions on a probe"
+        if self.reason is None and self.x_shape is None:
+            self.reason = f"no use of {self._words[0]} takes {self._words[2]}"
         if self.reason is not None:
             return None
         self.graph.output(self._node[id(self._y)][1])
@@ -457,31 +491,37 @@ class WeightsRecorder(TorchFunctionMode):
 
 class WeightStandIns(TorchFunctionMode):
     """The rewritten block's weights while its forward runs (expert-batched reading): shape-only (meta)
-    stand-ins. Their first use calls ``call(x)`` (the experts on the buffer ``x``) and, like every use but
-    the last, answers zeros of the use's shape; the last (the ``uses``-th) answers the experts' result."""
+    stand-ins. A use on them alone answers a stand-in too (``w.transpose(1, 2)``); their first use taking
+    another tensor calls ``call(x)`` (the experts on the buffer ``x``) and, like every use but the last,
+    answers zeros of the use's shape; the last (the ``uses``-th) answers the experts' result."""
 
     def __init__(self, plan: OwnWeightsPlan, call: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.stand_ins = {n: torch.empty(shape, dtype=dtype, device="meta") for n, shape, dtype in plan.specs}
-        self._ids = {id(t) for t in self.stand_ins.values()}
+        self._values = WeightValues({0: list(self.stand_ins.values())})
         self.plan, self.call, self.count = plan, call, 0
         self._kept: torch.Tensor | None = None
         self._written: dict[int, list] = {}    # id(buffer) -> [(buffer, (expert ids, slots))] written into it
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.Tensor.__setitem__ and self.count == 0:
+        if func is torch.Tensor.__setitem__ and self._kept is None:
             self._note_rows(*args[:2])
         flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
-        if not any(id(v) in self._ids for v in flat):
+        keys, real = self._values.split(flat)
+        if not keys:
             return func(*args, **kwargs)
         meta = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))
         out_meta = func(*meta[0], **meta[1])
         if not isinstance(out_meta, torch.Tensor):
             return out_meta      # a size, a dimension, a dtype of a weight
         self.count += 1
-        real = [v for v in flat if id(v) not in self._ids]
-        if self.count == 1:
+        if not real and self.count < self.plan.uses:
+            self._values.follow(keys, real, out_meta)
+            return out_meta      # computed from the weights alone: a stand-in too
+        if self._kept is None:
+            if not real:
+                raise RuntimeError("the stacked weights' last use takes no tensor but them")
             writes = [w for buf, w in self._written.get(id(real[0]), []) if buf is real[0]]
             self._kept = self.call(real[0], written=writes[0] if len(writes) == 1 else None)
         if self.count == self.plan.uses:

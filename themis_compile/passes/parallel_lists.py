@@ -1,4 +1,8 @@
-"""Experts spread over parallel ModuleLists (``up[e]``, ``down[e]``), joined into one ModuleList of experts.
+"""Experts spread over parallel lists, entry e of each being expert e, joined into one ModuleList of experts.
+
+Two forms: ModuleLists of single layers called per expert (``up[e](rows)``, ``down[e](h)``), and
+ParameterLists of bare weights applied by the block's own code (``F.linear(rows, w_in[e])``: the section
+"Experts held as ParameterLists of bare weights" below). The first:
 
 Step / Hunyuan-style blocks and much research code hold expert e as entry e of two parallel
 ``nn.ModuleList`` s of single layers, and run the block's own code between the two calls::
@@ -37,6 +41,7 @@ Shape suffixes: N rows, H hidden size, W ``up``'s output width, E experts.
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -44,9 +49,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from themis_compile.passes.joined import BetweenRecorder, KeyHook, internal_keys, row_mixing_reason
-from themis_compile.passes.own_weights import OwnWeightsKeys
+from themis_compile.passes.own_weights import OwnWeightsKeys, WeightsRecorder, WeightValues
 
 
 # --- The experts -------------------------------------------------------------------------------------
@@ -86,6 +93,10 @@ class ParallelListsPlan:
     width: int
     num_experts: int
     replay: Any = None
+
+    @property
+    def lists(self) -> tuple[str, ...]:
+        return (self.first, self.second)
 
     @property
     def skips_empty(self) -> bool:
@@ -257,16 +268,17 @@ class PairedLists:
 
 class ListsKeys(KeyHook):
     """A state-dict hook: the joined experts' keys ``<block>.<attr>.<e>.<list>.<name>`` are the user's
-    ``<block>.<list>.<e>.<name>`` when saving (``loading=False``), and back when loading."""
+    ``<block>.<list>.<e>.<name>`` when saving (``loading=False``), and back when loading; for ParameterLists
+    (no ``.<name>``) ``<block>.<attr>.<e>.<list>`` and ``<block>.<list>.<e>``."""
 
     def __init__(self, attr: str, lists: Sequence[str], loading: bool) -> None:
         self.attr, self.lists, self.loading = attr, tuple(lists), loading
         names = "|".join(map(re.escape, self.lists))
-        self._inner = re.compile(rf"^{re.escape(attr)}\.(\d+)\.({names})\.(.+)$")
-        self._outer = re.compile(rf"^({names})\.(\d+)\.(.+)$")
+        self._inner = re.compile(rf"^{re.escape(attr)}\.(\d+)\.({names})((?:\..+)?)$")
+        self._outer = re.compile(rf"^({names})\.(\d+)((?:\..+)?)$")
 
     def inner_key(self, m: Any) -> str:
-        return f"{self.attr}.{m[2]}.{m[1]}.{m[3]}"
+        return f"{self.attr}.{m[2]}.{m[1]}{m[3]}"
 
     def save(self, state_dict: dict, prefix: str) -> None:
         # The user's order too, each list's entries in turn (where the joined experts' keys were).
@@ -275,7 +287,7 @@ class ListsKeys(KeyHook):
                  if k.startswith(prefix) and (m := self._inner.match(k[len(prefix):]))]
         if not inner:
             return
-        renamed = sorted(((self.lists.index(m[2]), int(m[1]), i), f"{prefix}{m[2]}.{m[1]}.{m[3]}", items[i][1])
+        renamed = sorted(((self.lists.index(m[2]), int(m[1]), i), f"{prefix}{m[2]}.{m[1]}{m[3]}", items[i][1])
                          for i, m in inner)
         at, drop = inner[0][0], {i for i, _ in inner}
         state_dict.clear()
@@ -311,7 +323,7 @@ def to_user_keys(model: nn.Module, state_dict: dict, *, heads: Sequence[str] = (
     a flattened optimizer state dict with ``heads=("state.", "param_groups.")``) from the joined experts'
     module paths to the user's keys, or back with ``loading=True``."""
     for prefix, plan in _joined_blocks(model):
-        hook = ListsKeys(plan.attr, (plan.first, plan.second), loading)
+        hook = ListsKeys(plan.attr, plan.lists, loading)
         for head in heads:
             hook.apply(state_dict, head + prefix)
     for prefix, plan in _rewritten_blocks(model, "_themis_own_weights"):
@@ -359,3 +371,251 @@ def apply_parallel_lists(block: nn.Module, plan: ParallelListsPlan) -> None:
     block.__class__ = paired_block_class(type(block), plan)
     block.register_state_dict_post_hook(ListsKeys(plan.attr, (plan.first, plan.second), loading=False))
     block.register_load_state_dict_pre_hook(ListsKeys(plan.attr, (plan.first, plan.second), loading=True))
+
+
+# --- Experts held as ParameterLists of bare weights ----------------------------------------------------
+#
+# Expert e may be entry e of one or more parallel ``nn.ParameterList`` s, applied by the block's own code:
+#
+#     for e, (w_in, w_out) in enumerate(zip(self.w_in, self.w_out)):
+#         rows = torch.nonzero(ids == e).flatten()
+#         if rows.numel():                                               # experts without tokens skipped
+#             y = F.linear(F.gelu(F.linear(x[rows], w_in)), w_out)       # expert e: the code on its weights
+#             out = out.index_add(0, rows, y * weight[rows, None])
+#
+# No module is an expert, and no call: the code on entry e's weights is. It is read off a probe
+# (``passes.own_weights.WeightsRecorder`` on the first used expert's weights: its uses, the torch functions
+# taking them or values computed from them alone (``w.t()``), from the first to the U-th, U the uses per
+# expert, with the one other tensor the first use on another takes as the rows), checked to be what every
+# expert computes on the probe, and becomes :class:`EntriesExpert` e (parameters ``w_in``, ``w_out``: the
+# user's parameter objects) of a :class:`ParamListsExperts`. The rewritten block runs its forward as written
+# with its lists seen as tuples of shape-only (meta) stand-ins (:class:`EntryStandIns`): the first use of
+# expert e's stand-ins on rows calls ``experts[e](rows)`` and, like every use but the U-th, answers zeros,
+# on which the block's code runs to no effect; the U-th answers the expert's result. So the block calls
+# ``experts[e](rows)`` one by one, which capture and replay (``passes.replay``) serves with one
+# ``experts(x, ids, weights)`` call.
+
+class EntriesExpert(nn.Module):
+    """Expert e of parallel ParameterLists: entry e of each list, under the list's name, computing the
+    block's own code on them (``region(expert, rows_NH) -> [N, H]``, recorded on a probe; not a child: it
+    holds no tensors and every expert shares it)."""
+
+    def __init__(self, weights: dict[str, nn.Parameter], region: fx.GraphModule) -> None:
+        super().__init__()
+        for name, w in weights.items():
+            self.register_parameter(name, w)
+        self.__dict__["region"] = region
+
+    def forward(self, rows_NH: torch.Tensor) -> torch.Tensor:
+        return self.region(self, rows_NH)
+
+
+class ParamListsExperts(nn.ModuleList):
+    """The E experts of a block whose expert e is entry e of each of its ParameterLists
+    (:class:`EntriesExpert`); a ModuleList of identical experts called ``experts[e](rows)``."""
+
+
+@dataclass(frozen=True)
+class ParamListsPlan:
+    """How a block's ParameterLists ``lists`` become ``block.<attr>`` (a :class:`ParamListsExperts`):
+    each expert computes ``region``, which takes its weights in ``uses`` torch functions; ``specs`` is
+    (list, entry shape, dtype) of each list; ``replay`` the capture-and-replay plan (set by detection)."""
+
+    attr: str
+    lists: tuple[str, ...]
+    region: fx.GraphModule
+    uses: int
+    specs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    num_experts: int
+    replay: Any = None
+
+    @property
+    def skips_empty(self) -> bool:
+        return bool(getattr(self.replay, "skips_empty", False))
+
+    def experts_of(self, block: nn.Module) -> nn.Module:
+        """The experts of ``block``: the ones it holds once rewritten, else new ones over its lists'
+        entries (which stay where they are)."""
+        if self.lists[0] not in block._modules:
+            return block._modules[self.attr]
+        lists = [block._modules[name] for name in self.lists]
+        return ParamListsExperts(EntriesExpert({name: entries[e] for name, entries in zip(self.lists, lists)},
+                                               self.region) for e in range(self.num_experts))
+
+
+def describe_region(region: fx.GraphModule) -> str:
+    """The recorded expert code in a few words: its functions in order (``linear gelu linear``)."""
+    names = [getattr(n.target, "__name__", str(n.target)) for n in region.graph.nodes
+             if n.op == "call_function" and n.target not in (getattr, operator.getitem)]
+    return " ".join(names) or "nothing"
+
+
+class EntryUses(TorchFunctionMode):
+    """Logs, on a probe, every use of entries of ``lists`` (by identity; a use as in ``passes.own_weights``: a
+    torch function taking them, or values computed from them alone, and giving a tensor): ``(e, the other
+    tensors it takes, its output)``; ``reason`` says why the code is no expert code (one function taking the
+    weights of two experts)."""
+
+    def __init__(self, lists: Sequence[nn.ParameterList]) -> None:
+        super().__init__()
+        self._values = WeightValues({e: [entries[e] for entries in lists] for e in range(len(lists[0]))})
+        self.log: list[tuple[int, list[torch.Tensor], torch.Tensor]] = []
+        self.reason: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+        experts, others = self._values.split(flat)
+        if experts and isinstance(out, torch.Tensor):
+            if len(experts) > 1 and self.reason is None:
+                name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
+                self.reason = f"{name} takes the weights of experts {sorted(experts)} at once"
+            self.log.append((min(experts), others, out))
+            self._values.follow(experts, others, out)
+        return out
+
+
+def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], Any], hidden: int, attr: str
+                     ) -> tuple[ParamListsPlan | None, str]:
+    """(plan, "") when entry e of each of ``module``'s ParameterLists ``lists`` is expert e, applied by the
+    same code on rows ``[N, hidden] -> [N, hidden]`` on the probe ``run()``; else (None, why). Read-only."""
+    entries = [module._modules[name] for name in lists]
+    E = len(entries[0])
+    # Step 1: which expert each use of the lists' entries serves, and how many uses per expert.
+    seen = EntryUses(entries)
+    with torch.no_grad(), seen:
+        run()
+    if seen.reason is not None:
+        return None, seen.reason
+    uses_E = [sum(e == u[0] for u in seen.log) for e in range(E)]
+    if not any(uses_E):
+        return None, "no torch function uses their entries on a probe"
+    used = [e for e in range(E) if uses_E[e]]
+    if len({uses_E[e] for e in used}) != 1:
+        return None, (f"the experts' weights have different numbers of uses on a probe "
+                      f"({dict((e, uses_E[e]) for e in used)}): no one code is every expert's")
+    U = uses_E[used[0]]
+    # Step 2: the code of the first used expert, from its first use to the U-th.
+    first = seen.log[0][0]
+    recorder = WeightsRecorder({name: lst[first] for name, lst in zip(lists, entries)}, U,
+                               words=(f"expert {first}'s weights", "its rows", "its rows alone"))
+    with torch.no_grad(), recorder:
+        run()
+    region = recorder.finish()
+    if region is None:
+        return None, f"the code on expert {first}'s weights cannot be recorded as an expert: {recorder.reason}"
+    if not (len(recorder.x_shape) >= 1 and recorder.x_shape[-1] == hidden and recorder.y_shape == recorder.x_shape):
+        return None, (f"the code on an expert's weights maps {list(recorder.x_shape)} to {list(recorder.y_shape)}, "
+                      f"not rows [N, {hidden}] to rows of the same shape")
+    # Step 3: that code, on each expert's weights, is what the block computed for every expert.
+    for e in used:
+        calls = [u for u in seen.log if u[0] == e]
+        expert = EntriesExpert({name: lst[e] for name, lst in zip(lists, entries)}, region)
+        for i in range(0, len(calls), U):
+            rows, y = next((u[1] for u in calls[i:i + U] if u[1]), []), calls[i + U - 1][2]
+            if len(rows) != 1 or rows[0].dim() != len(recorder.x_shape) or rows[0].shape[-1] != hidden:
+                return None, f"the first use of expert {e}'s weights on another tensor does not take its rows alone"
+            try:
+                with torch.no_grad():
+                    same = torch.allclose(expert(rows[0]).double(), y.double(), rtol=1e-5, atol=1e-6)
+            except Exception:  # noqa: BLE001
+                same = False
+            if not same:
+                return None, (f"the code recorded on expert {first}'s weights, applied to expert {e}'s, does not give "
+                              f"what the block computes for expert {e}")
+    specs = tuple((name, tuple(lst[0].shape), lst[0].dtype) for name, lst in zip(lists, entries))
+    return ParamListsPlan(attr=attr, lists=tuple(lists), region=region, uses=U, specs=specs, num_experts=E), ""
+
+
+class EntryStandIns(TorchFunctionMode):
+    """The rewritten block's ParameterLists while its forward runs: ``lists[name]`` is a tuple of E
+    shape-only (meta) stand-ins. Of every ``plan.uses`` uses of expert e's stand-ins, one on them alone
+    answers a stand-in too (``w.t()``), the first taking another tensor calls ``call(e, rows)`` on it, and
+    every other one but the last answers zeros of its shape, the last the call's result."""
+
+    def __init__(self, plan: ParamListsPlan, call: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.lists = {name: tuple(torch.empty(shape, dtype=dtype, device="meta") for _ in range(plan.num_experts))
+                      for name, shape, dtype in plan.specs}
+        self._values = WeightValues({e: [stand_ins[e] for stand_ins in self.lists.values()]
+                                     for e in range(plan.num_experts)})
+        self.plan, self.call = plan, call
+        self.uses_E = [0] * plan.num_experts
+        self._kept: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+        experts, real = self._values.split(flat)
+        if not experts:
+            return func(*args, **kwargs)
+        meta = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (tuple(args), kwargs))
+        out_meta = func(*meta[0], **meta[1])
+        if not isinstance(out_meta, torch.Tensor):
+            return out_meta      # a size, a dimension, a dtype of a weight
+        if len(experts) > 1:
+            raise RuntimeError(f"a torch function takes the weights of experts {sorted(experts)} at once, which the "
+                               "probe did not show")
+        (e,) = experts
+        self.uses_E[e] += 1
+        step = (self.uses_E[e] - 1) % self.plan.uses + 1
+        if not real and step < self.plan.uses:
+            self._values.follow(experts, real, out_meta)
+            return out_meta      # computed from the weights alone: a stand-in too
+        if e not in self._kept:
+            if len(real) != 1:
+                raise RuntimeError(f"the first use of expert {e}'s weights on other tensors takes {len(real)}, on "
+                                   "the probe its rows alone")
+            self._kept[e] = self.call(e, real[0])
+        if step == self.plan.uses:
+            y = self._kept.pop(e)
+            if y.shape != out_meta.shape:
+                raise RuntimeError(f"the last torch function taking expert {e}'s weights gives "
+                                   f"{list(out_meta.shape)}, the expert {list(y.shape)}")
+            return y
+        return torch.zeros(out_meta.shape, dtype=out_meta.dtype, device=real[0].device if real else None)
+
+
+def listed_block_class(block_cls: type, plan: ParamListsPlan) -> type:
+    """A subclass of ``block_cls`` whose forward is its own with ``self.<list>`` seen as the stand-ins of
+    :class:`EntryStandIns` over ``self.<attr>`` (inside the forward only)."""
+
+    def block_forward(self, *args, **kwargs):
+        def call(e: int, rows: torch.Tensor) -> torch.Tensor:
+            experts = self.__dict__.get(plan.attr)      # capture and replay's view, else the experts
+            return (self._modules[plan.attr] if experts is None else experts)[e](rows)
+
+        mode = EntryStandIns(plan, call)
+        self.__dict__.update(mode.lists)
+        try:
+            with mode:
+                out = block_cls.forward(self, *args, **kwargs)
+        finally:
+            for name in plan.lists:
+                self.__dict__.pop(name, None)
+        if any(n % plan.uses for n in mode.uses_E):
+            raise RuntimeError(f"{block_cls.__name__}: torch functions took its experts' weights {mode.uses_E} times, "
+                               f"not a multiple of {plan.uses} (the probe's) each; the moved code would not be what "
+                               "the block computes")
+        return out
+
+    block_forward.__doc__ = (f"{block_cls.__name__}.forward with the code on entry e of {', '.join(plan.lists)} "
+                             f"served by {plan.attr}[e].")
+    return type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
+                                                   "_themis_original_class": block_cls,
+                                                   "_themis_parallel_lists": plan})
+
+
+def apply_param_lists(block: nn.Module, plan: ParamListsPlan) -> None:
+    """Rewrite ``block`` in place: the entries of its ParameterLists move into ``block.<attr>`` (a
+    :class:`ParamListsExperts`, the same parameter objects), its class gets the forward of
+    :func:`listed_block_class`, and its state-dict keys stay the user's (``w_in.3``: :class:`ListsKeys`).
+    Capture and replay (``passes.replay.apply_replay``) goes on top."""
+    experts = plan.experts_of(block)
+    for name in plan.lists:
+        del block._modules[name]
+    block.add_module(plan.attr, experts)
+    block.__class__ = listed_block_class(type(block), plan)
+    block.register_state_dict_post_hook(ListsKeys(plan.attr, plan.lists, loading=False))
+    block.register_load_state_dict_pre_hook(ListsKeys(plan.attr, plan.lists, loading=True))

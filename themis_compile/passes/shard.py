@@ -96,7 +96,7 @@ from themis_compile.passes.fx_graph import (
 )
 from themis_compile.passes.joined import apply_joined
 from themis_compile.passes.own_weights import BatchedCall, PerRowCall, ServedOwnWeightsExperts, apply_own_weights
-from themis_compile.passes.parallel_lists import apply_parallel_lists
+from themis_compile.passes.parallel_lists import apply_param_lists, apply_parallel_lists
 from themis_compile.passes.probe import PROBE_SEED, preserved_state, probe_input, probing_as_recorded, run_probe
 from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch, output_tensors
 from themis_compile.runtime.experts import loop_combine, with_zero_rows_gradient, wrapped_expert_list
@@ -781,6 +781,14 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
                     "call (capture and replay)", info.name, info.plan.first, info.plan.second, info.experts_attr,
                     info.experts_attr)
         return
+    if info.rewrite == "param-lists":
+        apply_param_lists(info.module, info.plan)
+        apply_replay(info.module, info.experts_attr, info.plan.replay, layer=info.name)
+        info.rewritten = True
+        logger.info("MoE layer %s: entry e of %s and the code applying them moved into %s[e], served by one "
+                    "%s(x, ids, weights) call (capture and replay)", info.name, ", ".join(info.plan.lists),
+                    info.experts_attr, info.experts_attr)
+        return
     if info.rewrite == "replay":
         plan = info.plan if isinstance(info.plan, ReplayPlan) else ReplayPlan(num_experts=info.num_experts)
         apply_replay(info.module, info.experts_attr, plan, layer=info.name)
@@ -910,18 +918,20 @@ def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], s
         trial = copy.deepcopy(info.module, shared)
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
         if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows", "joined", "zero-experts",
-                                                                        "parallel-lists", "own-weights"):
+                                                                        "parallel-lists", "param-lists",
+                                                                        "own-weights"):
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr],
                                                                  info.num_experts)
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
         if info.rewrite == "dense-dispatch":
             verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
-        if info.rewrite in ("all-rows", "replay", "joined", "zero-experts", "parallel-lists", "own-weights") and (
+        if info.rewrite in ("all-rows", "replay", "joined", "zero-experts", "parallel-lists", "param-lists",
+                            "own-weights") and (
                 why := gradient_mismatch(
                 info.module, trial, _probe_for(info), PROBE_SEED)) is not None:
             what = {"all-rows": "all-rows", "replay": "capture-and-replay", "joined": "joined",
-                    "parallel-lists": "parallel-lists", "own-weights": "own-weights",
+                    "parallel-lists": "parallel-lists", "param-lists": "param-lists", "own-weights": "own-weights",
                     "zero-experts": "zero-experts"}[info.rewrite]
             raise ValueError(f"MoE layer {info.name!r}: the {what} rewrite does not reproduce the gradients of "
                              f"the original on a probe input ({why}); the model was left unchanged")
