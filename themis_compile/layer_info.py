@@ -44,7 +44,8 @@ class MoELayerInfo:
     rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
                                                # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay" |
                                                # "all-rows" | "scores-call" | "joined" | "zero-experts" |
-                                               # "parallel-lists" | "param-lists" | "own-weights"
+                                               # "parallel-lists" | "param-lists" | "own-weights" |
+                                               # "indexed-weights"
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
@@ -67,7 +68,7 @@ class MoELayerInfo:
 
     @property
     def experts(self) -> nn.Module:
-        if self.rewrite in ("joined", "parallel-lists", "param-lists", "own-weights"):
+        if self.rewrite in ("joined", "parallel-lists", "param-lists", "own-weights", "indexed-weights"):
             # Joined or moved (passes.joined, passes.parallel_lists, passes.own_weights): the experts exist
             # as one module once rewritten.
             return self.plan.experts_of(self.module)
@@ -98,6 +99,8 @@ class MoELayerInfo:
                                f"'{self.experts_attr}', rewritten to one experts call)",
                 "param-lists": f"applies entry e of each of its ParameterLists per expert (moved into "
                                f"'{self.experts_attr}', capture and replay: one experts call)",
+                "indexed-weights": f"applies stacked [E, ...] parameters of its own indexed by expert id, w[e], per "
+                                   f"expert (moved into '{self.experts_attr}', capture and replay: one experts call)",
                 "parallel-lists": f"calls entry e of each of two parallel ModuleLists per expert (joined into "
                                   f"'{self.experts_attr}', capture and replay: one experts call)",
                 "zero-experts": f"calls {self.experts_attr}(x, ids, weights) with ids in [0, E + Z) (the "

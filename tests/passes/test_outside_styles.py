@@ -18,18 +18,17 @@ import themis_compile
 from themis_compile.passes.detect import find_moe_layers
 from themis_compile.testing.multirank import run_multirank
 from tests.passes import outside_styles as outside, zoo_models as zoo
-from tests.passes.style_training import (CONFIG, LR, POLICIES, STEPS, batches, check_sharded_and_equal, loss,
-                                         reference, train)
+from tests.passes.style_training import (CONFIG, LR, POLICIES, STEPS, batches, check_sharded_and_equal,
+                                         checkpoint_resumes_in_the_users_keys, loss, reference, train)
 from tests.runtime.equivalence import assert_equivalent, global_losses
 
 LAYERS = ["layers.0.moe", "layers.1.moe"]
 RECOGNIZED = ("bincount_index_add", "histc_offsets", "searchsorted_index_put", "argmax_mask_switch",
-              "geglu_gate_matrix", "onehot_moduledict", "unique_consecutive", "sigmoid_bias_relu2")
+              "geglu_gate_matrix", "onehot_moduledict", "unique_consecutive", "sigmoid_bias_relu2", "stacked_split")
+# The experts' weights of the styles that stack them in the block itself (the others' live in its 'experts').
+STACKED = {"stacked_split": ("w1", "w2")}
 # Not recognized yet: the recognition step each fails, as the warning names it.
 NOT_RECOGNIZED = {
-    "stacked_split": ("its expert weights are stacked parameters of the block itself (w1 [4, 32, 32], "
-                      "w2 [4, 32, 32], 4 experts scored by 'router'); step 1 (trace the forward to find the code "
-                      "applying them) failed", "step 2 (record the code applying them on a probe) failed"),
     "einsum_slots": ("its expert weights are stacked parameters of the block itself (w1 [4, 32, 32], "
                      "w3 [4, 32, 32], w2 [4, 32, 32], 4 experts scored by 'gate'); step 2 (find the code applying "
                      "them, from the selected ids to one value per token and slot) failed",),
@@ -41,8 +40,11 @@ def _build(style: str):
     return functools.partial(outside.build, style)
 
 
-def _is_expert(name: str) -> bool:
-    return ".experts." in name
+def _is_expert(style: str):
+    """Which parameter names of the unmodified model are expert weights."""
+    if style in STACKED:
+        return lambda name: name.rsplit(".", 1)[-1] in STACKED[style] and ".moe." in name
+    return lambda name: ".experts." in name
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -70,7 +72,7 @@ def _ranks(rank: int, world_size: int, cases: list[tuple[str, str]]):
 
 @functools.lru_cache(maxsize=None)
 def _references() -> dict[str, tuple]:
-    return {style: reference(_build(style), _is_expert if style in RECOGNIZED else (lambda n: False))
+    return {style: reference(_build(style), _is_expert(style) if style in RECOGNIZED else (lambda n: False))
             for style in (*RECOGNIZED, *NOT_RECOGNIZED)}
 
 
@@ -124,3 +126,35 @@ def test_trains_like_one_process_on_2_ranks():
 
 def test_trains_like_one_process_on_2_nodes_of_2():
     _trains_like_one_process(4, devices_per_node=2)
+
+
+def test_stacked_weights_checkpoint_in_the_users_keys(tmp_path):
+    """torch.distributed.checkpoint through themis_compile.checkpoint holds the stacked weights under the user's
+    keys (``layers.0.moe.w1``, one [E, ...] tensor) and resumes the run exactly; the full state dict is the
+    unmodified model's, equal to one process's training."""
+    checkpoint_resumes_in_the_users_keys(_build("stacked_split"), tmp_path)
+
+
+def test_stacked_weights_indexed_by_expert_id_move_with_their_code():
+    """``stacked_split`` (``self.w1[e]`` in a loop): its stacked weights, the same parameter objects, move into
+    the experts module; the state-dict keys stay the unmodified model's, both ways; the block computes what the
+    unmodified one does, values and gradients."""
+    from themis_compile.passes.shard import prepare_moe_layers
+
+    model, original = outside.build("stacked_split"), outside.build("stacked_split")
+    keys = list(original.state_dict())
+    block, ref = model.layers[0].moe, original.layers[0].moe
+    w1 = block.w1
+    infos = prepare_moe_layers(model, strict=True)
+    assert [(i.name, i.rewrite, i.num_experts, i.top_k) for i in infos] == [
+        (n, "indexed-weights", outside.E, outside.K) for n in LAYERS]
+    assert block.experts._parameters["w1"] is w1 and "w1" not in block._parameters
+    assert list(model.state_dict()) == keys
+    model.load_state_dict(original.state_dict())
+    x = torch.randn(2, 5, outside.H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    want, got = ref(x), block(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    g_want = torch.autograd.grad(want.square().sum(), [x, ref.router.weight, ref.w1, ref.w2])
+    g_got = torch.autograd.grad(got.square().sum(), [x, block.router.weight, block.experts.w1, block.experts.w2])
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -108,7 +108,7 @@ from themis_compile.passes.own_weights import (OwnWeightsPlan, ServedOwnWeightsE
                                                WeightUses, apply_own_weights, own_stacked_weights,
                                                own_weights_region, region_module, replace_region)
 from themis_compile.passes.parallel_lists import (apply_param_lists, apply_parallel_lists, describe_region,
-                                                  param_lists_plan, parallel_lists_plan)
+                                                  indexed_weights_plan, param_lists_plan, parallel_lists_plan)
 from themis_compile.passes.probe import (ExampleInputs, ExpertsStandIn, NOT_CALLED, PROBE_SEED, preserved_state,
                                          probe_input, record_inputs, recorded_call, recorded_inputs, run_probe)
 from themis_compile.passes.replay import (captured_rows, gradient_mismatch, inline_expert_weights_reason,
@@ -725,8 +725,12 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
             traced_why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
             plan, why = _recorded_own_weights_plan(module, names, attr, x, H, E, rec)
             if plan is None:
+                found, indexed_why = _indexed_weights_layer(name, module, names, attr, x, H, E, rec, router_name,
+                                                            head)
+                if found is not None:
+                    return found
                 raise _Reject(f"{head}; step 1 (trace the forward to find the code applying them) failed "
-                              f"({traced_why}), and {why}") from None
+                              f"({traced_why}), {why}, and {indexed_why}") from None
             parts = None
             break
         region, why = own_weights_region(traced, names, H)
@@ -799,6 +803,37 @@ def _recorded_own_weights_plan(module: nn.Module, names: tuple[str, ...], attr: 
                           order=tuple(module._parameters),
                           uses=counter.count,
                           specs=tuple((n, tuple(w.shape), w.dtype) for n, w in weights.items())), ""
+
+
+def _indexed_weights_layer(name: str, module: nn.Module, names: tuple[str, ...], attr: str, x: torch.Tensor,
+                           H: int, E: int, rec: Any, router_name: str, head: str) -> tuple[MoELayerInfo | None, str]:
+    """The layer of a block that applies its own stacked weights by expert id in a loop (``self.w1[e]``), read
+    as E entries ``w[e]`` of each (:func:`~themis_compile.passes.parallel_lists.indexed_weights_plan`): the
+    weights move into one stacked experts module computing the code read on expert e's entries, served by
+    capture and replay (``rewrite == "indexed-weights"``). (layer, "") or (None, why not); raises _Reject
+    when the code is read so but capture and replay cannot serve it."""
+    step = "step 2 (read them as E entries w[e], the code applying expert e's, on a probe) failed"
+    plans = [indexed_weights_plan(module, names, lambda: run_probe(module, x, training=training), H, attr)
+             for training in (True, False)]
+    (plan, why), (in_eval, eval_why) = plans
+    if plan is None or in_eval is None:
+        return None, f"{step} ({'train' if plan is None else 'eval'} mode): {why or eval_why}"
+    if in_eval.region.code != plan.region.code or in_eval.uses != plan.uses:
+        return None, f"{step}: the code applying them differs between train and eval mode"
+    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    trial = copy.deepcopy(module, shared)
+    apply_param_lists(trial, plan)
+    # Experts without tokens may be skipped: a stacked weight has its gradient every step all the same
+    # (zero rows for them), as the runtime gives it.
+    replay_plan, why = replay_mismatch(trial, attr, x, PROBE_SEED, allow_skipping=True, num_experts=E)
+    if why is not None:
+        raise _Reject(f"{head}; step 3 (serve expert e, the code on w[e], through capture and replay) failed: {why}")
+    T = x.shape[:-1].numel()
+    K = min(E, max(1, -(-captured_rows(trial, attr, x, PROBE_SEED, num_experts=E) // T)))
+    plan = dataclasses.replace(plan, replay=replay_plan)
+    return _recorded_layer(name, module, "indexed-weights", E, K, router_name, H, x, rec, attr, plan,
+                           "row(s) per token seen at the expert code (behaviour)",
+                           f"{describe_region(plan.region)} on {', '.join(f'{n}[e]' for n in names)}"), ""
 
 
 def _parallel_lists(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, tuple[str, nn.Module]] | None:

@@ -1,8 +1,10 @@
 """Experts spread over parallel lists, entry e of each being expert e, joined into one ModuleList of experts.
 
-Two forms: ModuleLists of single layers called per expert (``up[e](rows)``, ``down[e](h)``), and
+Three forms: ModuleLists of single layers called per expert (``up[e](rows)``, ``down[e](h)``),
 ParameterLists of bare weights applied by the block's own code (``F.linear(rows, w_in[e])``: the section
-"Experts held as ParameterLists of bare weights" below). The first:
+"Experts held as ParameterLists of bare weights" below), and stacked ``[E, ...]`` parameters of the block
+itself indexed by expert id, read as E entries each (``rows @ self.w1[e]``: the section "Stacked weights of
+the block itself, indexed by expert id"). The first:
 
 Step / Hunyuan-style blocks and much research code hold expert e as entry e of two parallel
 ``nn.ModuleList`` s of single layers, and run the block's own code between the two calls::
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import operator
 import re
+from types import SimpleNamespace
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -54,6 +57,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from themis_compile.passes.joined import BetweenRecorder, KeyHook, internal_keys, row_mixing_reason
 from themis_compile.passes.own_weights import OwnWeightsKeys, WeightsRecorder, WeightValues
+from themis_compile.passes.replay import expert_calls
 
 
 # --- The experts -------------------------------------------------------------------------------------
@@ -419,7 +423,9 @@ class ParamListsExperts(nn.ModuleList):
 class ParamListsPlan:
     """How a block's ParameterLists ``lists`` become ``block.<attr>`` (a :class:`ParamListsExperts`):
     each expert computes ``region``, which takes its weights in ``uses`` torch functions; ``specs`` is
-    (list, entry shape, dtype) of each list; ``replay`` the capture-and-replay plan (set by detection)."""
+    (list, entry shape, dtype) of each list; ``replay`` the capture-and-replay plan (set by detection).
+    ``stacked``: the "lists" are stacked ``[E, ...]`` parameters of the block itself, entry e being ``w[e]``,
+    and become an :class:`IndexedExperts` (``order``: the block's own parameters in the user's order)."""
 
     attr: str
     lists: tuple[str, ...]
@@ -428,6 +434,12 @@ class ParamListsPlan:
     specs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
     num_experts: int
     replay: Any = None
+    stacked: bool = False
+    order: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.lists
 
     @property
     def skips_empty(self) -> bool:
@@ -436,6 +448,10 @@ class ParamListsPlan:
     def experts_of(self, block: nn.Module) -> nn.Module:
         """The experts of ``block``: the ones it holds once rewritten, else new ones over its lists'
         entries (which stay where they are)."""
+        if self.stacked:
+            if self.attr in block._modules:
+                return block._modules[self.attr]
+            return IndexedExperts({name: block._parameters[name] for name in self.lists}, self.region)
         if self.lists[0] not in block._modules:
             return block._modules[self.attr]
         lists = [block._modules[name] for name in self.lists]
@@ -480,10 +496,24 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
                      ) -> tuple[ParamListsPlan | None, str]:
     """(plan, "") when entry e of each of ``module``'s ParameterLists ``lists`` is expert e, applied by the
     same code on rows ``[N, hidden] -> [N, hidden]`` on the probe ``run()``; else (None, why). Read-only."""
-    entries = [module._modules[name] for name in lists]
-    E = len(entries[0])
-    # Step 1: which expert each use of the lists' entries serves, and how many uses per expert.
-    seen = EntryUses(entries)
+    entries = {name: tuple(module._modules[name]) for name in lists}
+    found, why = _entries_code(entries, run, hidden)
+    if found is None:
+        return None, why
+    region, uses = found
+    specs = tuple((name, tuple(lst[0].shape), lst[0].dtype) for name, lst in entries.items())
+    return ParamListsPlan(attr=attr, lists=tuple(lists), region=region, uses=uses, specs=specs,
+                          num_experts=len(entries[lists[0]])), ""
+
+
+def _entries_code(entries: dict[str, Sequence[torch.Tensor]], run: Callable[[], Any], hidden: int
+                  ) -> tuple[tuple[fx.GraphModule, int] | None, str]:
+    """((region, uses), "") when entry e of each of ``entries`` (name -> E tensors) is expert e, applied by the
+    same code on rows ``[N, hidden] -> [N, hidden]`` on the probe ``run()``; else (None, why)."""
+    names, lists = tuple(entries), list(entries.values())
+    E = len(lists[0])
+    # Step 1: which expert each use of the entries serves, and how many uses per expert.
+    seen = EntryUses(lists)
     with torch.no_grad(), seen:
         run()
     if seen.reason is not None:
@@ -498,7 +528,7 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
     U = uses_E[used[0]]
     # Step 2: the code of the first used expert, from its first use to the U-th.
     first = seen.log[0][0]
-    recorder = WeightsRecorder({name: lst[first] for name, lst in zip(lists, entries)}, U,
+    recorder = WeightsRecorder({name: lst[first] for name, lst in zip(names, lists)}, U,
                                words=(f"expert {first}'s weights", "its rows", "its rows alone"))
     with torch.no_grad(), recorder:
         run()
@@ -511,21 +541,20 @@ def param_lists_plan(module: nn.Module, lists: Sequence[str], run: Callable[[], 
     # Step 3: that code, on each expert's weights, is what the block computed for every expert.
     for e in used:
         calls = [u for u in seen.log if u[0] == e]
-        expert = EntriesExpert({name: lst[e] for name, lst in zip(lists, entries)}, region)
+        weights = SimpleNamespace(**{name: lst[e] for name, lst in zip(names, lists)})
         for i in range(0, len(calls), U):
             rows, y = next((u[1] for u in calls[i:i + U] if u[1]), []), calls[i + U - 1][2]
             if len(rows) != 1 or rows[0].dim() != len(recorder.x_shape) or rows[0].shape[-1] != hidden:
                 return None, f"the first use of expert {e}'s weights on another tensor does not take its rows alone"
             try:
                 with torch.no_grad():
-                    same = torch.allclose(expert(rows[0]).double(), y.double(), rtol=1e-5, atol=1e-6)
+                    same = torch.allclose(region(weights, rows[0]).double(), y.double(), rtol=1e-5, atol=1e-6)
             except Exception:  # noqa: BLE001
                 same = False
             if not same:
                 return None, (f"the code recorded on expert {first}'s weights, applied to expert {e}'s, does not give "
                               f"what the block computes for expert {e}")
-    specs = tuple((name, tuple(lst[0].shape), lst[0].dtype) for name, lst in zip(lists, entries))
-    return ParamListsPlan(attr=attr, lists=tuple(lists), region=region, uses=U, specs=specs, num_experts=E), ""
+    return (region, U), ""
 
 
 class EntryStandIns(TorchFunctionMode):
@@ -584,7 +613,9 @@ def listed_block_class(block_cls: type, plan: ParamListsPlan) -> type:
     def block_forward(self, *args, **kwargs):
         def call(e: int, rows: torch.Tensor) -> torch.Tensor:
             experts = self.__dict__.get(plan.attr)      # capture and replay's view, else the experts
-            return (self._modules[plan.attr] if experts is None else experts)[e](rows)
+            if experts is not None:
+                return experts[e](rows)
+            return expert_calls(self._modules[plan.attr], plan.num_experts)[e](rows)
 
         mode = EntryStandIns(plan, call)
         self.__dict__.update(mode.lists)
@@ -602,20 +633,100 @@ def listed_block_class(block_cls: type, plan: ParamListsPlan) -> type:
 
     block_forward.__doc__ = (f"{block_cls.__name__}.forward with the code on entry e of {', '.join(plan.lists)} "
                              f"served by {plan.attr}[e].")
+    # (Which key hook `to_user_keys` applies: the stacked weights' keys are own weights', ``w1``.)
+    plan_attr = "_themis_own_weights" if plan.stacked else "_themis_parallel_lists"
     return type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
-                                                   "_themis_original_class": block_cls,
-                                                   "_themis_parallel_lists": plan})
+                                                   "_themis_original_class": block_cls, plan_attr: plan})
 
 
 def apply_param_lists(block: nn.Module, plan: ParamListsPlan) -> None:
     """Rewrite ``block`` in place: the entries of its ParameterLists move into ``block.<attr>`` (a
     :class:`ParamListsExperts`, the same parameter objects), its class gets the forward of
     :func:`listed_block_class`, and its state-dict keys stay the user's (``w_in.3``: :class:`ListsKeys`).
-    Capture and replay (``passes.replay.apply_replay``) goes on top."""
+    Capture and replay (``passes.replay.apply_replay``) goes on top. Stacked weights (``plan.stacked``) move
+    into an :class:`IndexedExperts`, their keys staying the user's ``w1`` (:class:`OwnWeightsKeys`)."""
     experts = plan.experts_of(block)
     for name in plan.lists:
-        del block._modules[name]
+        if plan.stacked:
+            del block._parameters[name]
+        else:
+            del block._modules[name]
     block.add_module(plan.attr, experts)
     block.__class__ = listed_block_class(type(block), plan)
+    if plan.stacked:
+        block.register_state_dict_post_hook(OwnWeightsKeys(plan.attr, plan.lists, loading=False, order=plan.order))
+        block.register_load_state_dict_pre_hook(OwnWeightsKeys(plan.attr, plan.lists, loading=True))
+        return
     block.register_state_dict_post_hook(ListsKeys(plan.attr, plan.lists, loading=False))
     block.register_load_state_dict_pre_hook(ListsKeys(plan.attr, plan.lists, loading=True))
+
+
+# --- Stacked weights of the block itself, indexed by expert id ------------------------------------------
+#
+# A block may hold its experts' weights stacked, ``[E, ...]`` parameters of its own, and apply expert e's
+# by indexing them with a Python int in a loop, as torchtitan's for-loop fallback of its grouped experts does:
+#
+#     for e, rows in enumerate(x_sorted.split(counts)):
+#         outs.append(F.gelu(rows @ self.w1[e]) @ self.w2[e])
+#
+# Indexed by an int, a stacked weight is E entries: it is read as the ParameterLists above are, with each
+# weight seen as the tuple of its E entries ``w[e]`` while the probe runs (code that reads a stacked weight
+# otherwise, ``self.w1[ids]`` or ``self.w1.shape``, fails so and is not this form). The experts are one
+# module of the user's stacked parameters, :class:`IndexedExperts` (the runtime's stacked form; the
+# checkpoint holds ``w1 [E, ...]`` under the user's key, :class:`OwnWeightsKeys`), called ``experts(x, ids,
+# weights)``, expert e the recorded code on the entries ``w[e]``. The rewritten block runs its forward as
+# the ParameterList blocks do, each weight a tuple of E shape-only entries (:class:`EntryStandIns`), and
+# capture and replay serves expert e's calls (``passes.replay.expert_calls``).
+
+class IndexedExperts(nn.Module):
+    """The stacked ``[E, ...]`` weights a block held itself and indexed by expert id, under their own names;
+    expert e computes ``region`` (recorded on a probe; not a child) on the entries ``w[e]``. Called as the
+    runtime calls experts, ``experts(x_TH, ids_TK, weights_TK)``; one expert alone is this module with
+    ``[1, ...]`` slices."""
+
+    def __init__(self, weights: dict[str, nn.Parameter], region: fx.GraphModule) -> None:
+        super().__init__()
+        for name, w in weights.items():
+            self.register_parameter(name, w)
+        self.__dict__["region"] = region
+
+    def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        E = next(iter(self._parameters.values())).shape[0]
+        out_TH = torch.zeros_like(x_TH)
+        for e in range(E):      # every expert, on no rows too: each stacked weight has a gradient every step
+            token_N, k_N = torch.where(ids_TK == e)
+            entries = SimpleNamespace(**{name: w[e] for name, w in self._parameters.items()})
+            y_NH = self.region(entries, x_TH[token_N]) * weights_TK[token_N, k_N, None]
+            out_TH.index_add_(0, token_N, y_NH.to(out_TH.dtype))
+        return out_TH
+
+
+def indexed_weights_plan(module: nn.Module, names: Sequence[str], run: Callable[[], Any], hidden: int, attr: str
+                         ) -> tuple[ParamListsPlan | None, str]:
+    """(plan, "") when entry e (``w[e]``) of each of ``module``'s own stacked weights ``names`` is expert e's,
+    applied by the same code on rows ``[N, hidden] -> [N, hidden]`` on the probe ``run()`` with every weight
+    seen as the tuple of its E entries; else (None, why). Read-only."""
+    weights = {name: module._parameters[name] for name in names}
+    with torch.no_grad():
+        entries = {name: tuple(w.unbind(0)) for name, w in weights.items()}
+
+    def run_on_entries() -> Any:
+        module.__dict__.update(entries)
+        try:
+            return run()
+        finally:
+            for name in names:
+                module.__dict__.pop(name, None)
+
+    try:
+        found, why = _entries_code(entries, run_on_entries, hidden)
+    except Exception as exc:  # noqa: BLE001 - the forward reads the stacked weights otherwise than w[e]
+        return None, (f"its forward fails with each stacked weight seen as the tuple of its entries w[e] "
+                      f"({type(exc).__name__}: {exc})").splitlines()[0][:300]
+    if found is None:
+        return None, why
+    region, uses = found
+    specs = tuple((name, tuple(w.shape[1:]), w.dtype) for name, w in weights.items())
+    return ParamListsPlan(attr=attr, lists=tuple(names), region=region, uses=uses, specs=specs,
+                          num_experts=int(next(iter(weights.values())).shape[0]), stacked=True,
+                          order=tuple(module._parameters)), ""

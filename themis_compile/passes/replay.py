@@ -21,7 +21,10 @@ The forward reaches the experts through a view that behaves like the container i
 ModuleList's ``len``, ``[i]``, iteration; a ModuleDict's ``getattr(experts, key)``, ``[key]``, ``keys()``,
 ``values()``, ``items()``, iteration over the keys, ``len``, ``in``. A ModuleDict's entries without
 parameters are not experts (``runtime.experts.expert_modules``): the view gives the real module (a
-token dropout), which the block holds since the runtime replaces the container. An expert read as a
+token dropout), which the block holds since the runtime replaces the container. The experts may also be
+one module of stacked ``[E, ...]`` weights already called as ``experts(x, ids, weights)`` (the block's
+own stacked weights indexed by expert id, moved there by ``passes.parallel_lists``): expert e on rows is
+then that call with every row routed to e (:func:`expert_calls`). An expert read as a
 module (``experts["expert_0"].wi.weight``) fails with the reason.
 
 Gradients: the expert inputs get theirs through pass A's graph (the captured rows), the router and
@@ -67,7 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from themis_compile.runtime import deadline
-from themis_compile.runtime.experts import expert_modules, loop_combine
+from themis_compile.runtime.experts import expert_modules, loop_combine, stacked_layout
 
 logger = logging.getLogger(__name__)
 
@@ -397,6 +400,33 @@ def _capture_and_replay(forward: Callable, module: nn.Module, attr: str, plan: R
     return out
 
 
+class _OneOfStacked:
+    """Expert e of a module of stacked weights called as ``experts(x_TH, ids_TK, weights_TK)``, as a callable
+    on rows ``[..., H]``: every row routed to e with weight 1."""
+
+    def __init__(self, experts: nn.Module, e: int) -> None:
+        self.experts, self.e = experts, e
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        rows_NH = rows.reshape(-1, rows.shape[-1])
+        ids_N1 = torch.full((rows_NH.shape[0], 1), self.e, dtype=torch.long, device=rows.device)
+        ones_N1 = torch.ones(ids_N1.shape, dtype=rows.dtype, device=rows.device)
+        return self.experts(rows_NH, ids_N1, ones_N1).view(*rows.shape[:-1], -1)
+
+
+def expert_calls(experts: nn.Module, num_experts: int | None = None) -> list[Callable]:
+    """Expert e of ``experts`` as a callable on rows, for every e: the modules of a ModuleList or ModuleDict
+    (``runtime.experts.expert_modules``), else (``num_experts`` given) the experts of one module of stacked
+    weights called as ``experts(x, ids, weights)``."""
+    modules = expert_modules(experts)
+    if modules is not None:
+        return modules
+    if num_experts is None:
+        raise ValueError(f"{type(experts).__name__} is no ModuleList or ModuleDict of experts; the number of "
+                         "experts of a stacked module must be given")
+    return [_OneOfStacked(experts, e) for e in range(num_experts)]
+
+
 def _experts_forward(self: nn.Module, x_TH: torch.Tensor, ids_TK: torch.Tensor,
                      weights_TK: torch.Tensor) -> torch.Tensor:
     """The experts ModuleList or ModuleDict (not yet replaced by the runtime) as ``experts(x, ids, weights)``."""
@@ -420,7 +450,8 @@ def replay_classes(block_cls: type, experts_cls: type, attr: str, plan: ReplayPl
                    ) -> tuple[type, type]:
     """(block class, experts class) of the capture-and-replay rewrite: subclasses of the user's whose
     forwards are :func:`capture_and_replay` and ``experts(x_TH, ids_TK, weights_TK)`` (the loop over the
-    same expert modules, one at a time)."""
+    same expert modules, one at a time; ``experts_cls`` as it is when it is no ModuleList or ModuleDict:
+    a module of stacked weights called so already)."""
 
     def block_forward(self, *args, **kwargs):
         return capture_and_replay(block_cls.forward, self, attr, plan, layer, args, kwargs)
@@ -429,6 +460,8 @@ def replay_classes(block_cls: type, experts_cls: type, attr: str, plan: ReplayPl
                              f"{attr}(x, ids, weights) call.")
     new_block = type(block_cls.__name__, (block_cls,), {"forward": block_forward, "__module__": block_cls.__module__,
                                                         "_themis_original_class": block_cls})
+    if not issubclass(experts_cls, (nn.ModuleList, nn.ModuleDict)):
+        return new_block, experts_cls
     new_experts = type(experts_cls.__name__, (experts_cls,), {
         "forward": _experts_forward_skipping_empty if plan.skips_empty else _experts_forward,
         "__module__": experts_cls.__module__, "_themis_original_class": experts_cls,
@@ -441,11 +474,12 @@ def apply_replay(module: nn.Module, attr: str, plan: ReplayPlan, layer: str = ""
     without parameters are not experts: the block holds them (unregistered, ``OTHER_ENTRIES``, their
     training mode following the block's), since the runtime replaces the whole container."""
     experts = module._modules[attr]
-    if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+    if not isinstance(experts, (nn.ModuleList, nn.ModuleDict)) and stacked_layout(experts) is None:
         raise ValueError(f"MoE layer {layer!r}: capture and replay needs an nn.ModuleList or nn.ModuleDict of "
-                         f"experts, not {type(experts).__name__}")
+                         f"experts, or a module of stacked [E, ...] weights, not {type(experts).__name__}")
     keys, expert_keys = dict_layout(experts)
-    if (keys, expert_keys) != (plan.keys, plan.expert_keys) or len(expert_modules(experts)) != plan.num_experts:
+    if (keys, expert_keys) != (plan.keys, plan.expert_keys) or len(expert_calls(experts, plan.num_experts)
+                                                                   ) != plan.num_experts:
         raise ValueError(f"MoE layer {layer!r}: its experts {type(experts).__name__} (keys {list(keys)}) are not "
                          f"the ones the replay plan was made for (keys {list(plan.keys)}, {plan.num_experts} "
                          "experts)")
@@ -461,8 +495,8 @@ def apply_replay(module: nn.Module, attr: str, plan: ReplayPlan, layer: str = ""
 class _RealCalls(_Pass):
     """The experts run as written, recording (expert, rows): what pass A's capture must match."""
 
-    def __init__(self, experts: nn.Module) -> None:
-        self.experts = expert_modules(experts)
+    def __init__(self, experts: list[Callable]) -> None:
+        self.experts = experts
         self.ids: list[int] = []
         self.rows: list[torch.Tensor] = []
         self.outputs: list[Any] = []
@@ -492,27 +526,29 @@ def _probe_pass(module: nn.Module, attr: str, run: _Pass, E: int, x: torch.Tenso
                 m.training = mode
 
 
-def captured_rows(module: nn.Module, attr: str, x: torch.Tensor, seed: int) -> int:
+def captured_rows(module: nn.Module, attr: str, x: torch.Tensor, seed: int, num_experts: int | None = None) -> int:
     """How many rows the block's forward gives its experts on the probe ``x`` (train mode, read-only):
-    K rows per token for a top-K routing without drops."""
-    E = len(expert_modules(module._modules[attr]))
+    K rows per token for a top-K routing without drops. ``num_experts``: as for :func:`expert_calls`."""
+    E = len(expert_calls(module._modules[attr], num_experts))
     capture = _Capture(E, stop_at_last=False)
     _probe_pass(module, attr, capture, E, x, seed, True)
     return sum(r.shape[:-1].numel() for r in capture.rows)
 
 
-def replay_mismatch(module: nn.Module, attr: str, x: torch.Tensor, seed: int, *, allow_skipping: bool = False
-                    ) -> tuple[ReplayPlan | None, str | None]:
+def replay_mismatch(module: nn.Module, attr: str, x: torch.Tensor, seed: int, *, allow_skipping: bool = False,
+                    num_experts: int | None = None) -> tuple[ReplayPlan | None, str | None]:
     """(plan, None) when capture and replay serves ``module``'s expert calls on the probe ``x``
     (train and eval mode), else (None, why). Read-only: every pass runs :func:`isolated`, without grad.
     A block that skips experts without tokens is rejected unless ``allow_skipping`` (the runtime then
-    has to leave those experts without gradient: ``plan.skips_empty``)."""
+    has to leave those experts without gradient: ``plan.skips_empty``). ``num_experts``: as for
+    :func:`expert_calls`."""
     experts = module._modules[attr]
-    E = len(expert_modules(experts))
+    calls = expert_calls(experts, num_experts)
+    E = len(calls)
     keys, expert_keys = dict_layout(experts)
     each_once = True
     for training in (True, False):
-        real, capture = _RealCalls(experts), _Capture(E, stop_at_last=False)
+        real, capture = _RealCalls(calls), _Capture(E, stop_at_last=False)
         try:
             _probe_pass(module, attr, real, E, x, seed, training)
             _probe_pass(module, attr, capture, E, x, seed, training)

@@ -781,6 +781,14 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
                     "call (capture and replay)", info.name, info.plan.first, info.plan.second, info.experts_attr,
                     info.experts_attr)
         return
+    if info.rewrite == "indexed-weights":
+        apply_param_lists(info.module, info.plan)
+        apply_replay(info.module, info.experts_attr, info.plan.replay, layer=info.name)
+        info.rewritten = True
+        logger.info("MoE layer %s: its stacked weights %s, indexed by expert id, and the code applying them moved "
+                    "into %s, served by one %s(x, ids, weights) call (capture and replay)", info.name,
+                    ", ".join(info.plan.lists), info.experts_attr, info.experts_attr)
+        return
     if info.rewrite == "param-lists":
         apply_param_lists(info.module, info.plan)
         apply_replay(info.module, info.experts_attr, info.plan.replay, layer=info.name)
@@ -919,7 +927,7 @@ def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], s
         rewrite_moe_layer(dataclasses.replace(info, module=trial))
         if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows", "joined", "zero-experts",
                                                                         "parallel-lists", "param-lists",
-                                                                        "own-weights"):
+                                                                        "indexed-weights", "own-weights"):
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr],
                                                                  info.num_experts)
@@ -927,11 +935,12 @@ def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], s
         if info.rewrite == "dense-dispatch":
             verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
         if info.rewrite in ("all-rows", "replay", "joined", "zero-experts", "parallel-lists", "param-lists",
-                            "own-weights") and (
+                            "indexed-weights", "own-weights") and (
                 why := gradient_mismatch(
                 info.module, trial, _probe_for(info), PROBE_SEED)) is not None:
             what = {"all-rows": "all-rows", "replay": "capture-and-replay", "joined": "joined",
                     "parallel-lists": "parallel-lists", "param-lists": "param-lists", "own-weights": "own-weights",
+                    "indexed-weights": "indexed-weights",
                     "zero-experts": "zero-experts"}[info.rewrite]
             raise ValueError(f"MoE layer {info.name!r}: the {what} rewrite does not reproduce the gradients of "
                              f"the original on a probe input ({why}); the model was left unchanged")
