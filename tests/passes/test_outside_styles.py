@@ -3,7 +3,9 @@ each that ``optimize`` recognizes is found (its two layers, E experts, top-k) an
 (2 nodes x 2), under ``themis``, ``themis-rm`` and ``ep``, sharded (each expert on one rank) and trained equal
 to one process on the whole global batch (``style_training.check_sharded_and_equal``). Each that it does not
 recognize is named in the warning with the recognition step that failed, and its model, data-parallel,
-still trains equal to one process. One spawned process group per world size runs every case.
+still trains equal to one process. One spawned process group per world size runs every case. The styles that
+stack their experts' weights in the block itself (``STACKED``) are also held exact on a probe with the user's
+parameter objects and keys, and one of them through a DCP checkpoint in the user's keys.
 """
 
 from __future__ import annotations
@@ -24,15 +26,13 @@ from tests.runtime.equivalence import assert_equivalent, global_losses
 
 LAYERS = ["layers.0.moe", "layers.1.moe"]
 RECOGNIZED = ("bincount_index_add", "histc_offsets", "searchsorted_index_put", "argmax_mask_switch",
-              "geglu_gate_matrix", "onehot_moduledict", "unique_consecutive", "sigmoid_bias_relu2", "stacked_split")
-# The experts' weights of the styles that stack them in the block itself (the others' live in its 'experts').
-STACKED = {"stacked_split": ("w1", "w2")}
-# Not recognized yet: the recognition step each fails, as the warning names it.
-NOT_RECOGNIZED = {
-    "einsum_slots": ("its expert weights are stacked parameters of the block itself (w1 [4, 32, 32], "
-                     "w3 [4, 32, 32], w2 [4, 32, 32], 4 experts scored by 'gate'); step 2 (find the code applying "
-                     "them, from the selected ids to one value per token and slot) failed",),
-}
+              "geglu_gate_matrix", "onehot_moduledict", "unique_consecutive", "sigmoid_bias_relu2", "stacked_split",
+              "einsum_slots")
+# The styles that stack their experts' weights in the block itself (the others' live in its 'experts'): the
+# weights, and the rewrite that moves them into an experts module with the code applying them.
+STACKED = {"stacked_split": (("w1", "w2"), "indexed-weights"), "einsum_slots": (("w1", "w3", "w2"), "own-weights")}
+# Not recognized yet (none now): the recognition step each fails, as the warning names it.
+NOT_RECOGNIZED: dict[str, tuple[str, ...]] = {}
 DATA_PARALLEL_POLICY = "themis"     # nothing is sharded: the dense path, the same under every policy
 
 
@@ -43,7 +43,7 @@ def _build(style: str):
 def _is_expert(style: str):
     """Which parameter names of the unmodified model are expert weights."""
     if style in STACKED:
-        return lambda name: name.rsplit(".", 1)[-1] in STACKED[style] and ".moe." in name
+        return lambda name: name.rsplit(".", 1)[-1] in STACKED[style][0] and ".moe." in name
     return lambda name: ".experts." in name
 
 
@@ -135,26 +135,56 @@ def test_stacked_weights_checkpoint_in_the_users_keys(tmp_path):
     checkpoint_resumes_in_the_users_keys(_build("stacked_split"), tmp_path)
 
 
-def test_stacked_weights_indexed_by_expert_id_move_with_their_code():
-    """``stacked_split`` (``self.w1[e]`` in a loop): its stacked weights, the same parameter objects, move into
-    the experts module; the state-dict keys stay the unmodified model's, both ways; the block computes what the
-    unmodified one does, values and gradients."""
+@pytest.mark.parametrize("style", sorted(STACKED))
+def test_stacked_weights_move_with_their_code(style):
+    """The blocks holding their stacked weights themselves (``self.w1[e]`` in a loop; ``self.w1[ids[:, k]]``
+    per slot): the weights, the same parameter objects, move into the experts module; the state-dict keys stay
+    the unmodified model's, both ways; the block computes what the unmodified one does, values and
+    gradients."""
     from themis_compile.passes.shard import prepare_moe_layers
 
-    model, original = outside.build("stacked_split"), outside.build("stacked_split")
+    names, rewrite = STACKED[style]
+    model, original = outside.build(style), outside.build(style)
     keys = list(original.state_dict())
     block, ref = model.layers[0].moe, original.layers[0].moe
-    w1 = block.w1
+    w = block._parameters[names[0]]
     infos = prepare_moe_layers(model, strict=True)
     assert [(i.name, i.rewrite, i.num_experts, i.top_k) for i in infos] == [
-        (n, "indexed-weights", outside.E, outside.K) for n in LAYERS]
-    assert block.experts._parameters["w1"] is w1 and "w1" not in block._parameters
+        (n, rewrite, outside.E, outside.K) for n in LAYERS]
+    assert block.experts._parameters[names[0]] is w and names[0] not in block._parameters
     assert list(model.state_dict()) == keys
     model.load_state_dict(original.state_dict())
     x = torch.randn(2, 5, outside.H, generator=torch.Generator().manual_seed(1), requires_grad=True)
     want, got = ref(x), block(x)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    g_want = torch.autograd.grad(want.square().sum(), [x, ref.router.weight, ref.w1, ref.w2])
-    g_got = torch.autograd.grad(got.square().sum(), [x, block.router.weight, block.experts.w1, block.experts.w2])
+    router = outside.ROUTERS[style]
+    g_want = torch.autograd.grad(want.square().sum(), [x, getattr(ref, router).weight,
+                                                       *(getattr(ref, n) for n in names)])
+    g_got = torch.autograd.grad(got.square().sum(), [x, getattr(block, router).weight,
+                                                     *(getattr(block.experts, n) for n in names)])
     for a, b in zip(g_got, g_want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_slot_regions_become_one_per_row_call():
+    """``einsum_slots``' traced graph: one region per slot (the same code, rows and ids of the slot), replaced by
+    one per-row call of the experts on every slot's rows; the graph stays well formed."""
+    from torch import nn
+
+    from themis_compile.passes.fx_graph import record_meta, trace_block
+    from themis_compile.passes.own_weights import replace_slot_regions, slot_regions
+    from themis_compile.passes.probe import probe_input
+
+    block = outside.build("einsum_slots").layers[0].moe
+    x = probe_input(block, outside.H)
+    traced = trace_block(block, nn.Module(), training=True)
+    record_meta(traced, block, x)
+    regions, why = slot_regions(traced, ("w1", "w3", "w2"), outside.H)
+    assert regions is not None, why
+    assert len(regions) == outside.K
+    assert all(traced.meta[ins[0]].shape == (x.shape[:-1].numel(), outside.H) for _, ins, _ in regions)
+    gm = replace_slot_regions(traced, regions, "experts")
+    gm.graph.lint()
+    nodes = list(gm.graph.nodes)
+    assert [n.target for n in nodes if n.op == "call_module"] == ["gate", "experts"]
+    assert not any(n.op == "get_attr" for n in nodes)

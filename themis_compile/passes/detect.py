@@ -106,7 +106,8 @@ from themis_compile.passes.joined import (JoinedPlan, describe_between, free_att
                                           row_mixing_reason)
 from themis_compile.passes.own_weights import (OwnWeightsPlan, ServedOwnWeightsExperts, WeightsRecorder,
                                                WeightUses, apply_own_weights, own_stacked_weights,
-                                               own_weights_region, region_module, replace_region)
+                                               own_weights_region, region_module, replace_region,
+                                               replace_slot_regions, slot_regions)
 from themis_compile.passes.parallel_lists import (apply_param_lists, apply_parallel_lists, describe_region,
                                                   indexed_weights_plan, param_lists_plan, parallel_lists_plan)
 from themis_compile.passes.probe import (ExampleInputs, ExpertsStandIn, NOT_CALLED, PROBE_SEED, preserved_state,
@@ -716,7 +717,7 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     head = (f"its expert weights are stacked parameters of the block itself ({shapes}, {E} experts scored by "
             f"'{router_name}')")
     attr = free_attribute(module)
-    forwards, constants, parts = {}, {}, None
+    forwards, constants, parts, slotted = {}, {}, None, False
     for training in (True, False):
         try:
             traced = trace_block(module, nn.Module(), training=training)
@@ -734,15 +735,24 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
             parts = None
             break
         region, why = own_weights_region(traced, names, H)
-        if region is None:
-            raise _Reject(f"{head}; step 2 (find the code applying them, from the selected ids to one value per "
-                          f"token and slot) failed: {why}")
-        nodes, inputs, y, form = region
+        if region is not None:
+            nodes, inputs, y, form = region
+            ids_shape = traced.meta[inputs[1]].shape
+        else:
+            # Applied once per slot (a loop over the k slots): one per-row call on every slot's rows.
+            slots, slots_why = slot_regions(traced, names, H)
+            if slots is None:
+                raise _Reject(f"{head}; step 2 (find the code applying them, from the selected ids to one value per "
+                              f"token and slot) failed: {why}" + (f"; read once per slot: {slots_why}" if slots_why
+                                                                  else ""))
+            (nodes, inputs, y), form, slotted = slots[0], "per-row", True
+            ids_shape = (sum(traced.meta[ins[1]].shape[0] for _, ins, _ in slots),)
         region_gm = region_module(traced, nodes, inputs, y)
         if parts is not None and (region_gm.code != parts[0].code or form != parts[1]):
             raise _Reject(f"{head}; step 2 failed: the code applying them differs between train and eval mode")
-        parts = parts or (region_gm, form, traced.meta[y].shape, traced.meta[inputs[1]].shape)
-        gm = replace_region(traced, nodes, inputs, y, attr)
+        parts = parts or (region_gm, form, traced.meta[y].shape, ids_shape)
+        gm = (replace_region(traced, nodes, inputs, y, attr) if region is not None
+              else replace_slot_regions(traced, slots, attr))
         forwards[training] = type(gm).forward
         for n in gm.graph.nodes:
             owner, _, leaf = n.target.rpartition(".") if n.op == "get_attr" else ("", "", "")
@@ -773,7 +783,9 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     weights_TK = torch.rand(T, K, generator=g).to(x)
     if (why := combine_mismatch(experts, x_TH, ids_TK, weights_TK, E)) is not None:
         raise _Reject(f"{head}; step 3 (each expert alone) failed: {why}")
-    call = {"per-slot": "(x [T, H], ids [T, K]) -> [T, K, H]", "per-row": "(rows [N, H], ids [N]) -> [N, H]",
+    call = {"per-slot": "(x [T, H], ids [T, K]) -> [T, K, H]",
+            "per-row": "(rows [N, H], ids [N]) -> [N, H]" + (", once per slot (one call on every slot's rows)"
+                                                             if slotted and plan.forwards else ""),
             "expert-batched": "(buf [E, C, H]) -> [E, C, H], expert e on buf[e], recorded on a probe"}[form]
     return _recorded_layer(name, module, "own-weights", E, K, router_name, H, x, rec, attr, plan,
                            "slot(s) per token seen at the code applying the stacked weights",

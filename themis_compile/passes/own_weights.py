@@ -21,7 +21,10 @@ Contract:
     ``ids`` from the rest of the block, and be one of two call shapes: ``experts(x [T, H], ids [T, K]) ->
     y [T, K, H]`` ("per-slot", gpt-fast's ``cond_ffn``) or ``experts(rows [N, H], ids [N]) -> y [N, (1,) H]``
     ("per-row"); no branch on a traced value, no attribute stored by the forward, no in-place op and no
-    tensor of another module inside the region. Where FX fails, :class:`WeightsRecorder` records the code
+    tensor of another module inside the region. A block applying the weights once per slot (a loop over the
+    k slots, ``self.w1[ids_TK[:, k]]``) has no such ``y``; :func:`slot_regions` reads one per-row region per
+    slot (the same code each), which :func:`replace_slot_regions` replaces by one per-row call on every
+    slot's rows. Where FX fails, :class:`WeightsRecorder` records the code
     from the weights' first use (on one buffer ``[E, C, H]``) to their last on a probe ("expert-batched").
     :func:`apply_own_weights` moves the weights into ``block.<attr>`` (a :class:`OwnWeightsExperts`, the
     same parameter objects under the same names) and gives the block a forward that runs the graph with the
@@ -38,6 +41,8 @@ Pseudo-code (FX reading):
     region = D ∩ (ancestors(y) ∪ {y}) + views of floating inputs used only by the region
     inputs = the region's arguments from outside it, (x, ids)
     block  = graph with region replaced by call_module(attr, (x, ids))
+    (no y: the uses of W grouped by the ids they take, one region per group, each per-row, all the same code;
+     block = graph with the regions replaced by split(call_module(attr, (cat(rows), cat(ids)))))
 
 Shape suffixes: T tokens, K top-k, N rows (one per token and slot), H hidden size, E experts, C rows per
 expert in a padded buffer.
@@ -46,6 +51,7 @@ expert in a padded buffer.
 from __future__ import annotations
 
 import itertools
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -60,6 +66,7 @@ from themis_compile.passes.fx_graph import TensorMeta, TracedBlock, ancestors, d
 from themis_compile.passes.joined import VALUE_READS, KeyHook, in_place_call
 
 __all__ = ["OwnWeightsExperts", "OwnWeightsPlan", "own_stacked_weights", "own_weights_region", "apply_own_weights",
+           "slot_regions", "replace_slot_regions",
            "PerRowCall", "OwnWeightsKeys", "ServedOwnWeightsExperts",
            "region_module", "replace_region", "WeightUses", "WeightsRecorder",
            "WeightStandIns", "BatchedCall", "padded_rows"]
@@ -241,6 +248,121 @@ def own_weights_region(traced: TracedBlock, names: tuple[str, ...], hidden: int
     return None, (f"the code applying the stacked weights maps ({shapes}) to {list(out.shape)}, not "
                   f"(x [T, {hidden}], ids [T, K]) to [T, K, {hidden}] nor (rows [N, {hidden}], ids [N]) to "
                   f"[N, {hidden}]")
+
+
+def slot_regions(traced: TracedBlock, names: tuple[str, ...], hidden: int
+                 ) -> tuple[list[tuple[list[fx.Node], list[fx.Node], fx.Node]] | None, str]:
+    """([(region nodes in order, inputs (rows, ids), y)] of every slot, "") when the block applies its stacked
+    weights once per slot, the same per-row code each time (gpt-fast's ``cond_ffn`` in a loop over the k
+    slots: ``torch.einsum("ti,toi->to", x, self.w1[ids_TK[:, k]])``), else (None, why not; "" when the uses of
+    the weights do not fall into two or more slots).
+
+    The uses of the weights are grouped by the other values they take (a slot's ids); a slot's region is
+    what is computed from its uses up to the first value ``y`` computed from all of them. Each region must be
+    left only through its ``y``, take the slot's rows ``[N, H]`` and ids ``[N]`` alone (besides the weights)
+    and give ``[N, (1,) H]``; the rows and ids of every slot must not be computed from any slot's result,
+    every other value computed from the weights must be computed from the slots' results, and the regions
+    must be the same code."""
+    graph = traced.gm.graph
+    W = [n for n in graph.nodes if n.op == "get_attr" and n.target in names]
+    if {n.target for n in W} != set(names) or traced.branch_nodes or traced.attr_stores:
+        return None, ""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    D = descendants(W) - set(W)
+    # Step 1: the uses of the weights by slot (the other values they take).
+    groups: dict[tuple[fx.Node, ...], list[fx.Node]] = {}
+    for u in sorted({u for w in W for u in w.users}, key=order.get):
+        groups.setdefault(tuple(a for a in u.all_input_nodes if a not in W), []).append(u)
+    if len(groups) < 2:
+        return None, ""
+    # Step 2: each slot's region, from its uses to the first value computed from all of them.
+    regions = []
+    for uses in groups.values():
+        y = next((n for n in sorted(D, key=order.get) if set(uses) <= ancestors(n) | {n}), None)
+        if y is None or y.op == "output":
+            return None, "no single value carries the uses of one slot's weights to the rest of the forward"
+        region = D & (ancestors(y) | {y})
+        if any(u not in region for n in region - {y} for u in n.users):
+            return None, (f"a value computed from one slot's weights is used other than through the slot's result "
+                          f"({y.format_node()})")
+        nodes = sorted(region | (set(W) & ancestors(y)), key=order.get)
+        inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in region and a not in W))
+        for n in region:
+            if is_inplace(n):
+                return None, f"the code applying the stacked weights updates a value in place ({n.format_node()})"
+            if n.op in ("call_module", "get_attr"):
+                return None, f"the code applying the stacked weights reads '{n.target}' of the block"
+        metas = [_meta(traced, a) for a in inputs]
+        out = _meta(traced, y)
+        if len(inputs) != 2 or None in metas or out is None:
+            shapes = ", ".join(str(list(m.shape)) if m else "?" for m in metas)
+            return None, (f"the code applying one slot's weights takes {len(inputs)} values from the rest of the "
+                          f"block ({shapes}), not the slot's rows and ids")
+        if metas[0].dtype.is_floating_point < metas[1].dtype.is_floating_point:
+            inputs, metas = inputs[::-1], metas[::-1]
+        x, ids = metas
+        if not (x.dtype.is_floating_point and not ids.dtype.is_floating_point and len(x.shape) == 2
+                and x.shape[-1] == hidden and tuple(ids.shape) == tuple(x.shape[:1]) and out.shape[0] == x.shape[0]
+                and out.shape[-1] == hidden and all(d == 1 for d in out.shape[1:-1])):
+            return None, (f"the code applying one slot's weights maps ({list(x.shape)}, {list(ids.shape)}) to "
+                          f"{list(out.shape)}, not (rows [N, {hidden}], ids [N]) to [N, {hidden}]")
+        regions.append((nodes, inputs, y))
+    # Step 3: one call for all slots: their rows and ids come first, the rest of the forward after.
+    ys = [y for _, _, y in regions]
+    after = descendants(ys)
+    if any(a in after for _, inputs, _ in regions for a in inputs):
+        return None, "the rows or ids of one slot are computed from another slot's result"
+    if not D <= set().union(*(set(nodes) for nodes, _, _ in regions)) | after:
+        return None, "a value computed from the stacked weights is neither in a slot's code nor computed from its result"
+    if len({_signature(nodes, inputs) for nodes, inputs, _ in regions}) != 1:
+        return None, "the code applying the stacked weights differs between the slots"
+    return regions, ""
+
+
+def _signature(nodes: list[fx.Node], inputs: list[fx.Node]) -> str:
+    """A region's code with its nodes numbered: equal for two regions that compute the same."""
+    index: dict[fx.Node, Any] = {a: ("input", i) for i, a in enumerate(inputs)}
+    index.update({n: ("weight", n.target) for n in nodes if n.op == "get_attr"})
+    code = [n for n in nodes if n.op != "get_attr"]
+    index.update({n: ("node", i) for i, n in enumerate(code)})
+    lines = []
+    for n in code:
+        args = fx.node.map_aggregate((n.args, n.kwargs), lambda a: index[a] if isinstance(a, fx.Node) else a)
+        lines.append(repr((n.op, n.target, args)))
+    return "\n".join(lines)
+
+
+def replace_slot_regions(traced: TracedBlock, regions: list[tuple[list[fx.Node], list[fx.Node], fx.Node]],
+                         attr: str) -> fx.GraphModule:
+    """The block's graph with its slots' regions (:func:`slot_regions`) replaced by one per-row call
+    ``self.<attr>(rows, ids)`` on every slot's rows and ids, concatenated, each slot's result its part of the
+    call's (in place on ``traced.gm``)."""
+    gm, graph = traced.gm, traced.gm.graph
+    gm.add_submodule(attr, nn.Module())    # where the call will find the experts (the block's child, once moved)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((n for nodes, _, _ in regions for n in nodes if n.op != "get_attr"), key=order.get)
+    # The slots' rows and ids, and what they are computed from, move before the first slot's code.
+    inputs = [a for _, ins, _ in regions for a in ins]
+    for n in sorted({m for a in inputs for m in ancestors(a) | {a} if order[m] > order[first]}, key=order.get):
+        first.prepend(n)
+    with graph.inserting_before(first):
+        rows = graph.call_function(torch.cat, ([ins[0] for _, ins, _ in regions],))
+        ids = graph.call_function(torch.cat, ([ins[1] for _, ins, _ in regions],))
+        call = graph.call_module(attr, (rows, ids))
+        sizes = [graph.call_method("size", (ins[1], 0)) for _, ins, _ in regions]
+        parts = graph.call_function(torch.split, (call, sizes))
+        for i, (_, _, y) in enumerate(regions):
+            y.replace_all_uses_with(graph.call_function(operator.getitem, (parts, i)))
+    for nodes, _, _ in reversed(regions):
+        for n in reversed(nodes):
+            if n.op != "get_attr":
+                graph.erase_node(n)
+    for n in {n for nodes, _, _ in regions for n in nodes if n.op == "get_attr"}:
+        if not n.users:
+            graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return gm
 
 
 def region_module(traced: TracedBlock, nodes: list[fx.Node], inputs: list[fx.Node], y: fx.Node) -> fx.GraphModule:
