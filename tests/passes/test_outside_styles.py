@@ -1,9 +1,7 @@
 """MoE blocks in styles the rest of the tree does not write (``tests/passes/outside_styles.py``), measured:
 each that ``optimize`` recognizes is found (its two layers, E experts, top-k) and, on 2 gloo ranks and on 4
 (2 nodes x 2), under ``themis``, ``themis-rm`` and ``ep``, sharded (each expert on one rank) and trained equal
-to one process on the whole global batch (``style_training.check_sharded_and_equal``). Each that it does not
-recognize is named in the warning with the recognition step that failed, and its model, data-parallel,
-still trains equal to one process. One spawned process group per world size runs every case. The styles that
+to one process on the whole global batch (``style_training.check_sharded_and_equal``). One spawned process group per world size runs every case. The styles that
 stack their experts' weights in the block itself (``STACKED``) are also held exact on a probe with the user's
 parameter objects and keys, and one of them through a DCP checkpoint in the user's keys.
 """
@@ -11,18 +9,14 @@ parameter objects and keys, and one of them through a DCP checkpoint in the user
 from __future__ import annotations
 
 import functools
-import warnings
 
 import pytest
 import torch
 
-import themis_compile
 from themis_compile.passes.detect import find_moe_layers
 from themis_compile.testing.multirank import run_multirank
-from tests.passes import outside_styles as outside, zoo_models as zoo
-from tests.passes.style_training import (CONFIG, LR, POLICIES, STEPS, batches, check_sharded_and_equal,
-                                         checkpoint_resumes_in_the_users_keys, loss, reference, train)
-from tests.runtime.equivalence import assert_equivalent, global_losses
+from tests.passes import outside_styles as outside
+from tests.passes.style_training import POLICIES, check_sharded_and_equal, checkpoint_resumes_in_the_users_keys, reference, train
 
 LAYERS = ["layers.0.moe", "layers.1.moe"]
 RECOGNIZED = ("bincount_index_add", "histc_offsets", "searchsorted_index_put", "argmax_mask_switch",
@@ -31,9 +25,6 @@ RECOGNIZED = ("bincount_index_add", "histc_offsets", "searchsorted_index_put", "
 # The styles that stack their experts' weights in the block itself (the others' live in its 'experts'): the
 # weights, and the rewrite that moves them into an experts module with the code applying them.
 STACKED = {"stacked_split": (("w1", "w2"), "indexed-weights"), "einsum_slots": (("w1", "w3", "w2"), "own-weights")}
-# Not recognized yet (none now): the recognition step each fails, as the warning names it.
-NOT_RECOGNIZED: dict[str, tuple[str, ...]] = {}
-DATA_PARALLEL_POLICY = "themis"     # nothing is sharded: the dense path, the same under every policy
 
 
 def _build(style: str):
@@ -48,32 +39,16 @@ def _is_expert(style: str):
 
 
 def _cases() -> list[tuple[str, str]]:
-    return ([(style, policy) for style in RECOGNIZED for policy in POLICIES]
-            + [(style, DATA_PARALLEL_POLICY) for style in NOT_RECOGNIZED])
-
-
-def _data_parallel(build, policy: str):
-    """On every rank: optimize ``build()`` (nothing found: all of it data-parallel), train; (global losses,
-    parameters, no experts, no replicas) and the warning's text."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = themis_compile.optimize(build(), themis_compile.ThemisConfig(policy=policy, **CONFIG))
-    assert not themis_compile.api.runtime_of(model).layers
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = global_losses(model, opt, batches(), loss)
-    text = " ".join(str(w.message) for w in caught)
-    return (losses, zoo.dense_params(model, lambda n: False), {}, [0] * STEPS), text
+    return [(style, policy) for style in RECOGNIZED for policy in POLICIES]
 
 
 def _ranks(rank: int, world_size: int, cases: list[tuple[str, str]]):
-    return [train(_build(style), policy, LAYERS) if style in RECOGNIZED else _data_parallel(_build(style), policy)
-            for style, policy in cases]
+    return [train(_build(style), policy, LAYERS) for style, policy in cases]
 
 
 @functools.lru_cache(maxsize=None)
 def _references() -> dict[str, tuple]:
-    return {style: reference(_build(style), _is_expert(style) if style in RECOGNIZED else (lambda n: False))
-            for style in (*RECOGNIZED, *NOT_RECOGNIZED)}
+    return {style: reference(_build(style), _is_expert(style)) for style in RECOGNIZED}
 
 
 def _trains_like_one_process(world_size: int, devices_per_node: int | None = None) -> None:
@@ -83,16 +58,7 @@ def _trains_like_one_process(world_size: int, devices_per_node: int | None = Non
     for i, (style, policy) in enumerate(cases):
         what = f"{style} under {policy} on {world_size} ranks"
         per_rank = [r[i] for r in results]
-        if style in RECOGNIZED:
-            check_sharded_and_equal(refs[style], per_rank, LAYERS, outside.E, what, replicas=policy != "ep")
-            continue
-        for run, text in per_rank:
-            assert "found no MoE layer" in text and "the whole model is data-parallel through" in text, (what, text)
-            assert f"over {world_size} ranks" in text, (what, text)
-        try:
-            assert_equivalent(refs[style], [run for run, _ in per_rank])
-        except AssertionError as err:
-            raise AssertionError(f"{what}: {err}") from err
+        check_sharded_and_equal(refs[style], per_rank, LAYERS, outside.E, what, replicas=policy != "ep")
 
 
 @pytest.mark.parametrize("style", RECOGNIZED)
@@ -106,18 +72,6 @@ def test_found(style):
 def test_top_k(style):
     infos, _ = find_moe_layers(outside.build(style))
     assert [i.top_k for i in infos] == [outside.TOP_K[style]] * len(LAYERS)
-
-
-@pytest.mark.parametrize("style", NOT_RECOGNIZED)
-def test_not_recognized_is_named_with_the_failed_step(style):
-    with pytest.warns(UserWarning) as caught:
-        themis_compile.optimize(outside.build(style))
-    text = "\n".join(str(w.message) for w in caught)
-    assert "found no MoE layer in ZooLM" in text, text
-    lines = [line.strip() for line in text.splitlines()]
-    for layer in LAYERS:
-        line = next((line for line in lines if line.startswith(f"{layer}: ")), "")
-        assert all(fragment in line for fragment in NOT_RECOGNIZED[style]), (layer, text)
 
 
 def test_trains_like_one_process_on_2_ranks():
