@@ -362,10 +362,4 @@ def build(style: str, skew: float = 3.0) -> zoo.ZooLM:
     token (the block's input norm gets the bias ``v = 1/sqrt(H)``, orthogonal to its normalized output, and
     the router's row 0 gets ``skew * v``)."""
     torch.manual_seed(0)
-    model = zoo.ZooLM(style, blocks=BLOCKS)
-    v_H = torch.full((H,), H ** -0.5)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.norm2.bias.copy_(v_H)
-            getattr(layer.moe, ROUTERS[style]).weight[0] += skew * v_H
-    return model
+    return zoo.skew_routers(zoo.ZooLM(style, blocks=BLOCKS), ROUTERS[style], skew)

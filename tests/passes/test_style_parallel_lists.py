@@ -30,8 +30,8 @@ from torch import nn
 import themis_compile
 from tests.passes import zoo_models as zoo
 from tests.passes.test_trial3 import ParallelListsMoE
-from tests.passes.style_training import (CONFIG, LR, POLICIES, batches, check_sharded_and_equal,
-                                         checkpoint_resumes_in_the_users_keys, loss, reference, train)
+from tests.passes.style_training import (POLICIES, check_sharded_and_equal,
+                                         checkpoint_resumes_in_the_users_keys, reference, train)
 
 H, FFN, E, K = zoo.H, zoo.FFN, zoo.E, zoo.K
 SKEW = 3.0
@@ -99,13 +99,7 @@ def _model(style: str) -> zoo.ZooLM:
     """The block in the zoo's small transformer, seeded, its router skewed towards expert 0 from outside the
     block (as ``tests/passes/test_zoo_training.py`` does)."""
     torch.manual_seed(0)
-    model = zoo.ZooLM(style, blocks=BLOCKS)
-    v_H = torch.full((H,), H ** -0.5)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.norm2.bias.copy_(v_H)
-            getattr(layer.moe, ROUTER[style]).weight[0] += SKEW * v_H
-    return model
+    return zoo.skew_routers(zoo.ZooLM(style, blocks=BLOCKS), ROUTER[style], SKEW)
 
 
 def _is_expert(style: str):

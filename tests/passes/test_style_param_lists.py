@@ -114,13 +114,7 @@ def _model(style: str) -> zoo.ZooLM:
     """The block in the zoo's small transformer, seeded, its router skewed towards expert 0 from outside the
     block (as ``tests/passes/test_zoo_training.py`` does)."""
     torch.manual_seed(0)
-    model = zoo.ZooLM(style, blocks=BLOCKS)
-    v_H = torch.full((H,), H ** -0.5)
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.norm2.bias.copy_(v_H)
-            getattr(layer.moe, ROUTER[style]).weight[0] += SKEW * v_H
-    return model
+    return zoo.skew_routers(zoo.ZooLM(style, blocks=BLOCKS), ROUTER[style], SKEW)
 
 
 def _is_expert(style: str):

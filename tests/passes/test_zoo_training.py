@@ -27,7 +27,6 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import themis_compile
 from tests.passes import zoo_models as zoo
@@ -40,17 +39,6 @@ STEPS, BATCH, SEQ, LR = 10, 8, 8, 1e-2
 SKEW, SKEWED_EXPERT = 3.0, 0
 # t and m fixed: budgets profiled from timings would make the plans (not the numerics) depend on load.
 CONFIG = dict(overlap_degree=8, materialization_budget=2, cost_benefit=False)   # replicas even where tiny experts cannot pay
-
-
-def _router_weight(block: nn.Module, router_path: str) -> torch.Tensor:
-    """The router's [E, H] weight: ``router_path`` names a Linear or the weight itself."""
-    obj = block
-    for part in router_path.split("."):
-        obj = getattr(obj, part)
-    weight = obj.weight if isinstance(obj, nn.Module) else obj
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != zoo.H:
-        raise AssertionError(f"router {router_path!r} of {type(block).__name__} is not an [E, H] weight")
-    return weight
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,12 +56,7 @@ def _model(style: str) -> zoo.ZooLM:
     model = zoo.ZooLM(style)
     routers = _routers(style)
     assert [name for name, _ in routers] == [f"layers.{i}.moe" for i in range(len(model.layers))], routers
-    v_H = torch.full((zoo.H,), zoo.H ** -0.5)
-    with torch.no_grad():
-        for layer, (_, router_path) in zip(model.layers, routers):
-            layer.norm2.bias.copy_(v_H)
-            _router_weight(layer.moe, router_path)[SKEWED_EXPERT] += SKEW * v_H
-    return model
+    return zoo.skew_routers(model, [path for _, path in routers], SKEW, SKEWED_EXPERT)
 
 
 def _batches() -> list[torch.Tensor]:

@@ -775,6 +775,30 @@ class ZooLM(nn.Module):
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens_BS[:, 1:].reshape(-1))
 
 
+def router_weight(block: nn.Module, router_path: str) -> torch.Tensor:
+    """The router's [E, H] weight: ``router_path`` names a Linear or the weight itself."""
+    obj = block
+    for part in router_path.split("."):
+        obj = getattr(obj, part)
+    weight = obj.weight if isinstance(obj, nn.Module) else obj
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != H:
+        raise AssertionError(f"router {router_path!r} of {type(block).__name__} is not an [E, H] weight")
+    return weight
+
+
+def skew_routers(model: ZooLM, router_paths, skew: float, expert: int = 0) -> ZooLM:
+    """``model`` with every layer's router favouring ``expert`` for every token, from outside the block: the
+    layer's input norm gets the bias v = 1/sqrt(H), orthogonal to its normalized output, and row ``expert`` of
+    the router's weight gets ``skew * v``. ``router_paths``: one path for every layer, or one per layer."""
+    paths = [router_paths] * len(model.layers) if isinstance(router_paths, str) else list(router_paths)
+    v_H = torch.full((H,), H ** -0.5)
+    with torch.no_grad():
+        for layer, path in zip(model.layers, paths, strict=True):
+            layer.norm2.bias.copy_(v_H)
+            router_weight(layer.moe, path)[expert] += skew * v_H
+    return model
+
+
 def dense_params(model: nn.Module, is_expert=lambda name: ".experts." in name) -> dict[str, torch.Tensor]:
     """Every parameter of a ZooLM-like model that ``is_expert`` (by name) does not claim, full (FSDP2 shards
     are gathered: a collective), by name.
