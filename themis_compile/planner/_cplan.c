@@ -1556,6 +1556,269 @@ done:
     return PyLong_FromLongLong(rc);
 }
 
+/* ------------------------------------------------------------------------------ calibration from pairs */
+/* cost.fluid_device_load of the placement of the X ascending pairs flat_X (e * D + d) on tp, bit for bit:
+ * on one node the even split load_e / c_e, else a holder d of e on node n adds
+ * load_e / D · (k_n / h_en + U_e / c_e) (U_e devices on nodes without e: small integers, exact), both
+ * as numpy's weighted bincount over the pairs adds them (in pair order, from 0.0). copies_E: the holder
+ * counts; run_D: [D] scratch. */
+static void fluid_load_of_pairs(const topo_t *tp, const int64_t *flat_X, Py_ssize_t X, const int64_t *copies_E,
+                                const double *load_E, double *out_D, int64_t *run_D)
+{
+    const int64_t D = tp->D;
+    for (int64_t d = 0; d < D; d++) out_D[d] = 0.0;
+    if (tp->N == 1) {
+        for (Py_ssize_t x = 0; x < X; x++) {
+            const int64_t e = flat_X[x] / D;
+            out_D[flat_X[x] - e * D] += load_E[e] / (double)copies_E[e];
+        }
+        return;
+    }
+    for (Py_ssize_t a = 0; a < X;) {                       /* expert e's pairs are flat_X[a, b) */
+        const int64_t e = flat_X[a] / D, row0 = e * D;
+        Py_ssize_t b = a + 1;
+        while (b < X && flat_X[b] < row0 + D) b++;
+        int64_t covered = 0;
+        for (Py_ssize_t i = a; i < b;) {                   /* a node's holders are a run of the pairs */
+            const int64_t nn = tp->node_D[flat_X[i] - row0];
+            Py_ssize_t j = i + 1;
+            while (j < b && tp->node_D[flat_X[j] - row0] == nn) j++;
+            for (Py_ssize_t q = i; q < j; q++) run_D[q - a] = (int64_t)(j - i);
+            covered += tp->k_N[nn];
+            i = j;
+        }
+        const double spread = (double)(D - covered) / (double)copies_E[e], per_device = load_E[e] / (double)D;
+        for (Py_ssize_t i = a; i < b; i++) {
+            const int64_t d = flat_X[i] - row0;
+            out_D[d] += per_device * ((double)tp->k_N[tp->node_D[d]] / (double)run_D[i - a] + spread);
+        }
+        a = b;
+    }
+}
+
+static double max_double(const double *x_D, Py_ssize_t D)
+{
+    double best = x_D[0];
+    for (Py_ssize_t d = 1; d < D; d++)
+        if (x_D[d] > best) best = x_D[d];
+    return best;
+}
+
+/* calibrate_pairs(topology, cost_topology, owners_E, flat_P, load_E, t, m, expert_bytes, intra_bw,
+ *                 inter_bw, budget_s, time_per_token_s, merged_X (w), copies_E (w))
+ *     -> (code, pairs, before_s, after_s, extra_s)
+ *
+ * materialize._calibrate_pairs: calibration (§4.2) with the fluid compute model from the pairs, in one
+ * call, never an [E, D] matrix. owners_E: the shard placement P; flat_P: P' as ascending flat ids
+ * e * D + d; load_E: float64 actual loads; t, m: >= 0 (capped here as calibrate caps them); the cost's
+ * Ψ, its topology's bandwidths, budget and time per token. Step 1 re-runs l.8-11 on the rows of the
+ * J <= t experts calibration may extend (those P' replicates, and the highest-load others the remaining
+ * overlap degree allows) with the remaining slots; step 2 weighs the merged placement with the float
+ * operations of the numpy code: the transfer of the new pairs on the cost's topology (`bottleneck_time`
+ * of the chunks each device receives and of the nodes an expert newly reaches), the budget, and
+ * `straggler_time` of both placements' fluid loads on the cost's topology.
+ * merged_X: room for |P'| + min(m, t)·D ids; copies_E: [E]. code 1: adopt the merged placement, its
+ * `pairs` ascending ids in merged_X and its holder counts in copies_E; 0: keep P'; negative where the
+ * numpy code must judge (and raise its precise ValueError): -1 a load is negative, NaN or infinite;
+ * -2 P ⊄ P'; -4 buffers or topologies do not match. The times are those compared (0.0 where not
+ * reached). */
+static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bctopo, bown, bflat, bload, bmerged, bcopies;
+    Py_ssize_t t, m;
+    double expert_bytes, intra_bw, inter_bw, budget_s, time_per_token_s;
+    double before_s = 0.0, after_s = 0.0, extra_s = 0.0;
+    topo_t tp, ctp;
+    scratch_t s;
+    void *mem = NULL, *work = NULL;
+    long code = -4;
+    int failed = 1;
+    Py_ssize_t pairs = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*nndddddw*w*", &btopo, &bctopo, &bown, &bflat, &bload, &t, &m,
+                          &expert_bytes, &intra_bw, &inter_bw, &budget_s, &time_per_token_s, &bmerged, &bcopies))
+        return NULL;
+    if (parse_topo(&btopo, &tp) < 0 || parse_topo(&bctopo, &ctp) < 0) goto done;
+    failed = 0;
+    const Py_ssize_t D = (Py_ssize_t)tp.D, N = (Py_ssize_t)tp.N, E = bload.len / 8, X = bflat.len / 8;
+    if (t < 0 || m < 0) goto done;                                                  /* code -4 */
+    if (t > E) t = E;
+    if (m > t) m = t;
+    if (bown.len != E * 8 || bcopies.len != E * 8 || bmerged.len < (X + m * D) * 8 || ctp.D != tp.D ||
+        !(intra_bw > 0) || !(inter_bw > 0))
+        goto done;
+    const double *load_E = (const double *)bload.buf;
+    const int64_t *owners_E = (const int64_t *)bown.buf, *flat_P = (const int64_t *)bflat.buf;
+    for (Py_ssize_t e = 0; e < E; e++) {             /* check_loads' fast accept: finite and >= 0 */
+        if (!(load_E[e] >= 0 && load_E[e] < INFINITY)) {
+            code = -1;
+            goto done;
+        }
+        if (owners_E[e] < 0 || owners_E[e] >= D) goto done;
+    }
+    /* Work memory: per expert its row in J (or -1) and two flags (bytes); per device the free slots,
+     * the chunks it receives, a scratch run length, the new pairs' ids (m of them at most) and four
+     * load vectors; the cost topology's node stamps and entries; J's lists (3t) and the rows' loads,
+     * holder counts and ids 0 .. J - 1 as place_replicas reads them (3t); J's rows, a byte per device. */
+    const size_t words = (size_t)E + (size_t)D * (3 + (size_t)m + 4) + 2 * (size_t)ctp.N + 6 * (size_t)t + 1;
+    work = malloc(words * sizeof(int64_t) + 2 * (size_t)E + (size_t)t * (size_t)D + 1);
+    mem = alloc_scratch(&s, t, D, N, 0);
+    if (work == NULL || mem == NULL) {
+        failed = 1;
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *row_E = (int64_t *)work, *slots_D = row_E + E, *recv_D = slots_D + D, *run_D = recv_D + D;
+    int64_t *new_X = run_D + D;
+    double *before_D = (double *)(new_X + m * D), *dev_load_D = before_D + D, *after_D = dev_load_D + D;
+    double *cbefore_D = after_D + D;
+    int64_t *stamp_N = (int64_t *)(cbefore_D + D), *entries_N = stamp_N + ctp.N, *rep_J = entries_N + ctp.N;
+    int64_t *fresh_J = rep_J + t, *experts_J = fresh_J + t, *copies_J = experts_J + t, *ids_J = copies_J + t;
+    double *load_J = (double *)(ids_J + t);
+    uint8_t *replicated_E = (uint8_t *)(load_J + t + 1), *held_E = replicated_E + E, *mask_JD = held_E + E;
+    int64_t *copies_E = (int64_t *)bcopies.buf, *merged_X = (int64_t *)bmerged.buf;
+
+    /* Step 1: P ⊆ P' (every owner's pair present), P''s holder counts, the replicas each device added
+     * (slots_D counts them first) and the experts that have one. */
+    memset(slots_D, 0, (size_t)D * sizeof(int64_t));
+    memset(copies_E, 0, (size_t)E * sizeof(int64_t));
+    memset(replicated_E, 0, 2 * (size_t)E);
+    int64_t prev = -1;
+    for (Py_ssize_t x = 0; x < X; x++) {
+        const int64_t id = flat_P[x];
+        if (id <= prev || id >= (int64_t)E * D) goto done;                         /* code -4 */
+        prev = id;
+        const int64_t e = id / D, d = id - e * D;
+        copies_E[e]++;
+        if (d == owners_E[e]) {
+            held_E[e] = 1;
+        } else {
+            replicated_E[e] = 1;
+            slots_D[d]++;
+        }
+    }
+    Py_ssize_t replicated = 0;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        if (!held_E[e]) {
+            code = -2;
+            goto done;
+        }
+        replicated += replicated_E[e];
+    }
+    code = 0;
+    int any_slot = 0;
+    for (Py_ssize_t d = 0; d < D; d++) {                /* remaining budget: max(m - added, 0) */
+        slots_D[d] = slots_D[d] < m ? m - slots_D[d] : 0;
+        any_slot |= slots_D[d] != 0;
+    }
+    const Py_ssize_t new_allowed = t - replicated;                      /* remaining overlap degree */
+    if (!any_slot || new_allowed < 0) goto done;
+    /* Eligible: every replicated expert and the new_allowed highest-load others; those with load, by
+     * load descending (ties: lower id). At most t of them. */
+    Py_ssize_t num_rep = 0;
+    for (Py_ssize_t e = 0; e < E; e++)
+        if (replicated_E[e] && load_E[e] > 0) rep_J[num_rep++] = e;
+    const Py_ssize_t num_fresh = top_experts(load_E, E, new_allowed, replicated_E, fresh_J);
+    if (num_fresh < 0 || sort_by_load(rep_J, num_rep, load_E) < 0) {
+        failed = 1;
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t J = 0, i = 0, j = 0;
+    while (i < num_rep || j < num_fresh) {
+        int take_rep = j >= num_fresh;
+        if (i < num_rep && j < num_fresh) {
+            const double a = load_E[rep_J[i]], b = load_E[fresh_J[j]];
+            take_rep = a > b || (a == b && rep_J[i] < fresh_J[j]);
+        }
+        experts_J[J++] = take_rep ? rep_J[i++] : fresh_J[j++];
+    }
+    if (J == 0) goto done;                                              /* nothing to place */
+    /* l.8-11 on J's rows alone: row j is expert experts_J[j], with its load, holder count and id j in
+     * load_J, copies_J, ids_J. P''s holders are marked 2, so that the replicas placed (1) stand apart. */
+    for (Py_ssize_t e = 0; e < E; e++) row_E[e] = -1;
+    for (Py_ssize_t jj = 0; jj < J; jj++) {
+        row_E[experts_J[jj]] = jj;
+        load_J[jj] = load_E[experts_J[jj]];
+        copies_J[jj] = copies_E[experts_J[jj]];
+        ids_J[jj] = jj;
+    }
+    memset(mask_JD, 0, (size_t)J * (size_t)D);
+    for (Py_ssize_t x = 0; x < X; x++) {
+        const int64_t e = flat_P[x] / D;
+        if (row_E[e] >= 0) mask_JD[row_E[e] * D + (flat_P[x] - e * D)] = 2;
+    }
+    fluid_load_of_pairs(&tp, flat_P, X, copies_E, load_E, before_D, run_D);
+    memcpy(dev_load_D, before_D, (size_t)D * sizeof(double));
+    place_replicas(&tp, mask_JD, load_J, ids_J, J, slots_D, copies_J, dev_load_D, NULL, &s);     /* l.8-11 */
+    /* The new pairs (bytes 1 of the rows whose holder count grew), the chunks each device receives
+     * and the (expert, node) entries of the cost topology's nodes that an expert newly reaches. */
+    Py_ssize_t added = 0;
+    memset(recv_D, 0, (size_t)D * sizeof(int64_t));
+    memset(entries_N, 0, (size_t)ctp.N * sizeof(int64_t));
+    for (Py_ssize_t nn = 0; nn < ctp.N; nn++) stamp_N[nn] = -1;
+    for (Py_ssize_t jj = 0; jj < J; jj++) {
+        const int64_t e = experts_J[jj];
+        if (copies_J[jj] == copies_E[e]) continue;
+        const uint8_t *row_D = mask_JD + jj * D;
+        for (Py_ssize_t d = 0; d < D; d++)
+            if (row_D[d] == 2) stamp_N[ctp.node_D[d]] = 2 * jj;
+        for (Py_ssize_t d = 0; d < D; d++) {
+            if (row_D[d] != 1) continue;
+            new_X[added++] = e * (int64_t)D + d;
+            recv_D[d]++;
+            const int64_t nn = ctp.node_D[d];
+            if (stamp_N[nn] != 2 * jj && stamp_N[nn] != 2 * jj + 1) {
+                entries_N[nn]++;
+                stamp_N[nn] = 2 * jj + 1;
+            }
+        }
+        copies_E[e] = copies_J[jj];         /* the merged placement's holder count */
+    }
+    if (added == 0) goto done;                                      /* merged == P' */
+    /* Step 2: adopt only when the gain pays for the extra critical-path transfer. */
+    int64_t max_recv = 0, max_entries = 0;
+    for (Py_ssize_t d = 0; d < D; d++)
+        if (recv_D[d] > max_recv) max_recv = recv_D[d];
+    for (Py_ssize_t nn = 0; nn < ctp.N; nn++)
+        if (entries_N[nn] > max_entries) max_entries = entries_N[nn];
+    const double device_s = (double)max_recv * expert_bytes / intra_bw;
+    const double node_s = (double)max_entries * expert_bytes / inter_bw;
+    extra_s = node_s > device_s ? node_s : device_s;
+    if (extra_s > budget_s) goto done;
+    /* P' ∪ new pairs, ascending (the new pairs are few: sorted, then merged in). */
+    qsort(new_X, (size_t)added, sizeof(int64_t), cmp_i64);
+    Py_ssize_t a = 0, b = 0;
+    while (a < X || b < added)
+        merged_X[pairs++] = b >= added || (a < X && flat_P[a] < new_X[b]) ? flat_P[a++] : new_X[b++];
+    /* Straggler times of the fluid loads on the cost's topology (the loads of step 1 where it is the
+     * same layout). P''s holder counts for the first: copies_E less the new pairs. */
+    const int same = btopo.len == bctopo.len && memcmp(btopo.buf, bctopo.buf, (size_t)btopo.len) == 0;
+    const double *b_D = before_D;
+    if (!same) {
+        for (Py_ssize_t x = 0; x < added; x++) copies_E[new_X[x] / D]--;
+        fluid_load_of_pairs(&ctp, flat_P, X, copies_E, load_E, cbefore_D, run_D);
+        for (Py_ssize_t x = 0; x < added; x++) copies_E[new_X[x] / D]++;
+        b_D = cbefore_D;
+    }
+    fluid_load_of_pairs(&ctp, merged_X, pairs, copies_E, load_E, after_D, run_D);
+    before_s = max_double(b_D, D) * time_per_token_s;
+    after_s = max_double(after_D, D) * time_per_token_s;
+    code = before_s - after_s > extra_s && isfinite(extra_s) ? 1 : 0;
+done:
+    free(mem);
+    free(work);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bctopo);
+    PyBuffer_Release(&bown);
+    PyBuffer_Release(&bflat);
+    PyBuffer_Release(&bload);
+    PyBuffer_Release(&bmerged);
+    PyBuffer_Release(&bcopies);
+    if (failed || PyErr_Occurred()) return NULL;
+    return Py_BuildValue("(lnddd)", code, pairs, before_s, after_s, extra_s);
+}
+
 static PyMethodDef cplan_methods[] = {
     {"materialize", py_materialize, METH_VARARGS, "Alg. 1 core (sparse_materialization after validation)."},
     {"place_replicas", py_place_replicas, METH_VARARGS, "Alg. 1 l.7-11 in place (_place_replicas)."},
@@ -1567,6 +1830,7 @@ static PyMethodDef cplan_methods[] = {
     {"dispatch_device_load", py_dispatch_device_load, METH_VARARGS, "Alg. 3: tokens per device."},
     {"materialize_pairs", py_materialize_pairs, METH_VARARGS, "Alg. 1 from owners, P' \\ P as pairs."},
     {"own_row", py_own_row, METH_VARARGS, "Alg. 3: one rank's row, sparse, from owners and pairs."},
+    {"calibrate_pairs", py_calibrate_pairs, METH_VARARGS, "Calibration (§4.2), fluid model, from the pairs."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1576,7 +1840,7 @@ static struct PyModuleDef cplan_module = {
 };
 
 /* Bumped whenever an entry point's arguments change: the Python side ignores a stale build. */
-#define CPLAN_ABI 3
+#define CPLAN_ABI 4
 
 PyMODINIT_FUNC PyInit__cplan(void)
 {
