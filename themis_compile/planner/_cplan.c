@@ -193,6 +193,23 @@ static void assign_slots(const double *load_J, const int64_t *copies_J, const in
     }
 }
 
+/* The devices holding a row's expert, ascending, into holders (D words); returns their count. Rows
+ * are mostly zero (one owner, a few replicas): eight devices per zero word are skipped at once. */
+static Py_ssize_t row_holders(const uint8_t *row_D, Py_ssize_t D, int64_t *holders)
+{
+    Py_ssize_t c = 0, d = 0;
+    for (; d + 8 <= D; d += 8) {
+        uint64_t word;
+        memcpy(&word, row_D + d, sizeof word);
+        if (word == 0) continue;
+        for (Py_ssize_t i = 0; i < 8; i++)
+            if (row_D[d + i]) holders[c++] = d + i;
+    }
+    for (; d < D; d++)
+        if (row_D[d]) holders[c++] = d;
+    return c;
+}
+
 /* Candidate order inside a node (l.10): modeled load ascending, then more free slots, then lower id. */
 static inline int cand_before(int64_t a, int64_t b, const double *load_D, const int64_t *slots_D)
 {
@@ -202,11 +219,19 @@ static inline int cand_before(int64_t a, int64_t b, const double *load_D, const 
     return a < b;
 }
 
+/* One node's entry in l.10's merge: the key of its next candidate, (holders_n + j) / k_n (the integer
+ * holders_n + j on a uniform topology; both exact in a double) and the candidate's modeled load. */
+typedef struct {
+    double level, load;
+    int64_t node;
+} merge_t;
+
 typedef struct {
     int64_t *copies_J, *room_J, *n_J;   /* [J] */
     double *load_J, *head_J;            /* [J] */
     int64_t *holders, *cand, *seq;      /* [D] */
-    int64_t *holders_N, *cnt_N, *taken_N, *heap_N; /* [N] */
+    int64_t *holders_N, *cnt_N, *taken_N, *pos_N, *stamp_N;  /* [N] */
+    merge_t *heap_N;                    /* [N] */
     int64_t *extra;                     /* [extra] words for the caller */
     /* Mask-free mode (place_replicas with mask_ED == NULL, from a shard): row is a zeroed [D] scratch
      * row standing in for the current expert's, and the placed replicas are appended to pick_X as
@@ -218,7 +243,7 @@ typedef struct {
 
 static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t N, Py_ssize_t extra)
 {
-    size_t words = 5 * (size_t)J + 3 * (size_t)D + 4 * (size_t)N + (size_t)extra + 1;
+    size_t words = 5 * (size_t)J + 3 * (size_t)D + 8 * (size_t)N + (size_t)extra + 1;
     int64_t *mem = (int64_t *)malloc(words * sizeof(int64_t));
     if (mem == NULL) return NULL;
     s->copies_J = mem;
@@ -232,56 +257,84 @@ static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t 
     s->holders_N = s->seq + D;
     s->cnt_N = s->holders_N + N;
     s->taken_N = s->cnt_N + N;
-    s->heap_N = s->taken_N + N;
-    s->extra = s->heap_N + N;
+    s->pos_N = s->taken_N + N;
+    s->stamp_N = s->pos_N + N;
+    s->heap_N = (merge_t *)(s->stamp_N + N);
+    s->extra = (int64_t *)(s->heap_N + N);
     s->row = NULL;
     s->pick_X = NULL;
     s->npicks = 0;
     return mem;
 }
 
-/* l.10's merge order of two nodes' next candidates: (holders_n + j) / k_n ascending (the integer
- * holders_n + j on a uniform topology), then the candidate's modeled load, then the node id. A total
- * order, so the heap below pops exactly what a scan of all nodes for the smallest key would. */
-static inline int merge_before(const topo_t *tp, const scratch_t *s, const double *dev_load_D, int64_t a,
-                               int64_t b)
+static inline int merge_lt(const merge_t *a, const merge_t *b)
 {
-    const int64_t ja = s->taken_N[a], jb = s->taken_N[b];
-    if (tp->uniform) {
-        const int64_t la = s->holders_N[a] + ja, lb = s->holders_N[b] + jb;
-        if (la != lb) return la < lb;
-    } else {
-        const double la = (double)(s->holders_N[a] + ja) / (double)tp->k_N[a];
-        const double lb = (double)(s->holders_N[b] + jb) / (double)tp->k_N[b];
-        if (la < lb) return 1;
-        if (lb < la) return 0;
-    }
-    const double da = dev_load_D[s->cand[tp->off_N[a] + ja]], db = dev_load_D[s->cand[tp->off_N[b] + jb]];
-    if (flt_lt(da, db)) return 1;
-    if (flt_lt(db, da)) return 0;
-    return a < b;
+    if (a->level < b->level) return 1;
+    if (b->level < a->level) return 0;
+    if (flt_lt(a->load, b->load)) return 1;
+    if (flt_lt(b->load, a->load)) return 0;
+    return a->node < b->node;
 }
 
-/* Restore the heap order of heap_N[0..size) below position i. */
-static void merge_sift_down(const topo_t *tp, const scratch_t *s, const double *dev_load_D, Py_ssize_t i,
-                            Py_ssize_t size)
+/* Restore the heap order of heap[0..size) below position i. */
+static void merge_sift_down(merge_t *heap, Py_ssize_t i, Py_ssize_t size)
 {
-    int64_t *heap = s->heap_N;
-    const int64_t node = heap[i];
+    const merge_t x = heap[i];
     for (;;) {
         Py_ssize_t c = 2 * i + 1;
         if (c >= size) break;
-        if (c + 1 < size && merge_before(tp, s, dev_load_D, heap[c + 1], heap[c])) c++;
-        if (!merge_before(tp, s, dev_load_D, heap[c], node)) break;
+        if (c + 1 < size && merge_lt(&heap[c + 1], &heap[c])) c++;
+        if (!merge_lt(&heap[c], &x)) break;
         heap[i] = heap[c];
         i = c;
     }
-    heap[i] = node;
+    heap[i] = x;
+}
+
+static inline double merge_level(const topo_t *tp, const scratch_t *s, int64_t nn)
+{
+    const double level = (double)(s->holders_N[nn] + s->taken_N[nn]);
+    return tp->uniform ? level : level / (double)tp->k_N[nn];
+}
+
+/* Node nn's devices with a free slot in l.10's inner order (`cand_before`), cand[off_N[nn] ..) with
+ * cnt_N[nn] of them: the listed devices that still have a slot, re-sorted (insertion: the list is
+ * sorted but for the few devices whose load or slots changed). Devices without a slot never get one
+ * back, so they leave the list for good. */
+static void sort_node(const topo_t *tp, scratch_t *s, int64_t nn, const double *dev_load_D, const int64_t *slots_D)
+{
+    int64_t *list = s->cand + tp->off_N[nn];
+    Py_ssize_t c = 0;
+    for (Py_ssize_t i = 0; i < s->cnt_N[nn]; i++) {
+        const int64_t d = list[i];
+        if (slots_D[d] <= 0) continue;
+        Py_ssize_t pos = c++;
+        while (pos > 0 && cand_before(d, list[pos - 1], dev_load_D, slots_D)) {
+            list[pos] = list[pos - 1];
+            pos--;
+        }
+        list[pos] = d;
+    }
+    s->cnt_N[nn] = c;
+}
+
+/* The first position >= pos of node nn's list that is not a holder of the current expert (row_D). */
+static inline Py_ssize_t next_candidate(const topo_t *tp, const scratch_t *s, int64_t nn, Py_ssize_t pos,
+                                        const uint8_t *row_D)
+{
+    const int64_t *list = s->cand + tp->off_N[nn];
+    while (pos < s->cnt_N[nn] && row_D[list[pos]]) pos++;
+    return pos;
 }
 
 /* Alg. 1 l.7-11 (_place_replicas), in place on mask_ED, slots_D, copies_E and dev_load_D (the modeled
  * loads of cost.fluid_device_load, initialized by the caller). owners_E (may be NULL): the shard
- * owners when mask_ED is the shard placement itself. */
+ * owners when mask_ED is the shard placement itself.
+ *
+ * l.10's candidates are kept across experts: every node's devices with a free slot, in the inner order
+ * (load, more free slots, id), sorted once; an expert's candidates are its node lists less its holders
+ * (the order of a subset is the subset of the order), and after a placement only the nodes of the
+ * expert's holders — the devices whose load or slots changed — are re-sorted. */
 static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *load_E,
                            const int64_t *experts_J, Py_ssize_t J, int64_t *slots_D, int64_t *copies_E,
                            double *dev_load_D, const int64_t *owners_E, scratch_t *s)
@@ -301,48 +354,55 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
         s->load_J[j] = load_E[experts_J[j]];
     }
     assign_slots(s->load_J, s->copies_J, s->room_J, J, total_slots, s->n_J, s->head_J);      /* l.9 */
+    Py_ssize_t listed = 0;              /* devices with a free slot: the lists' lengths */
+    for (Py_ssize_t nn = 0; nn < N; nn++) {
+        int64_t *list = s->cand + off_N[nn];
+        s->cnt_N[nn] = k_N[nn];
+        for (int64_t j = 0; j < k_N[nn]; j++) list[j] = off_N[nn] + j;
+        sort_node(tp, s, nn, dev_load_D, slots_D);
+        s->stamp_N[nn] = -1;
+        listed += s->cnt_N[nn];
+    }
     for (Py_ssize_t i = 0; i < J; i++) {                                          /* l.8 */
         const int64_t e = experts_J[i], n = s->n_J[i], copies = s->copies_J[i];
         if (n == 0) continue;
         const int mask_free = mask_ED == NULL;   /* then owners_E is given: the owner is e's one holder */
         uint8_t *row_D = mask_free ? s->row : mask_ED + (size_t)e * (size_t)D;
-        if (mask_free) row_D[owners_E[e]] = 1;
-        /* Candidates: no copy of e and a free slot; per node in l.10's inner order (insertion sort). */
-        Py_ssize_t num_cand = 0, num_holders = 0;
-        for (Py_ssize_t nn = 0; nn < N; nn++) {
-            int64_t *list = s->cand + off_N[nn];
-            Py_ssize_t c = 0;
-            s->holders_N[nn] = 0;
-            for (int64_t d = off_N[nn]; d < off_N[nn + 1]; d++) {
-                if (row_D[d]) {
-                    s->holders_N[nn]++;
-                    if (owners_E == NULL) s->holders[num_holders++] = d;
-                    continue;
-                }
-                if (slots_D[d] <= 0) continue;
-                Py_ssize_t pos = c++;
-                while (pos > 0 && cand_before(d, list[pos - 1], dev_load_D, slots_D)) {
-                    list[pos] = list[pos - 1];
-                    pos--;
-                }
-                list[pos] = d;
-            }
-            s->cnt_N[nn] = c;
-            s->taken_N[nn] = 0;
-            num_cand += c;
+        Py_ssize_t num_holders;
+        if (mask_free) {
+            row_D[owners_E[e]] = 1;
+            s->holders[0] = owners_E[e];
+            num_holders = 1;
+        } else {
+            num_holders = row_holders(row_D, D, s->holders);
         }
-        if (mask_free) row_D[owners_E[e]] = 0;  /* the scratch row is read only above */
-        if (num_cand == 0) continue;
-        if (owners_E != NULL) s->holders[num_holders++] = owners_E[e];
-        /* l.10: merge the nodes' streams by (holders_n + j) / k_n, then the candidate's load, then node. */
+        /* Candidates: no copy of e and a free slot, i.e. the listed devices less e's listed holders. */
+        Py_ssize_t num_cand = listed;
+        for (Py_ssize_t nn = 0; nn < N; nn++) s->holders_N[nn] = 0;
+        for (Py_ssize_t h = 0; h < num_holders; h++) {
+            s->holders_N[node_D[s->holders[h]]]++;
+            num_cand -= slots_D[s->holders[h]] > 0;
+        }
+        if (num_cand == 0) {
+            if (mask_free) row_D[owners_E[e]] = 0;
+            continue;
+        }
+        /* l.10: merge the nodes' streams by (holders_n + j) / k_n, then the candidate's load, then node.
+         * Every node's stream has strictly increasing keys, so the picks come off a heap of the nodes'
+         * next candidates. Picks are drawn as the LPT guard below reads them; it usually stops long
+         * before npick. */
         const Py_ssize_t npick = n < num_cand ? (Py_ssize_t)n : num_cand;
-        /* Every node's stream has strictly increasing keys, so the picks come off a heap of the
-         * nodes' next candidates in l.10's order: O(log N) per pick instead of a scan of all N nodes.
-         * Picks are drawn as the LPT guard below reads them; it usually stops long before npick. */
         Py_ssize_t size = 0;
-        for (Py_ssize_t nn = 0; nn < N; nn++)
-            if (s->cnt_N[nn] > 0) s->heap_N[size++] = nn;
-        for (Py_ssize_t i = size / 2; i-- > 0;) merge_sift_down(tp, s, dev_load_D, i, size);
+        for (Py_ssize_t nn = 0; nn < N; nn++) {
+            const Py_ssize_t pos = next_candidate(tp, s, nn, 0, row_D);
+            if (pos >= s->cnt_N[nn]) continue;
+            s->pos_N[nn] = pos;
+            s->taken_N[nn] = 0;
+            s->heap_N[size].level = merge_level(tp, s, nn);
+            s->heap_N[size].load = dev_load_D[s->cand[off_N[nn] + pos]];
+            s->heap_N[size++].node = nn;
+        }
+        for (Py_ssize_t q = size / 2; q-- > 0;) merge_sift_down(s->heap_N, q, size);
         /* LPT guard: place the first k <= npick, k minimizing the hottest device among e's holders. */
         const double load_e = load_E[e];
         double hottest = dev_load_D[s->holders[0]];
@@ -353,10 +413,18 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
         double best = hottest, run = -INFINITY;
         Py_ssize_t k = 0;
         for (Py_ssize_t j = 1; j <= npick; j++) {
-            const int64_t bn = s->heap_N[0];                 /* l.10: the next pick */
-            s->seq[j - 1] = s->cand[off_N[bn] + s->taken_N[bn]];
-            if (++s->taken_N[bn] >= s->cnt_N[bn]) s->heap_N[0] = s->heap_N[--size];
-            if (size > 0) merge_sift_down(tp, s, dev_load_D, 0, size);
+            merge_t *top_node = &s->heap_N[0];                /* l.10: the next pick */
+            const int64_t bn = top_node->node;
+            s->seq[j - 1] = s->cand[off_N[bn] + s->pos_N[bn]];
+            s->taken_N[bn]++;
+            s->pos_N[bn] = next_candidate(tp, s, bn, s->pos_N[bn] + 1, row_D);
+            if (s->pos_N[bn] >= s->cnt_N[bn]) {
+                *top_node = s->heap_N[--size];
+            } else {
+                top_node->level = merge_level(tp, s, bn);
+                top_node->load = dev_load_D[s->cand[off_N[bn] + s->pos_N[bn]]];
+            }
+            if (size > 0) merge_sift_down(s->heap_N, 0, size);
             const double x = dev_load_D[s->seq[j - 1]];
             if (x > run) run = x;
             const double top = run > base ? run : base;
@@ -367,6 +435,7 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
                 k = j;
             }
         }
+        if (mask_free) row_D[owners_E[e]] = 0;  /* the scratch row is read only above */
         if (k == 0) continue;
         /* l.11: P' ← P' ∪ P^e; the modeled load of every holder of e changes (cost.fluid_device_load:
          * load/D · (k_n / h_n + U / c) at a holder on node n, U = devices on nodes without e). */
@@ -396,6 +465,15 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
             const int64_t d = s->holders[h], nd = node_D[d];
             dev_load_D[d] = dev_load_D[d] + per_device * ((double)k_N[nd] / (double)s->holders_N[nd] + term);
         }
+        /* The holders' loads and the new holders' slots changed: re-sort their nodes' lists. */
+        for (Py_ssize_t h = 0; h < num_holders; h++) {
+            const int64_t nd = node_D[s->holders[h]];
+            if (s->stamp_N[nd] == i) continue;
+            s->stamp_N[nd] = i;
+            listed -= s->cnt_N[nd];
+            sort_node(tp, s, nd, dev_load_D, slots_D);
+            listed += s->cnt_N[nd];
+        }
     }
 }
 
@@ -406,23 +484,6 @@ static void shard_device_load(const int64_t *owners_E, const double *load_E, Py_
 {
     for (Py_ssize_t d = 0; d < D; d++) out_D[d] = 0.0;
     for (Py_ssize_t e = 0; e < E; e++) out_D[owners_E[e]] += (load_E[e] / (double)D) * (double)D;
-}
-
-/* The devices holding a row's expert, ascending, into holders (D words); returns their count. Rows
- * are mostly zero (one owner, a few replicas): eight devices per zero word are skipped at once. */
-static Py_ssize_t row_holders(const uint8_t *row_D, Py_ssize_t D, int64_t *holders)
-{
-    Py_ssize_t c = 0, d = 0;
-    for (; d + 8 <= D; d += 8) {
-        uint64_t word;
-        memcpy(&word, row_D + d, sizeof word);
-        if (word == 0) continue;
-        for (Py_ssize_t i = 0; i < 8; i++)
-            if (row_D[d + i]) holders[c++] = d + i;
-    }
-    for (; d < D; d++)
-        if (row_D[d]) holders[c++] = d;
-    return c;
 }
 
 /* cost.fluid_device_load of any placement on several nodes, a sum over (expert, holder) pairs in
