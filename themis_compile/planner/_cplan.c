@@ -1358,6 +1358,35 @@ static int cmp_i64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* Sort the n ids x (0 <= x < limit) ascending: insertion for a few, else an LSD radix sort by bytes
+ * through tmp (n words; no comparison callback: placed replicas number up to m·D). */
+static void sort_ids(int64_t *x, Py_ssize_t n, int64_t limit, int64_t *tmp)
+{
+    if (n <= 32) {
+        for (Py_ssize_t i = 1; i < n; i++) {
+            const int64_t v = x[i];
+            Py_ssize_t pos = i;
+            while (pos > 0 && x[pos - 1] > v) {
+                x[pos] = x[pos - 1];
+                pos--;
+            }
+            x[pos] = v;
+        }
+        return;
+    }
+    int64_t *src = x, *dst = tmp;
+    for (int shift = 0; shift < 63 && (limit - 1) >> shift; shift += 8) {
+        Py_ssize_t count[257] = {0};
+        for (Py_ssize_t i = 0; i < n; i++) count[((src[i] >> shift) & 0xff) + 1]++;
+        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
+        for (Py_ssize_t i = 0; i < n; i++) dst[count[(src[i] >> shift) & 0xff]++] = src[i];
+        int64_t *swap = src;
+        src = dst;
+        dst = swap;
+    }
+    if (src != x) memcpy(x, src, (size_t)n * sizeof(int64_t));
+}
+
 /* materialize_pairs(topology, owners_E, load_E, t, m, full_J (w), pairs_X (w), copies_E (w)) -> (F, X), or
  * None for a load that is not finite and >= 0: Alg. 1 from the shard placement of owners_E without
  * building a mask, P' as the F experts every device holds (full_J, ascending; none when D = 1) and the
@@ -1404,7 +1433,7 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
     }
     int64_t *copies_E = (int64_t *)bcopies.buf, *pairs_X = (int64_t *)bpairs.buf, *full_J = (int64_t *)bfull.buf;
     for (Py_ssize_t e = 0; e < E; e++) copies_E[e] = 1;
-    mem = alloc_scratch(&s, t, D, N, t + 2 * D);
+    mem = alloc_scratch(&s, t, D, N, t + 2 * D + (t > m ? m * D : 0));
     row = (uint8_t *)calloc((size_t)(D > 0 ? D : 1), 1);
     if (mem == NULL || row == NULL) {
         PyErr_NoMemory();
@@ -1412,6 +1441,7 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
     }
     int64_t *top_J = s.extra, *slots_D = top_J + t;
     double *dev_load_D = (double *)(slots_D + D);
+    int64_t *tmp_X = (int64_t *)(dev_load_D + D);     /* the picks' sort */
     const Py_ssize_t J = top_experts(load_E, E, t, NULL, top_J);                    /* l.3 */
     if (J < 0) {
         PyErr_NoMemory();
@@ -1430,7 +1460,7 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
             s.row = row;
             s.pick_X = pairs_X;
             place_replicas(&tp, NULL, load_E, top_J, J, slots_D, copies_E, dev_load_D, owners_E, &s);
-            qsort(pairs_X, (size_t)s.npicks, sizeof(int64_t), cmp_i64);   /* at most D * m, usually few */
+            sort_ids(pairs_X, s.npicks, (int64_t)E * D, tmp_X);               /* at most D * m of them */
             /* Experts that reached every device are full; the others' pairs stay, in order. */
             for (Py_ssize_t i = 0; i < s.npicks; i++) {
                 const int64_t e = pairs_X[i] / (int64_t)D;
@@ -1718,10 +1748,11 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
         if (owners_E[e] < 0 || owners_E[e] >= D) goto done;
     }
     /* Work memory: per expert its row in J (or -1) and two flags (bytes); per device the free slots,
-     * the chunks it receives, a scratch run length, the new pairs' ids (m of them at most) and four
-     * load vectors; the cost topology's node stamps and entries; J's lists (3t) and the rows' loads,
-     * holder counts and ids 0 .. J - 1 as place_replicas reads them (3t); J's rows, a byte per device. */
-    const size_t words = (size_t)E + (size_t)D * (3 + (size_t)m + 4) + 2 * (size_t)ctp.N + 6 * (size_t)t + 1;
+     * the chunks it receives and a scratch run length; the new pairs' ids (m·D at most) and as many
+     * words to sort them; four load vectors [D]; the cost topology's node stamps and entries; J's
+     * lists (3t) and the rows' loads, holder counts and ids 0 .. J - 1 as place_replicas reads them
+     * (3t); J's rows, a byte per device. */
+    const size_t words = (size_t)E + (size_t)D * (3 + 2 * (size_t)m + 4) + 2 * (size_t)ctp.N + 6 * (size_t)t + 1;
     work = malloc(words * sizeof(int64_t) + 2 * (size_t)E + (size_t)t * (size_t)D + 1);
     mem = alloc_scratch(&s, t, D, N, 0);
     if (work == NULL || mem == NULL) {
@@ -1730,8 +1761,8 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
         goto done;
     }
     int64_t *row_E = (int64_t *)work, *slots_D = row_E + E, *recv_D = slots_D + D, *run_D = recv_D + D;
-    int64_t *new_X = run_D + D;
-    double *before_D = (double *)(new_X + m * D), *dev_load_D = before_D + D, *after_D = dev_load_D + D;
+    int64_t *new_X = run_D + D, *tmp_X = new_X + m * D;
+    double *before_D = (double *)(tmp_X + m * D), *dev_load_D = before_D + D, *after_D = dev_load_D + D;
     double *cbefore_D = after_D + D;
     int64_t *stamp_N = (int64_t *)(cbefore_D + D), *entries_N = stamp_N + ctp.N, *rep_J = entries_N + ctp.N;
     int64_t *fresh_J = rep_J + t, *experts_J = fresh_J + t, *copies_J = experts_J + t, *ids_J = copies_J + t;
@@ -1848,7 +1879,7 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
     extra_s = node_s > device_s ? node_s : device_s;
     if (extra_s > budget_s) goto done;
     /* P' ∪ new pairs, ascending (the new pairs are few: sorted, then merged in). */
-    qsort(new_X, (size_t)added, sizeof(int64_t), cmp_i64);
+    sort_ids(new_X, added, (int64_t)E * D, tmp_X);
     Py_ssize_t a = 0, b = 0;
     while (a < X || b < added)
         merged_X[pairs++] = b >= added || (a < X && flat_P[a] < new_X[b]) ? flat_P[a++] : new_X[b++];
