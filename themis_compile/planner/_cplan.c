@@ -1696,8 +1696,8 @@ static double max_double(const double *x_D, Py_ssize_t D)
 }
 
 /* calibrate_pairs(topology, cost_topology, owners_E, flat_P, load_E, t, m, expert_bytes, intra_bw,
- *                 inter_bw, budget_s, time_per_token_s, merged_X (w), copies_E (w))
- *     -> (code, pairs, before_s, after_s, extra_s)
+ *                 inter_bw, budget_s, time_per_token_s, added_X (w), copies_E (w))
+ *     -> (code, added, before_s, after_s, extra_s)
  *
  * materialize._calibrate_pairs: calibration (§4.2) with the fluid compute model from the pairs, in one
  * call, never an [E, D] matrix. owners_E: the shard placement P; flat_P: P' as ascending flat ids
@@ -1708,14 +1708,14 @@ static double max_double(const double *x_D, Py_ssize_t D)
  * operations of the numpy code: the transfer of the new pairs on the cost's topology (`bottleneck_time`
  * of the chunks each device receives and of the nodes an expert newly reaches), the budget, and
  * `straggler_time` of both placements' fluid loads on the cost's topology.
- * merged_X: room for |P'| + min(m, t)·D ids; copies_E: [E]. code 1: adopt the merged placement, its
- * `pairs` ascending ids in merged_X and its holder counts in copies_E; 0: keep P'; negative where the
+ * added_X: room for min(m, t)·D ids; copies_E: [E]. code 1: adopt the merged placement P' ∪ the
+ * `added` new pairs, ascending in added_X, its holder counts in copies_E; 0: keep P'; negative where the
  * numpy code must judge (and raise its precise ValueError): -1 a load is negative, NaN or infinite;
  * -2 P ⊄ P'; -4 buffers or topologies do not match. The times are those compared (0.0 where not
  * reached). */
 static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
 {
-    Py_buffer btopo, bctopo, bown, bflat, bload, bmerged, bcopies;
+    Py_buffer btopo, bctopo, bown, bflat, bload, badded, bcopies;
     Py_ssize_t t, m;
     double expert_bytes, intra_bw, inter_bw, budget_s, time_per_token_s;
     double before_s = 0.0, after_s = 0.0, extra_s = 0.0;
@@ -1724,10 +1724,10 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
     void *mem = NULL, *work = NULL;
     long code = -4;
     int failed = 1;
-    Py_ssize_t pairs = 0;
+    Py_ssize_t added = 0;
     (void)self;
     if (!PyArg_ParseTuple(args, "y*y*y*y*y*nndddddw*w*", &btopo, &bctopo, &bown, &bflat, &bload, &t, &m,
-                          &expert_bytes, &intra_bw, &inter_bw, &budget_s, &time_per_token_s, &bmerged, &bcopies))
+                          &expert_bytes, &intra_bw, &inter_bw, &budget_s, &time_per_token_s, &badded, &bcopies))
         return NULL;
     if (parse_topo(&btopo, &tp) < 0 || parse_topo(&bctopo, &ctp) < 0) goto done;
     failed = 0;
@@ -1735,7 +1735,7 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
     if (t < 0 || m < 0) goto done;                                                  /* code -4 */
     if (t > E) t = E;
     if (m > t) m = t;
-    if (bown.len != E * 8 || bcopies.len != E * 8 || bmerged.len < (X + m * D) * 8 || ctp.D != tp.D ||
+    if (bown.len != E * 8 || bcopies.len != E * 8 || badded.len < m * D * 8 || ctp.D != tp.D ||
         !(intra_bw > 0) || !(inter_bw > 0))
         goto done;
     const double *load_E = (const double *)bload.buf;
@@ -1748,11 +1748,12 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
         if (owners_E[e] < 0 || owners_E[e] >= D) goto done;
     }
     /* Work memory: per expert its row in J (or -1) and two flags (bytes); per device the free slots,
-     * the chunks it receives and a scratch run length; the new pairs' ids (m·D at most) and as many
-     * words to sort them; four load vectors [D]; the cost topology's node stamps and entries; J's
+     * the chunks it receives and a scratch run length; as many words as the new pairs (m·D at most)
+     * to sort them; the merged pairs; four load vectors [D]; the cost topology's node stamps and entries; J's
      * lists (3t) and the rows' loads, holder counts and ids 0 .. J - 1 as place_replicas reads them
      * (3t); J's rows, a byte per device. */
-    const size_t words = (size_t)E + (size_t)D * (3 + 2 * (size_t)m + 4) + 2 * (size_t)ctp.N + 6 * (size_t)t + 1;
+    const size_t words = (size_t)E + (size_t)D * (3 + 2 * (size_t)m + 4) + (size_t)X + 2 * (size_t)ctp.N +
+                         6 * (size_t)t + 1;
     work = malloc(words * sizeof(int64_t) + 2 * (size_t)E + (size_t)t * (size_t)D + 1);
     mem = alloc_scratch(&s, t, D, N, 0);
     if (work == NULL || mem == NULL) {
@@ -1761,14 +1762,14 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
         goto done;
     }
     int64_t *row_E = (int64_t *)work, *slots_D = row_E + E, *recv_D = slots_D + D, *run_D = recv_D + D;
-    int64_t *new_X = run_D + D, *tmp_X = new_X + m * D;
-    double *before_D = (double *)(tmp_X + m * D), *dev_load_D = before_D + D, *after_D = dev_load_D + D;
+    int64_t *tmp_X = run_D + D, *merged_X = tmp_X + m * D;
+    double *before_D = (double *)(merged_X + X + m * D), *dev_load_D = before_D + D, *after_D = dev_load_D + D;
     double *cbefore_D = after_D + D;
     int64_t *stamp_N = (int64_t *)(cbefore_D + D), *entries_N = stamp_N + ctp.N, *rep_J = entries_N + ctp.N;
     int64_t *fresh_J = rep_J + t, *experts_J = fresh_J + t, *copies_J = experts_J + t, *ids_J = copies_J + t;
     double *load_J = (double *)(ids_J + t);
     uint8_t *replicated_E = (uint8_t *)(load_J + t + 1), *held_E = replicated_E + E, *mask_JD = held_E + E;
-    int64_t *copies_E = (int64_t *)bcopies.buf, *merged_X = (int64_t *)bmerged.buf;
+    int64_t *copies_E = (int64_t *)bcopies.buf, *new_X = (int64_t *)badded.buf;
 
     /* Step 1: P ⊆ P' (every owner's pair present), P''s holder counts, the replicas each device added
      * (slots_D counts them first) and the experts that have one. */
@@ -1845,7 +1846,6 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
     place_replicas(&tp, mask_JD, load_J, ids_J, J, slots_D, copies_J, dev_load_D, NULL, &s);     /* l.8-11 */
     /* The new pairs (bytes 1 of the rows whose holder count grew), the chunks each device receives
      * and the (expert, node) entries of the cost topology's nodes that an expert newly reaches. */
-    Py_ssize_t added = 0;
     memset(recv_D, 0, (size_t)D * sizeof(int64_t));
     memset(entries_N, 0, (size_t)ctp.N * sizeof(int64_t));
     for (Py_ssize_t nn = 0; nn < ctp.N; nn++) stamp_N[nn] = -1;
@@ -1880,7 +1880,7 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
     if (extra_s > budget_s) goto done;
     /* P' ∪ new pairs, ascending (the new pairs are few: sorted, then merged in). */
     sort_ids(new_X, added, (int64_t)E * D, tmp_X);
-    Py_ssize_t a = 0, b = 0;
+    Py_ssize_t a = 0, b = 0, pairs = 0;
     while (a < X || b < added)
         merged_X[pairs++] = b >= added || (a < X && flat_P[a] < new_X[b]) ? flat_P[a++] : new_X[b++];
     /* Straggler times of the fluid loads on the cost's topology (the loads of step 1 where it is the
@@ -1905,10 +1905,10 @@ done:
     PyBuffer_Release(&bown);
     PyBuffer_Release(&bflat);
     PyBuffer_Release(&bload);
-    PyBuffer_Release(&bmerged);
+    PyBuffer_Release(&badded);
     PyBuffer_Release(&bcopies);
     if (failed || PyErr_Occurred()) return NULL;
-    return Py_BuildValue("(lnddd)", code, pairs, before_s, after_s, extra_s);
+    return Py_BuildValue("(lnddd)", code, added, before_s, after_s, extra_s);
 }
 
 static PyMethodDef cplan_methods[] = {

@@ -472,16 +472,16 @@ def _calibrate_pairs(core, shard: Placement, materialized: Placement, actual_loa
         load_E = np.ascontiguousarray(load_E, dtype=np.float64)
     flat_P = materialized.flat_ids()
     m = min(materialization_budget, overlap_degree, E)
-    merged_X = np.empty(flat_P.size + m * D, dtype=np.int64)
+    added_X = np.empty(m * D, dtype=np.int64)
     copies_E = np.empty(E, dtype=np.int64)
     cost_topology = cost.topology
-    code, pairs, before_s, after_s, extra_s = core.calibrate_pairs(
+    code, added, before_s, after_s, extra_s = core.calibrate_pairs(
         topology.core_layout, cost_topology.core_layout, shard.owners(), flat_P, load_E, overlap_degree,
         materialization_budget, float(cost.expert_bytes), cost_topology.intra_node_bw, cost_topology.inter_node_bw,
-        float(cost.calibration_budget_s), float(cost.time_per_token_s), merged_X, copies_E)
+        float(cost.calibration_budget_s), float(cost.time_per_token_s), added_X, copies_E)
     if code == 1:
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
-        return Placement.from_pairs(merged_X[:pairs], E, D, copies_E)
+        return materialized.extended(added_X[:added], copies_E)     # it remembers P'' \ P' (and \ P)
     return materialized if code == 0 else None
 
 

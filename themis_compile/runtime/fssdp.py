@@ -70,6 +70,7 @@ from themis_compile.planner import (
     own_row_entries,
     replicas_pay,
 )
+from themis_compile.planner.placement import merge_sorted
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
 from themis_compile.runtime.comm_plan import ChunkLayout, rank_plan
@@ -261,8 +262,7 @@ class _Holdings:
         E, D = owners_E.size, num_devices
         if shard_K is None:
             shard_K = owner_keys(owners_E)
-        added_K = np.sort((added_X % D) * E + added_X // D)
-        keys_P = np.insert(shard_K, np.searchsorted(shard_K, added_K), added_K)
+        keys_P = merge_sorted(shard_K, np.sort((added_X % D) * E + added_X // D))
         holder_P, expert_P = np.divmod(keys_P, E)
         lo, hi = np.searchsorted(keys_P, [rank * E, (rank + 1) * E])
         return cls(added_X, expert_P, holder_P, np.bincount(holder_P, minlength=D).tolist(), expert_P[lo:hi])
@@ -328,13 +328,9 @@ def _added_pairs(owners_E: np.ndarray, full_J: np.ndarray, replicas_X: np.ndarra
 
 
 def _placement_of(shard: Placement, added_X: np.ndarray) -> Placement:
-    """P' = shard ∪ ΔP as the Placement the sparse collectives take."""
-    if not added_X.size:
-        return shard
-    copies_E = np.bincount(added_X // shard.num_devices, minlength=shard.num_experts) + 1
-    shard_X = shard.flat_ids()           # both ascending, disjoint: ΔP inserted, no sort
-    return Placement.from_pairs(np.insert(shard_X, np.searchsorted(shard_X, added_X), added_X), *shard.shape,
-                                copies_E)
+    """P' = shard ∪ ΔP as the Placement the sparse collectives take; it remembers ΔP, so that the plans'
+    ``added_over(shard)`` and ``issubset`` checks cost nothing."""
+    return shard.extended(added_X)
 
 
 @dataclass(frozen=True, eq=False)
@@ -694,8 +690,7 @@ class FSSDPExperts(ShardedExperts):
                 self._plan_collectives(merged)
                 self.plan_ns += time.perf_counter_ns() - start_ns
                 # Gather exactly the pairs calibration adds: SpAG(P, P ∪ (P'' \ P')).
-                extra = self.shard_placement.union(Placement.from_pairs(merged.added_over(self._planned),
-                                                                        *merged.shape))
+                extra = self.shard_placement.extended(merged.added_over(self._planned))
                 with record_function("themis::spag_calibration"):
                     replicas.update(self._gather(extra).wait())
                 start_ns = time.perf_counter_ns()
