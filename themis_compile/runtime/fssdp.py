@@ -244,12 +244,13 @@ _MAX_PENDING_FORWARDS = 64
 class _Holdings:
     """P' of one layer step as pairs, what the rank's own planning reads instead of the [E, D] mask.
 
-    ``added_X``: ΔP = P' \\ P as ascending flat ids e·D + d; ``expert_P`` / ``holder_P``: every
-    (expert, holder) pair of P', by holder then expert; ``splits_W``: pairs per holder; ``held_H``: the
-    experts this rank holds, ascending. O(E + |ΔP|) to build and to keep.
+    ``added_X``: ΔP = P' \\ P as ascending flat ids e·D + d; ``keys_P``: every (expert, holder) pair of
+    P' as ascending keys holder·E + expert, ``expert_P`` / ``holder_P`` the same pairs split; ``splits_W``:
+    pairs per holder; ``held_H``: the experts this rank holds, ascending. O(E + |ΔP|) to build and to keep.
     """
 
     added_X: np.ndarray
+    keys_P: np.ndarray
     expert_P: np.ndarray
     holder_P: np.ndarray
     splits_W: list[int]
@@ -265,13 +266,13 @@ class _Holdings:
         keys_P = merge_sorted(shard_K, np.sort((added_X % D) * E + added_X // D))
         holder_P, expert_P = np.divmod(keys_P, E)
         lo, hi = np.searchsorted(keys_P, [rank * E, (rank + 1) * E])
-        return cls(added_X, expert_P, holder_P, np.bincount(holder_P, minlength=D).tolist(), expert_P[lo:hi])
+        return cls(added_X, keys_P, expert_P, holder_P, np.bincount(holder_P, minlength=D).tolist(),
+                   expert_P[lo:hi])
 
-    def device_load(self, load_E: np.ndarray) -> np.ndarray:
+    def device_load(self, load_E: np.ndarray, copies_E: np.ndarray) -> np.ndarray:
         """[D] int64 rows every device computes when each expert's tokens split evenly over its holders
-        (Alg. 3 without the whole T; exact for experts with one holder)."""
-        copies_E = np.bincount(self.expert_P, minlength=load_E.size)
-        share_P = load_E[self.expert_P] / copies_E[self.expert_P]
+        (Alg. 3 without the whole T; exact for experts with one holder); ``copies_E``: P''s holder counts."""
+        share_P = (load_E / copies_E)[self.expert_P]
         return np.rint(np.bincount(self.holder_P, weights=share_P, minlength=len(self.splits_W))).astype(np.int64)
 
 
@@ -284,15 +285,15 @@ class _OwnRow:
     dest_Y: np.ndarray
     count_Y: np.ndarray
 
-    def counts_of(self, expert_P: np.ndarray, holder_P: np.ndarray, num_devices: int) -> np.ndarray:
-        """[P] the rank's pairs for each (expert, holder) pair (0 where the row sends none)."""
-        expert_Y = np.repeat(np.arange(self.start_E.size - 1, dtype=np.int64), np.diff(self.start_E))
-        keys_Y = expert_Y * num_devices + self.dest_Y           # ascending: by expert, then destination
-        keys_P = expert_P * num_devices + holder_P
-        at_P = np.minimum(np.searchsorted(keys_Y, keys_P), max(keys_Y.size - 1, 0))
-        if not keys_Y.size:
-            return np.zeros(keys_P.size, dtype=np.int64)
-        return np.where(keys_Y[at_P] == keys_P, self.count_Y[at_P], 0)
+    def counts_of(self, keys_P: np.ndarray, num_experts: int) -> np.ndarray:
+        """[P] the rank's pairs for each pair of P', given as ascending keys holder·E + expert (0 where the
+        row sends none). Every entry goes to a holder, so its key is among them: the row's entries (few:
+        at most the rank's own pairs) are looked up in the pairs, O(Y log P + P)."""
+        send_P = np.zeros(keys_P.size, dtype=np.int64)
+        if self.count_Y.size:
+            expert_Y = np.searchsorted(self.start_E, np.arange(self.count_Y.size), side="right") - 1
+            send_P[np.searchsorted(keys_P, self.dest_Y * num_experts + expert_Y)] = self.count_Y
+        return send_P
 
     def destinations(self, ids_TK: torch.Tensor) -> torch.Tensor:
         """[T, K] destination of every pair: of expert e's pairs, in flattened pair order, the first
@@ -700,7 +701,7 @@ class FSSDPExperts(ShardedExperts):
             holdings = _Holdings.of(self.shard_placement.owners(), added_X, self.world_size, self.rank,
                                     self._shard_keys())
             row = self._dispatch_plan(added_X, local_E)
-            send_P = row.counts_of(holdings.expert_P, holdings.holder_P, self.world_size)
+            send_P = row.counts_of(holdings.keys_P, self.num_experts)
         self.plan_ns += time.perf_counter_ns() - start_ns
         recv_counts_SE = self.state.counts.receive_counts(self, torch.from_numpy(send_P).to(ids_TK.device),
                                                           holdings.splits_W, holdings.held_H).cpu()
@@ -833,7 +834,7 @@ class FSSDPExperts(ShardedExperts):
         if tokens_ED is not None:
             device_load_D = dispatch_device_load(placement, tokens_ED, self.state.topology)
         else:
-            device_load_D = holdings.device_load(load_E)
+            device_load_D = holdings.device_load(load_E, placement.copy_counts())
         mean = device_load_D.sum() / max(self.world_size, 1)
         self.state.stats.append(LayerStats(
             iteration=self.iteration, layer=self.layer, tokens_per_expert=load_E, device_load=device_load_D,
