@@ -1657,18 +1657,24 @@ static void fluid_load_of_pairs(const topo_t *tp, const int64_t *flat_X, Py_ssiz
                                 const double *load_E, double *out_D, int64_t *run_D)
 {
     const int64_t D = tp->D;
+    int64_t e = 0, row0 = 0;           /* the expert of the current pair, and e * D (no division) */
     for (int64_t d = 0; d < D; d++) out_D[d] = 0.0;
     if (tp->N == 1) {
         for (Py_ssize_t x = 0; x < X; x++) {
-            const int64_t e = flat_X[x] / D;
-            out_D[flat_X[x] - e * D] += load_E[e] / (double)copies_E[e];
+            for (; flat_X[x] >= row0 + D; row0 += D) e++;
+            out_D[flat_X[x] - row0] += load_E[e] / (double)copies_E[e];
         }
         return;
     }
     for (Py_ssize_t a = 0; a < X;) {                       /* expert e's pairs are flat_X[a, b) */
-        const int64_t e = flat_X[a] / D, row0 = e * D;
+        for (; flat_X[a] >= row0 + D; row0 += D) e++;
         Py_ssize_t b = a + 1;
         while (b < X && flat_X[b] < row0 + D) b++;
+        if (b == a + 1) {         /* one holder: k_n / 1 + (D - k_n) / 1 is D exactly (small integers) */
+            out_D[flat_X[a] - row0] += (load_E[e] / (double)D) * (double)D;
+            a = b;
+            continue;
+        }
         int64_t covered = 0;
         for (Py_ssize_t i = a; i < b;) {                   /* a node's holders are a run of the pairs */
             const int64_t nn = tp->node_D[flat_X[i] - row0];
@@ -1776,12 +1782,13 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
     memset(slots_D, 0, (size_t)D * sizeof(int64_t));
     memset(copies_E, 0, (size_t)E * sizeof(int64_t));
     memset(replicated_E, 0, 2 * (size_t)E);
-    int64_t prev = -1;
+    int64_t prev = -1, e = 0, row0 = 0;                 /* pair x's expert and e * D (no division) */
     for (Py_ssize_t x = 0; x < X; x++) {
         const int64_t id = flat_P[x];
         if (id <= prev || id >= (int64_t)E * D) goto done;                         /* code -4 */
         prev = id;
-        const int64_t e = id / D, d = id - e * D;
+        for (; id >= row0 + D; row0 += D) e++;
+        const int64_t d = id - row0;
         copies_E[e]++;
         if (d == owners_E[e]) {
             held_E[e] = 1;
@@ -1837,9 +1844,11 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
         ids_J[jj] = jj;
     }
     memset(mask_JD, 0, (size_t)J * (size_t)D);
+    e = 0;
+    row0 = 0;
     for (Py_ssize_t x = 0; x < X; x++) {
-        const int64_t e = flat_P[x] / D;
-        if (row_E[e] >= 0) mask_JD[row_E[e] * D + (flat_P[x] - e * D)] = 2;
+        for (; flat_P[x] >= row0 + D; row0 += D) e++;
+        if (row_E[e] >= 0) mask_JD[row_E[e] * D + (flat_P[x] - row0)] = 2;
     }
     fluid_load_of_pairs(&tp, flat_P, X, copies_E, load_E, before_D, run_D);
     memcpy(dev_load_D, before_D, (size_t)D * sizeof(double));
@@ -1853,9 +1862,11 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
         const int64_t e = experts_J[jj];
         if (copies_J[jj] == copies_E[e]) continue;
         const uint8_t *row_D = mask_JD + jj * D;
-        for (Py_ssize_t d = 0; d < D; d++)
-            if (row_D[d] == 2) stamp_N[ctp.node_D[d]] = 2 * jj;
-        for (Py_ssize_t d = 0; d < D; d++) {
+        const Py_ssize_t holders = row_holders(row_D, D, s.holders);     /* P''s (2) and new (1) */
+        for (Py_ssize_t h = 0; h < holders; h++)
+            if (row_D[s.holders[h]] == 2) stamp_N[ctp.node_D[s.holders[h]]] = 2 * jj;
+        for (Py_ssize_t h = 0; h < holders; h++) {
+            const int64_t d = s.holders[h];
             if (row_D[d] != 1) continue;
             new_X[added++] = e * (int64_t)D + d;
             recv_D[d]++;
