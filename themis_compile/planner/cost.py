@@ -109,7 +109,7 @@ def _fluid_load_of_pairs(flat_X: np.ndarray, copies_E: np.ndarray, load_E: np.nd
     n_P = topology.node_ids[d_P]
     key_P = e_P * N + n_P                      # ascending: pairs by expert, then device, nodes are runs
     first_G = run_starts(key_P)
-    count_G = np.diff(np.r_[first_G, key_P.size])
+    count_G = np.diff(first_G, append=key_P.size)
     holders_P = np.repeat(count_G, count_G)
     covered_E = np.bincount(e_P[first_G], weights=k_N[n_P[first_G]], minlength=copies_E.size)
     uncovered_E = float(D) - covered_E

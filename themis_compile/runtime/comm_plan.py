@@ -386,7 +386,7 @@ class _Groups:
         key_X = expert_X * (int(node_ids.max(initial=0)) + 1) + node_ids[device_X]
         first_G = run_starts(key_X)
         self.expert_G = expert_X[first_G]
-        self.start_G = np.r_[first_G, key_X.size].astype(np.int64)
+        self.start_G = np.append(first_G, key_X.size).astype(np.int64, copy=False)
         self.device_X = device_X
         self.owner_G = np.asarray(owners_E, dtype=np.int64)[self.expert_G]
         self.prior_D = np.bincount(self.owner_G, minlength=D) * float(layout_E.nbytes) if psi_X is None else \

@@ -700,7 +700,7 @@ class FSSDPExperts(ShardedExperts):
         with record_function("themis::dispatch_plan"):
             holdings = _Holdings.of(self.shard_placement.owners(), added_X, self.world_size, self.rank,
                                     self._shard_keys())
-            row = self._dispatch_plan(added_X, local_E)
+            row = self._dispatch_plan(added_X, placement.copy_counts(), local_E)
             send_P = row.counts_of(holdings.keys_P, self.num_experts)
         self.plan_ns += time.perf_counter_ns() - start_ns
         recv_counts_SE = self.state.counts.receive_counts(self, torch.from_numpy(send_P).to(ids_TK.device),
@@ -803,7 +803,7 @@ class FSSDPExperts(ShardedExperts):
             recv_counts_SE=record.recv_counts_SE, recv_experts_H=record.recv_experts_H,
         )
 
-    def _dispatch_plan(self, added_X: np.ndarray, local_E: np.ndarray) -> _OwnRow:
+    def _dispatch_plan(self, added_X: np.ndarray, copies_E: np.ndarray, local_E: np.ndarray) -> _OwnRow:
         """Alg. 3 for this rank: R[:, rank, :], where this rank's pairs of every expert go, as entries.
 
         The row depends only on P' and the rank's own counts T[:, rank] (Alg. 3 splits every source's
@@ -811,8 +811,7 @@ class FSSDPExperts(ShardedExperts):
         an [E, D] array; what every source sends this rank comes from the sources
         (`CountExchange.receive_counts`).
         """
-        owners_E, D = self.shard_placement.owners(), self.world_size
-        copies_E = np.bincount(added_X // D, minlength=self.num_experts) + 1
+        owners_E, D = self.shard_placement.owners(), self.world_size      # copies_E: P''s holder counts
         full_J = np.flatnonzero(copies_E == D) if D > 1 else np.zeros(0, dtype=np.int64)
         replicas_X = added_X[copies_E[added_X // D] < D] if full_J.size else added_X
         start_E, dest_Y, count_Y = own_row_entries(owners_E, full_J, replicas_X, local_E, self.state.topology,
