@@ -258,16 +258,24 @@ class _Holdings:
 
     @classmethod
     def of(cls, owners_E: np.ndarray, added_X: np.ndarray, num_devices: int, rank: int,
-           shard_K: np.ndarray | None = None) -> "_Holdings":
-        """``shard_K``: the shard's pairs as ascending keys holder·E + expert (`owner_keys`), when known."""
+           shard_K: np.ndarray | None = None, owned_D: np.ndarray | None = None) -> "_Holdings":
+        """``shard_K``: the shard's pairs as ascending keys holder·E + expert (`owner_keys`), and
+        ``owned_D``: the experts each device owns, when known (both kept until re-sharding)."""
         E, D = owners_E.size, num_devices
         if shard_K is None:
             shard_K = owner_keys(owners_E)
-        keys_P = merge_sorted(shard_K, np.sort((added_X % D) * E + added_X // D))
-        holder_P, expert_P = np.divmod(keys_P, E)
+        if owned_D is None:
+            owned_D = np.bincount(owners_E, minlength=D)
+        # ΔP by holder, then expert: a stable sort by holder of its expert-major ids (ΔP is small), merged
+        # into the shard's keys; the holders follow from the counts per holder (no division of the keys).
+        expert_X, holder_X = np.divmod(added_X, D)
+        added_K = (holder_X * E + expert_X)[np.argsort(holder_X, kind="stable")]
+        keys_P = merge_sorted(shard_K, added_K)
+        count_D = owned_D + np.bincount(holder_X, minlength=D)
+        holder_P = np.repeat(np.arange(D, dtype=np.int64), count_D)
+        expert_P = keys_P - holder_P * E
         lo, hi = np.searchsorted(keys_P, [rank * E, (rank + 1) * E])
-        return cls(added_X, keys_P, expert_P, holder_P, np.bincount(holder_P, minlength=D).tolist(),
-                   expert_P[lo:hi])
+        return cls(added_X, keys_P, expert_P, holder_P, count_D.tolist(), expert_P[lo:hi])
 
     def device_load(self, load_E: np.ndarray, copies_E: np.ndarray) -> np.ndarray:
         """[D] int64 rows every device computes when each expert's tokens split evenly over its holders
@@ -513,7 +521,7 @@ class FSSDPExperts(ShardedExperts):
         self.plan_ns = 0
         self.comm_plan_ns = 0     # the part of plan_ns spent on the SpAG / SpRS message plans
         self._planned: Placement | None = None
-        self._owner_keys: tuple[Placement, np.ndarray] | None = None
+        self._owner_keys: tuple[Placement, np.ndarray, np.ndarray] | None = None
         self._planned_added = np.zeros(0, dtype=np.int64)        # ΔP of _planned, flat ids
         self._spag = None
         self._replicas: dict[int, list[torch.Tensor]] | None = None
@@ -527,12 +535,14 @@ class FSSDPExperts(ShardedExperts):
         # Per expert, bit i set: chunk tensor i is frozen on the owner (agreed by the last count all-gather).
         self._frozen_E = [0] * self.num_experts
 
-    def _shard_keys(self) -> np.ndarray:
-        """`owner_keys` of the current shard placement, kept until it changes (re-sharding)."""
+    def _shard_keys(self) -> tuple[np.ndarray, np.ndarray]:
+        """`owner_keys` of the current shard placement and the experts each device owns, kept until the
+        shard placement changes (re-sharding)."""
         shard = self.shard_placement
         if self._owner_keys is None or self._owner_keys[0] is not shard:
-            self._owner_keys = (shard, owner_keys(shard.owners()))
-        return self._owner_keys[1]
+            owners_E = shard.owners()
+            self._owner_keys = (shard, owner_keys(owners_E), np.bincount(owners_E, minlength=self.world_size))
+        return self._owner_keys[1], self._owner_keys[2]
 
     def set_shard_placement(self, shard: Placement) -> None:
         super().set_shard_placement(shard)
@@ -699,7 +709,7 @@ class FSSDPExperts(ShardedExperts):
             self._check_plan_digest(placement)
         with record_function("themis::dispatch_plan"):
             holdings = _Holdings.of(self.shard_placement.owners(), added_X, self.world_size, self.rank,
-                                    self._shard_keys())
+                                    *self._shard_keys())
             row = self._dispatch_plan(added_X, placement.copy_counts(), local_E)
             send_P = row.counts_of(holdings.keys_P, self.num_experts)
         self.plan_ns += time.perf_counter_ns() - start_ns
