@@ -413,7 +413,7 @@ class Placement:
         if self._digest is None:
             h = hashlib.sha256()
             h.update(f"placement:{self.num_experts}x{self.num_devices}:".encode())
-            h.update(self.flat_ids().astype("<i8", copy=False).tobytes())
+            h.update(np.ascontiguousarray(self.flat_ids(), dtype="<i8").data)     # (no bytes copy)
             self._digest = h.hexdigest()[:32]
         return self._digest
 
