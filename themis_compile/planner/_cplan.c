@@ -220,11 +220,23 @@ static inline int cand_before(int64_t a, int64_t b, const double *load_D, const 
 }
 
 /* One node's entry in l.10's merge: the key of its next candidate, (holders_n + j) / k_n (the integer
- * holders_n + j on a uniform topology; both exact in a double) and the candidate's modeled load. */
+ * holders_n + j on a uniform topology; both exact in a double) and the candidate's modeled load, both as
+ * `order_key`s, then the node. */
 typedef struct {
-    double level, load;
+    uint64_t level, load;
     int64_t node;
 } merge_t;
+
+/* A double as an unsigned integer of the same order as flt_lt's (numpy's): NaN after everything and all
+ * NaNs equal, -0.0 equal to 0.0; integer comparisons then order the merge heap. */
+static inline uint64_t order_key(double x)
+{
+    if (x != x) return UINT64_MAX;
+    if (x == 0.0) x = 0.0;
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits >> 63 ? ~bits : bits | 0x8000000000000000ULL;
+}
 
 typedef struct {
     int64_t *copies_J, *room_J, *n_J;   /* [J] */
@@ -269,10 +281,8 @@ static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t 
 
 static inline int merge_lt(const merge_t *a, const merge_t *b)
 {
-    if (a->level < b->level) return 1;
-    if (b->level < a->level) return 0;
-    if (flt_lt(a->load, b->load)) return 1;
-    if (flt_lt(b->load, a->load)) return 0;
+    if (a->level != b->level) return a->level < b->level;
+    if (a->load != b->load) return a->load < b->load;
     return a->node < b->node;
 }
 
@@ -291,10 +301,10 @@ static void merge_sift_down(merge_t *heap, Py_ssize_t i, Py_ssize_t size)
     heap[i] = x;
 }
 
-static inline double merge_level(const topo_t *tp, const scratch_t *s, int64_t nn)
+static inline uint64_t merge_level(const topo_t *tp, const scratch_t *s, int64_t nn)
 {
     const double level = (double)(s->holders_N[nn] + s->taken_N[nn]);
-    return tp->uniform ? level : level / (double)tp->k_N[nn];
+    return order_key(tp->uniform ? level : level / (double)tp->k_N[nn]);
 }
 
 /* Node nn's devices with a free slot in l.10's inner order (`cand_before`), cand[off_N[nn] ..) with
@@ -399,7 +409,7 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
             s->pos_N[nn] = pos;
             s->taken_N[nn] = 0;
             s->heap_N[size].level = merge_level(tp, s, nn);
-            s->heap_N[size].load = dev_load_D[s->cand[off_N[nn] + pos]];
+            s->heap_N[size].load = order_key(dev_load_D[s->cand[off_N[nn] + pos]]);
             s->heap_N[size++].node = nn;
         }
         for (Py_ssize_t q = size / 2; q-- > 0;) merge_sift_down(s->heap_N, q, size);
@@ -422,7 +432,7 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
                 *top_node = s->heap_N[--size];
             } else {
                 top_node->level = merge_level(tp, s, bn);
-                top_node->load = dev_load_D[s->cand[off_N[bn] + s->pos_N[bn]]];
+                top_node->load = order_key(dev_load_D[s->cand[off_N[bn] + s->pos_N[bn]]]);
             }
             if (size > 0) merge_sift_down(s->heap_N, 0, size);
             const double x = dev_load_D[s->seq[j - 1]];
