@@ -132,3 +132,37 @@ def test_node_mask_and_transfer_time_match_their_definitions(sizes, E, data):
     if p != shard:
         with pytest.raises(ValueError, match="not a subset"):
             cost.transfer_time(p, shard)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_merge_sorted_is_the_union_of_disjoint_sorted_ids(seed):
+    from themis_compile.planner.placement import merge_sorted
+
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(int(rng.integers(0, 400)) + 1)
+    cut = int(rng.integers(0, ids.size + 1))
+    a, b = np.sort(ids[:cut]).astype(np.int64), np.sort(ids[cut:]).astype(np.int64)
+    assert np.array_equal(merge_sorted(a, b), np.union1d(a, b))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_extended_placement_remembers_its_delta_over_its_bases(seed):
+    """P' = P.extended(ΔP) and P'' = P'.extended(Δ'') are the placements of their pairs, with the holder
+    counts of them, and answer added_over / issubset of P' and P from what they remember, alike."""
+    rng = np.random.default_rng(seed)
+    E, D = 24, 8
+    shard = Placement.from_owners(rng.integers(0, D, size=E), D)
+    free_X = np.setdiff1d(np.arange(E * D), shard.flat_ids())
+    chosen = rng.permutation(free_X)[:int(rng.integers(0, 40))]
+    delta, extra = np.sort(chosen[:chosen.size // 2]), np.sort(chosen[chosen.size // 2:])
+    planned = shard.extended(delta)
+    merged = planned.extended(extra)
+    for placement, base_X in ((planned, delta), (merged, np.union1d(delta, extra))):
+        fresh = Placement.from_pairs(np.union1d(shard.flat_ids(), base_X), E, D)
+        assert placement == fresh and placement.digest() == fresh.digest()
+        assert np.array_equal(placement.copy_counts(), fresh.copy_counts())
+        assert np.array_equal(placement.added_over(shard), base_X)
+        assert shard.issubset(placement)
+    assert np.array_equal(merged.added_over(planned), extra)
+    assert planned.issubset(merged)
+    assert shard.extended(np.zeros(0, dtype=np.int64)) is shard

@@ -193,6 +193,23 @@ static void assign_slots(const double *load_J, const int64_t *copies_J, const in
     }
 }
 
+/* The devices holding a row's expert, ascending, into holders (D words); returns their count. Rows
+ * are mostly zero (one owner, a few replicas): eight devices per zero word are skipped at once. */
+static Py_ssize_t row_holders(const uint8_t *row_D, Py_ssize_t D, int64_t *holders)
+{
+    Py_ssize_t c = 0, d = 0;
+    for (; d + 8 <= D; d += 8) {
+        uint64_t word;
+        memcpy(&word, row_D + d, sizeof word);
+        if (word == 0) continue;
+        for (Py_ssize_t i = 0; i < 8; i++)
+            if (row_D[d + i]) holders[c++] = d + i;
+    }
+    for (; d < D; d++)
+        if (row_D[d]) holders[c++] = d;
+    return c;
+}
+
 /* Candidate order inside a node (l.10): modeled load ascending, then more free slots, then lower id. */
 static inline int cand_before(int64_t a, int64_t b, const double *load_D, const int64_t *slots_D)
 {
@@ -202,11 +219,31 @@ static inline int cand_before(int64_t a, int64_t b, const double *load_D, const 
     return a < b;
 }
 
+/* One node's entry in l.10's merge: the key of its next candidate, (holders_n + j) / k_n (the integer
+ * holders_n + j on a uniform topology; both exact in a double) and the candidate's modeled load, both as
+ * `order_key`s, then the node. */
+typedef struct {
+    uint64_t level, load;
+    int64_t node;
+} merge_t;
+
+/* A double as an unsigned integer of the same order as flt_lt's (numpy's): NaN after everything and all
+ * NaNs equal, -0.0 equal to 0.0; integer comparisons then order the merge heap. */
+static inline uint64_t order_key(double x)
+{
+    if (x != x) return UINT64_MAX;
+    if (x == 0.0) x = 0.0;
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits >> 63 ? ~bits : bits | 0x8000000000000000ULL;
+}
+
 typedef struct {
     int64_t *copies_J, *room_J, *n_J;   /* [J] */
     double *load_J, *head_J;            /* [J] */
     int64_t *holders, *cand, *seq;      /* [D] */
-    int64_t *holders_N, *cnt_N, *taken_N, *heap_N; /* [N] */
+    int64_t *holders_N, *cnt_N, *taken_N, *pos_N, *stamp_N;  /* [N] */
+    merge_t *heap_N;                    /* [N] */
     int64_t *extra;                     /* [extra] words for the caller */
     /* Mask-free mode (place_replicas with mask_ED == NULL, from a shard): row is a zeroed [D] scratch
      * row standing in for the current expert's, and the placed replicas are appended to pick_X as
@@ -218,7 +255,7 @@ typedef struct {
 
 static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t N, Py_ssize_t extra)
 {
-    size_t words = 5 * (size_t)J + 3 * (size_t)D + 4 * (size_t)N + (size_t)extra + 1;
+    size_t words = 5 * (size_t)J + 3 * (size_t)D + 8 * (size_t)N + (size_t)extra + 1;
     int64_t *mem = (int64_t *)malloc(words * sizeof(int64_t));
     if (mem == NULL) return NULL;
     s->copies_J = mem;
@@ -232,56 +269,82 @@ static void *alloc_scratch(scratch_t *s, Py_ssize_t J, Py_ssize_t D, Py_ssize_t 
     s->holders_N = s->seq + D;
     s->cnt_N = s->holders_N + N;
     s->taken_N = s->cnt_N + N;
-    s->heap_N = s->taken_N + N;
-    s->extra = s->heap_N + N;
+    s->pos_N = s->taken_N + N;
+    s->stamp_N = s->pos_N + N;
+    s->heap_N = (merge_t *)(s->stamp_N + N);
+    s->extra = (int64_t *)(s->heap_N + N);
     s->row = NULL;
     s->pick_X = NULL;
     s->npicks = 0;
     return mem;
 }
 
-/* l.10's merge order of two nodes' next candidates: (holders_n + j) / k_n ascending (the integer
- * holders_n + j on a uniform topology), then the candidate's modeled load, then the node id. A total
- * order, so the heap below pops exactly what a scan of all nodes for the smallest key would. */
-static inline int merge_before(const topo_t *tp, const scratch_t *s, const double *dev_load_D, int64_t a,
-                               int64_t b)
+static inline int merge_lt(const merge_t *a, const merge_t *b)
 {
-    const int64_t ja = s->taken_N[a], jb = s->taken_N[b];
-    if (tp->uniform) {
-        const int64_t la = s->holders_N[a] + ja, lb = s->holders_N[b] + jb;
-        if (la != lb) return la < lb;
-    } else {
-        const double la = (double)(s->holders_N[a] + ja) / (double)tp->k_N[a];
-        const double lb = (double)(s->holders_N[b] + jb) / (double)tp->k_N[b];
-        if (la < lb) return 1;
-        if (lb < la) return 0;
-    }
-    const double da = dev_load_D[s->cand[tp->off_N[a] + ja]], db = dev_load_D[s->cand[tp->off_N[b] + jb]];
-    if (flt_lt(da, db)) return 1;
-    if (flt_lt(db, da)) return 0;
-    return a < b;
+    if (a->level != b->level) return a->level < b->level;
+    if (a->load != b->load) return a->load < b->load;
+    return a->node < b->node;
 }
 
-/* Restore the heap order of heap_N[0..size) below position i. */
-static void merge_sift_down(const topo_t *tp, const scratch_t *s, const double *dev_load_D, Py_ssize_t i,
-                            Py_ssize_t size)
+/* Restore the heap order of heap[0..size) below position i. */
+static void merge_sift_down(merge_t *heap, Py_ssize_t i, Py_ssize_t size)
 {
-    int64_t *heap = s->heap_N;
-    const int64_t node = heap[i];
+    const merge_t x = heap[i];
     for (;;) {
         Py_ssize_t c = 2 * i + 1;
         if (c >= size) break;
-        if (c + 1 < size && merge_before(tp, s, dev_load_D, heap[c + 1], heap[c])) c++;
-        if (!merge_before(tp, s, dev_load_D, heap[c], node)) break;
+        if (c + 1 < size && merge_lt(&heap[c + 1], &heap[c])) c++;
+        if (!merge_lt(&heap[c], &x)) break;
         heap[i] = heap[c];
         i = c;
     }
-    heap[i] = node;
+    heap[i] = x;
+}
+
+static inline uint64_t merge_level(const topo_t *tp, const scratch_t *s, int64_t nn)
+{
+    const double level = (double)(s->holders_N[nn] + s->taken_N[nn]);
+    return order_key(tp->uniform ? level : level / (double)tp->k_N[nn]);
+}
+
+/* Node nn's devices with a free slot in l.10's inner order (`cand_before`), cand[off_N[nn] ..) with
+ * cnt_N[nn] of them: the listed devices that still have a slot, re-sorted (insertion: the list is
+ * sorted but for the few devices whose load or slots changed). Devices without a slot never get one
+ * back, so they leave the list for good. */
+static void sort_node(const topo_t *tp, scratch_t *s, int64_t nn, const double *dev_load_D, const int64_t *slots_D)
+{
+    int64_t *list = s->cand + tp->off_N[nn];
+    Py_ssize_t c = 0;
+    for (Py_ssize_t i = 0; i < s->cnt_N[nn]; i++) {
+        const int64_t d = list[i];
+        if (slots_D[d] <= 0) continue;
+        Py_ssize_t pos = c++;
+        while (pos > 0 && cand_before(d, list[pos - 1], dev_load_D, slots_D)) {
+            list[pos] = list[pos - 1];
+            pos--;
+        }
+        list[pos] = d;
+    }
+    s->cnt_N[nn] = c;
+}
+
+/* The first position >= pos of node nn's list that is not a holder of the current expert (row_D). */
+static inline Py_ssize_t next_candidate(const topo_t *tp, const scratch_t *s, int64_t nn, Py_ssize_t pos,
+                                        const uint8_t *row_D)
+{
+    const int64_t *list = s->cand + tp->off_N[nn];
+    while (pos < s->cnt_N[nn] && row_D[list[pos]]) pos++;
+    return pos;
 }
 
 /* Alg. 1 l.7-11 (_place_replicas), in place on mask_ED, slots_D, copies_E and dev_load_D (the modeled
  * loads of cost.fluid_device_load, initialized by the caller). owners_E (may be NULL): the shard
- * owners when mask_ED is the shard placement itself. */
+ * owners when mask_ED is the shard placement itself.
+ *
+ * l.10's candidates are kept across experts: every node's devices with a free slot, in the inner order
+ * (load, more free slots, id), sorted once; an expert's candidates are its node lists less its holders
+ * (the order of a subset is the subset of the order), and after a placement only the nodes of the
+ * expert's holders — the devices whose load or slots changed — are re-sorted. */
 static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *load_E,
                            const int64_t *experts_J, Py_ssize_t J, int64_t *slots_D, int64_t *copies_E,
                            double *dev_load_D, const int64_t *owners_E, scratch_t *s)
@@ -301,48 +364,55 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
         s->load_J[j] = load_E[experts_J[j]];
     }
     assign_slots(s->load_J, s->copies_J, s->room_J, J, total_slots, s->n_J, s->head_J);      /* l.9 */
+    Py_ssize_t listed = 0;              /* devices with a free slot: the lists' lengths */
+    for (Py_ssize_t nn = 0; nn < N; nn++) {
+        int64_t *list = s->cand + off_N[nn];
+        s->cnt_N[nn] = k_N[nn];
+        for (int64_t j = 0; j < k_N[nn]; j++) list[j] = off_N[nn] + j;
+        sort_node(tp, s, nn, dev_load_D, slots_D);
+        s->stamp_N[nn] = -1;
+        listed += s->cnt_N[nn];
+    }
     for (Py_ssize_t i = 0; i < J; i++) {                                          /* l.8 */
         const int64_t e = experts_J[i], n = s->n_J[i], copies = s->copies_J[i];
         if (n == 0) continue;
         const int mask_free = mask_ED == NULL;   /* then owners_E is given: the owner is e's one holder */
         uint8_t *row_D = mask_free ? s->row : mask_ED + (size_t)e * (size_t)D;
-        if (mask_free) row_D[owners_E[e]] = 1;
-        /* Candidates: no copy of e and a free slot; per node in l.10's inner order (insertion sort). */
-        Py_ssize_t num_cand = 0, num_holders = 0;
-        for (Py_ssize_t nn = 0; nn < N; nn++) {
-            int64_t *list = s->cand + off_N[nn];
-            Py_ssize_t c = 0;
-            s->holders_N[nn] = 0;
-            for (int64_t d = off_N[nn]; d < off_N[nn + 1]; d++) {
-                if (row_D[d]) {
-                    s->holders_N[nn]++;
-                    if (owners_E == NULL) s->holders[num_holders++] = d;
-                    continue;
-                }
-                if (slots_D[d] <= 0) continue;
-                Py_ssize_t pos = c++;
-                while (pos > 0 && cand_before(d, list[pos - 1], dev_load_D, slots_D)) {
-                    list[pos] = list[pos - 1];
-                    pos--;
-                }
-                list[pos] = d;
-            }
-            s->cnt_N[nn] = c;
-            s->taken_N[nn] = 0;
-            num_cand += c;
+        Py_ssize_t num_holders;
+        if (mask_free) {
+            row_D[owners_E[e]] = 1;
+            s->holders[0] = owners_E[e];
+            num_holders = 1;
+        } else {
+            num_holders = row_holders(row_D, D, s->holders);
         }
-        if (mask_free) row_D[owners_E[e]] = 0;  /* the scratch row is read only above */
-        if (num_cand == 0) continue;
-        if (owners_E != NULL) s->holders[num_holders++] = owners_E[e];
-        /* l.10: merge the nodes' streams by (holders_n + j) / k_n, then the candidate's load, then node. */
+        /* Candidates: no copy of e and a free slot, i.e. the listed devices less e's listed holders. */
+        Py_ssize_t num_cand = listed;
+        for (Py_ssize_t nn = 0; nn < N; nn++) s->holders_N[nn] = 0;
+        for (Py_ssize_t h = 0; h < num_holders; h++) {
+            s->holders_N[node_D[s->holders[h]]]++;
+            num_cand -= slots_D[s->holders[h]] > 0;
+        }
+        if (num_cand == 0) {
+            if (mask_free) row_D[owners_E[e]] = 0;
+            continue;
+        }
+        /* l.10: merge the nodes' streams by (holders_n + j) / k_n, then the candidate's load, then node.
+         * Every node's stream has strictly increasing keys, so the picks come off a heap of the nodes'
+         * next candidates. Picks are drawn as the LPT guard below reads them; it usually stops long
+         * before npick. */
         const Py_ssize_t npick = n < num_cand ? (Py_ssize_t)n : num_cand;
-        /* Every node's stream has strictly increasing keys, so the picks come off a heap of the
-         * nodes' next candidates in l.10's order: O(log N) per pick instead of a scan of all N nodes.
-         * Picks are drawn as the LPT guard below reads them; it usually stops long before npick. */
         Py_ssize_t size = 0;
-        for (Py_ssize_t nn = 0; nn < N; nn++)
-            if (s->cnt_N[nn] > 0) s->heap_N[size++] = nn;
-        for (Py_ssize_t i = size / 2; i-- > 0;) merge_sift_down(tp, s, dev_load_D, i, size);
+        for (Py_ssize_t nn = 0; nn < N; nn++) {
+            const Py_ssize_t pos = next_candidate(tp, s, nn, 0, row_D);
+            if (pos >= s->cnt_N[nn]) continue;
+            s->pos_N[nn] = pos;
+            s->taken_N[nn] = 0;
+            s->heap_N[size].level = merge_level(tp, s, nn);
+            s->heap_N[size].load = order_key(dev_load_D[s->cand[off_N[nn] + pos]]);
+            s->heap_N[size++].node = nn;
+        }
+        for (Py_ssize_t q = size / 2; q-- > 0;) merge_sift_down(s->heap_N, q, size);
         /* LPT guard: place the first k <= npick, k minimizing the hottest device among e's holders. */
         const double load_e = load_E[e];
         double hottest = dev_load_D[s->holders[0]];
@@ -353,10 +423,18 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
         double best = hottest, run = -INFINITY;
         Py_ssize_t k = 0;
         for (Py_ssize_t j = 1; j <= npick; j++) {
-            const int64_t bn = s->heap_N[0];                 /* l.10: the next pick */
-            s->seq[j - 1] = s->cand[off_N[bn] + s->taken_N[bn]];
-            if (++s->taken_N[bn] >= s->cnt_N[bn]) s->heap_N[0] = s->heap_N[--size];
-            if (size > 0) merge_sift_down(tp, s, dev_load_D, 0, size);
+            merge_t *top_node = &s->heap_N[0];                /* l.10: the next pick */
+            const int64_t bn = top_node->node;
+            s->seq[j - 1] = s->cand[off_N[bn] + s->pos_N[bn]];
+            s->taken_N[bn]++;
+            s->pos_N[bn] = next_candidate(tp, s, bn, s->pos_N[bn] + 1, row_D);
+            if (s->pos_N[bn] >= s->cnt_N[bn]) {
+                *top_node = s->heap_N[--size];
+            } else {
+                top_node->level = merge_level(tp, s, bn);
+                top_node->load = order_key(dev_load_D[s->cand[off_N[bn] + s->pos_N[bn]]]);
+            }
+            if (size > 0) merge_sift_down(s->heap_N, 0, size);
             const double x = dev_load_D[s->seq[j - 1]];
             if (x > run) run = x;
             const double top = run > base ? run : base;
@@ -367,6 +445,7 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
                 k = j;
             }
         }
+        if (mask_free) row_D[owners_E[e]] = 0;  /* the scratch row is read only above */
         if (k == 0) continue;
         /* l.11: P' ← P' ∪ P^e; the modeled load of every holder of e changes (cost.fluid_device_load:
          * load/D · (k_n / h_n + U / c) at a holder on node n, U = devices on nodes without e). */
@@ -396,6 +475,15 @@ static void place_replicas(const topo_t *tp, uint8_t *mask_ED, const double *loa
             const int64_t d = s->holders[h], nd = node_D[d];
             dev_load_D[d] = dev_load_D[d] + per_device * ((double)k_N[nd] / (double)s->holders_N[nd] + term);
         }
+        /* The holders' loads and the new holders' slots changed: re-sort their nodes' lists. */
+        for (Py_ssize_t h = 0; h < num_holders; h++) {
+            const int64_t nd = node_D[s->holders[h]];
+            if (s->stamp_N[nd] == i) continue;
+            s->stamp_N[nd] = i;
+            listed -= s->cnt_N[nd];
+            sort_node(tp, s, nd, dev_load_D, slots_D);
+            listed += s->cnt_N[nd];
+        }
     }
 }
 
@@ -406,23 +494,6 @@ static void shard_device_load(const int64_t *owners_E, const double *load_E, Py_
 {
     for (Py_ssize_t d = 0; d < D; d++) out_D[d] = 0.0;
     for (Py_ssize_t e = 0; e < E; e++) out_D[owners_E[e]] += (load_E[e] / (double)D) * (double)D;
-}
-
-/* The devices holding a row's expert, ascending, into holders (D words); returns their count. Rows
- * are mostly zero (one owner, a few replicas): eight devices per zero word are skipped at once. */
-static Py_ssize_t row_holders(const uint8_t *row_D, Py_ssize_t D, int64_t *holders)
-{
-    Py_ssize_t c = 0, d = 0;
-    for (; d + 8 <= D; d += 8) {
-        uint64_t word;
-        memcpy(&word, row_D + d, sizeof word);
-        if (word == 0) continue;
-        for (Py_ssize_t i = 0; i < 8; i++)
-            if (row_D[d + i]) holders[c++] = d + i;
-    }
-    for (; d < D; d++)
-        if (row_D[d]) holders[c++] = d;
-    return c;
 }
 
 /* cost.fluid_device_load of any placement on several nodes, a sum over (expert, holder) pairs in
@@ -1297,6 +1368,35 @@ static int cmp_i64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* Sort the n ids x (0 <= x < limit) ascending: insertion for a few, else an LSD radix sort by bytes
+ * through tmp (n words; no comparison callback: placed replicas number up to m·D). */
+static void sort_ids(int64_t *x, Py_ssize_t n, int64_t limit, int64_t *tmp)
+{
+    if (n <= 32) {
+        for (Py_ssize_t i = 1; i < n; i++) {
+            const int64_t v = x[i];
+            Py_ssize_t pos = i;
+            while (pos > 0 && x[pos - 1] > v) {
+                x[pos] = x[pos - 1];
+                pos--;
+            }
+            x[pos] = v;
+        }
+        return;
+    }
+    int64_t *src = x, *dst = tmp;
+    for (int shift = 0; shift < 63 && (limit - 1) >> shift; shift += 8) {
+        Py_ssize_t count[257] = {0};
+        for (Py_ssize_t i = 0; i < n; i++) count[((src[i] >> shift) & 0xff) + 1]++;
+        for (int b = 0; b < 256; b++) count[b + 1] += count[b];
+        for (Py_ssize_t i = 0; i < n; i++) dst[count[(src[i] >> shift) & 0xff]++] = src[i];
+        int64_t *swap = src;
+        src = dst;
+        dst = swap;
+    }
+    if (src != x) memcpy(x, src, (size_t)n * sizeof(int64_t));
+}
+
 /* materialize_pairs(topology, owners_E, load_E, t, m, full_J (w), pairs_X (w), copies_E (w)) -> (F, X), or
  * None for a load that is not finite and >= 0: Alg. 1 from the shard placement of owners_E without
  * building a mask, P' as the F experts every device holds (full_J, ascending; none when D = 1) and the
@@ -1343,7 +1443,7 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
     }
     int64_t *copies_E = (int64_t *)bcopies.buf, *pairs_X = (int64_t *)bpairs.buf, *full_J = (int64_t *)bfull.buf;
     for (Py_ssize_t e = 0; e < E; e++) copies_E[e] = 1;
-    mem = alloc_scratch(&s, t, D, N, t + 2 * D);
+    mem = alloc_scratch(&s, t, D, N, t + 2 * D + (t > m ? m * D : 0));
     row = (uint8_t *)calloc((size_t)(D > 0 ? D : 1), 1);
     if (mem == NULL || row == NULL) {
         PyErr_NoMemory();
@@ -1351,6 +1451,7 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
     }
     int64_t *top_J = s.extra, *slots_D = top_J + t;
     double *dev_load_D = (double *)(slots_D + D);
+    int64_t *tmp_X = (int64_t *)(dev_load_D + D);     /* the picks' sort */
     const Py_ssize_t J = top_experts(load_E, E, t, NULL, top_J);                    /* l.3 */
     if (J < 0) {
         PyErr_NoMemory();
@@ -1369,7 +1470,7 @@ static PyObject *py_materialize_pairs(PyObject *self, PyObject *args)
             s.row = row;
             s.pick_X = pairs_X;
             place_replicas(&tp, NULL, load_E, top_J, J, slots_D, copies_E, dev_load_D, owners_E, &s);
-            qsort(pairs_X, (size_t)s.npicks, sizeof(int64_t), cmp_i64);   /* at most D * m, usually few */
+            sort_ids(pairs_X, s.npicks, (int64_t)E * D, tmp_X);               /* at most D * m of them */
             /* Experts that reached every device are full; the others' pairs stay, in order. */
             for (Py_ssize_t i = 0; i < s.npicks; i++) {
                 const int64_t e = pairs_X[i] / (int64_t)D;
@@ -1556,6 +1657,281 @@ done:
     return PyLong_FromLongLong(rc);
 }
 
+/* ------------------------------------------------------------------------------ calibration from pairs */
+/* cost.fluid_device_load of the placement of the X ascending pairs flat_X (e * D + d) on tp, bit for bit:
+ * on one node the even split load_e / c_e, else a holder d of e on node n adds
+ * load_e / D · (k_n / h_en + U_e / c_e) (U_e devices on nodes without e: small integers, exact), both
+ * as numpy's weighted bincount over the pairs adds them (in pair order, from 0.0). copies_E: the holder
+ * counts; run_D: [D] scratch. */
+static void fluid_load_of_pairs(const topo_t *tp, const int64_t *flat_X, Py_ssize_t X, const int64_t *copies_E,
+                                const double *load_E, double *out_D, int64_t *run_D)
+{
+    const int64_t D = tp->D;
+    int64_t e = 0, row0 = 0;           /* the expert of the current pair, and e * D (no division) */
+    for (int64_t d = 0; d < D; d++) out_D[d] = 0.0;
+    if (tp->N == 1) {
+        for (Py_ssize_t x = 0; x < X; x++) {
+            for (; flat_X[x] >= row0 + D; row0 += D) e++;
+            out_D[flat_X[x] - row0] += load_E[e] / (double)copies_E[e];
+        }
+        return;
+    }
+    for (Py_ssize_t a = 0; a < X;) {                       /* expert e's pairs are flat_X[a, b) */
+        for (; flat_X[a] >= row0 + D; row0 += D) e++;
+        Py_ssize_t b = a + 1;
+        while (b < X && flat_X[b] < row0 + D) b++;
+        if (b == a + 1) {         /* one holder: k_n / 1 + (D - k_n) / 1 is D exactly (small integers) */
+            out_D[flat_X[a] - row0] += (load_E[e] / (double)D) * (double)D;
+            a = b;
+            continue;
+        }
+        int64_t covered = 0;
+        for (Py_ssize_t i = a; i < b;) {                   /* a node's holders are a run of the pairs */
+            const int64_t nn = tp->node_D[flat_X[i] - row0];
+            Py_ssize_t j = i + 1;
+            while (j < b && tp->node_D[flat_X[j] - row0] == nn) j++;
+            for (Py_ssize_t q = i; q < j; q++) run_D[q - a] = (int64_t)(j - i);
+            covered += tp->k_N[nn];
+            i = j;
+        }
+        const double spread = (double)(D - covered) / (double)copies_E[e], per_device = load_E[e] / (double)D;
+        for (Py_ssize_t i = a; i < b; i++) {
+            const int64_t d = flat_X[i] - row0;
+            out_D[d] += per_device * ((double)tp->k_N[tp->node_D[d]] / (double)run_D[i - a] + spread);
+        }
+        a = b;
+    }
+}
+
+static double max_double(const double *x_D, Py_ssize_t D)
+{
+    double best = x_D[0];
+    for (Py_ssize_t d = 1; d < D; d++)
+        if (x_D[d] > best) best = x_D[d];
+    return best;
+}
+
+/* calibrate_pairs(topology, cost_topology, owners_E, flat_P, load_E, t, m, expert_bytes, intra_bw,
+ *                 inter_bw, budget_s, time_per_token_s, added_X (w), copies_E (w))
+ *     -> (code, added, before_s, after_s, extra_s)
+ *
+ * materialize._calibrate_pairs: calibration (§4.2) with the fluid compute model from the pairs, in one
+ * call, never an [E, D] matrix. owners_E: the shard placement P; flat_P: P' as ascending flat ids
+ * e * D + d; load_E: float64 actual loads; t, m: >= 0 (capped here as calibrate caps them); the cost's
+ * Ψ, its topology's bandwidths, budget and time per token. Step 1 re-runs l.8-11 on the rows of the
+ * J <= t experts calibration may extend (those P' replicates, and the highest-load others the remaining
+ * overlap degree allows) with the remaining slots; step 2 weighs the merged placement with the float
+ * operations of the numpy code: the transfer of the new pairs on the cost's topology (`bottleneck_time`
+ * of the chunks each device receives and of the nodes an expert newly reaches), the budget, and
+ * `straggler_time` of both placements' fluid loads on the cost's topology.
+ * added_X: room for min(m, t)·D ids; copies_E: [E]. code 1: adopt the merged placement P' ∪ the
+ * `added` new pairs, ascending in added_X, its holder counts in copies_E; 0: keep P'; negative where the
+ * numpy code must judge (and raise its precise ValueError): -1 a load is negative, NaN or infinite;
+ * -2 P ⊄ P'; -4 buffers or topologies do not match. The times are those compared (0.0 where not
+ * reached). */
+static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
+{
+    Py_buffer btopo, bctopo, bown, bflat, bload, badded, bcopies;
+    Py_ssize_t t, m;
+    double expert_bytes, intra_bw, inter_bw, budget_s, time_per_token_s;
+    double before_s = 0.0, after_s = 0.0, extra_s = 0.0;
+    topo_t tp, ctp;
+    scratch_t s;
+    void *mem = NULL, *work = NULL;
+    long code = -4;
+    int failed = 1;
+    Py_ssize_t added = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*nndddddw*w*", &btopo, &bctopo, &bown, &bflat, &bload, &t, &m,
+                          &expert_bytes, &intra_bw, &inter_bw, &budget_s, &time_per_token_s, &badded, &bcopies))
+        return NULL;
+    if (parse_topo(&btopo, &tp) < 0 || parse_topo(&bctopo, &ctp) < 0) goto done;
+    failed = 0;
+    const Py_ssize_t D = (Py_ssize_t)tp.D, N = (Py_ssize_t)tp.N, E = bload.len / 8, X = bflat.len / 8;
+    if (t < 0 || m < 0) goto done;                                                  /* code -4 */
+    if (t > E) t = E;
+    if (m > t) m = t;
+    if (bown.len != E * 8 || bcopies.len != E * 8 || badded.len < m * D * 8 || ctp.D != tp.D ||
+        !(intra_bw > 0) || !(inter_bw > 0))
+        goto done;
+    const double *load_E = (const double *)bload.buf;
+    const int64_t *owners_E = (const int64_t *)bown.buf, *flat_P = (const int64_t *)bflat.buf;
+    for (Py_ssize_t e = 0; e < E; e++) {             /* check_loads' fast accept: finite and >= 0 */
+        if (!(load_E[e] >= 0 && load_E[e] < INFINITY)) {
+            code = -1;
+            goto done;
+        }
+        if (owners_E[e] < 0 || owners_E[e] >= D) goto done;
+    }
+    /* Work memory: per expert its row in J (or -1) and two flags (bytes); per device the free slots,
+     * the chunks it receives and a scratch run length; as many words as the new pairs (m·D at most)
+     * to sort them; the merged pairs; four load vectors [D]; the cost topology's node stamps and entries; J's
+     * lists (3t) and the rows' loads, holder counts and ids 0 .. J - 1 as place_replicas reads them
+     * (3t); J's rows, a byte per device. */
+    const size_t words = (size_t)E + (size_t)D * (3 + 2 * (size_t)m + 4) + (size_t)X + 2 * (size_t)ctp.N +
+                         6 * (size_t)t + 1;
+    work = malloc(words * sizeof(int64_t) + 2 * (size_t)E + (size_t)t * (size_t)D + 1);
+    mem = alloc_scratch(&s, t, D, N, 0);
+    if (work == NULL || mem == NULL) {
+        failed = 1;
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *row_E = (int64_t *)work, *slots_D = row_E + E, *recv_D = slots_D + D, *run_D = recv_D + D;
+    int64_t *tmp_X = run_D + D, *merged_X = tmp_X + m * D;
+    double *before_D = (double *)(merged_X + X + m * D), *dev_load_D = before_D + D, *after_D = dev_load_D + D;
+    double *cbefore_D = after_D + D;
+    int64_t *stamp_N = (int64_t *)(cbefore_D + D), *entries_N = stamp_N + ctp.N, *rep_J = entries_N + ctp.N;
+    int64_t *fresh_J = rep_J + t, *experts_J = fresh_J + t, *copies_J = experts_J + t, *ids_J = copies_J + t;
+    double *load_J = (double *)(ids_J + t);
+    uint8_t *replicated_E = (uint8_t *)(load_J + t + 1), *held_E = replicated_E + E, *mask_JD = held_E + E;
+    int64_t *copies_E = (int64_t *)bcopies.buf, *new_X = (int64_t *)badded.buf;
+
+    /* Step 1: P ⊆ P' (every owner's pair present), P''s holder counts, the replicas each device added
+     * (slots_D counts them first) and the experts that have one. */
+    memset(slots_D, 0, (size_t)D * sizeof(int64_t));
+    memset(copies_E, 0, (size_t)E * sizeof(int64_t));
+    memset(replicated_E, 0, 2 * (size_t)E);
+    int64_t prev = -1, e = 0, row0 = 0;                 /* pair x's expert and e * D (no division) */
+    for (Py_ssize_t x = 0; x < X; x++) {
+        const int64_t id = flat_P[x];
+        if (id <= prev || id >= (int64_t)E * D) goto done;                         /* code -4 */
+        prev = id;
+        for (; id >= row0 + D; row0 += D) e++;
+        const int64_t d = id - row0;
+        copies_E[e]++;
+        if (d == owners_E[e]) {
+            held_E[e] = 1;
+        } else {
+            replicated_E[e] = 1;
+            slots_D[d]++;
+        }
+    }
+    Py_ssize_t replicated = 0;
+    for (Py_ssize_t e = 0; e < E; e++) {
+        if (!held_E[e]) {
+            code = -2;
+            goto done;
+        }
+        replicated += replicated_E[e];
+    }
+    code = 0;
+    int any_slot = 0;
+    for (Py_ssize_t d = 0; d < D; d++) {                /* remaining budget: max(m - added, 0) */
+        slots_D[d] = slots_D[d] < m ? m - slots_D[d] : 0;
+        any_slot |= slots_D[d] != 0;
+    }
+    const Py_ssize_t new_allowed = t - replicated;                      /* remaining overlap degree */
+    if (!any_slot || new_allowed < 0) goto done;
+    /* Eligible: every replicated expert and the new_allowed highest-load others; those with load, by
+     * load descending (ties: lower id). At most t of them. */
+    Py_ssize_t num_rep = 0;
+    for (Py_ssize_t e = 0; e < E; e++)
+        if (replicated_E[e] && load_E[e] > 0) rep_J[num_rep++] = e;
+    const Py_ssize_t num_fresh = top_experts(load_E, E, new_allowed, replicated_E, fresh_J);
+    if (num_fresh < 0 || sort_by_load(rep_J, num_rep, load_E) < 0) {
+        failed = 1;
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t J = 0, i = 0, j = 0;
+    while (i < num_rep || j < num_fresh) {
+        int take_rep = j >= num_fresh;
+        if (i < num_rep && j < num_fresh) {
+            const double a = load_E[rep_J[i]], b = load_E[fresh_J[j]];
+            take_rep = a > b || (a == b && rep_J[i] < fresh_J[j]);
+        }
+        experts_J[J++] = take_rep ? rep_J[i++] : fresh_J[j++];
+    }
+    if (J == 0) goto done;                                              /* nothing to place */
+    /* l.8-11 on J's rows alone: row j is expert experts_J[j], with its load, holder count and id j in
+     * load_J, copies_J, ids_J. P''s holders are marked 2, so that the replicas placed (1) stand apart. */
+    for (Py_ssize_t e = 0; e < E; e++) row_E[e] = -1;
+    for (Py_ssize_t jj = 0; jj < J; jj++) {
+        row_E[experts_J[jj]] = jj;
+        load_J[jj] = load_E[experts_J[jj]];
+        copies_J[jj] = copies_E[experts_J[jj]];
+        ids_J[jj] = jj;
+    }
+    memset(mask_JD, 0, (size_t)J * (size_t)D);
+    e = 0;
+    row0 = 0;
+    for (Py_ssize_t x = 0; x < X; x++) {
+        for (; flat_P[x] >= row0 + D; row0 += D) e++;
+        if (row_E[e] >= 0) mask_JD[row_E[e] * D + (flat_P[x] - row0)] = 2;
+    }
+    fluid_load_of_pairs(&tp, flat_P, X, copies_E, load_E, before_D, run_D);
+    memcpy(dev_load_D, before_D, (size_t)D * sizeof(double));
+    place_replicas(&tp, mask_JD, load_J, ids_J, J, slots_D, copies_J, dev_load_D, NULL, &s);     /* l.8-11 */
+    /* The new pairs (bytes 1 of the rows whose holder count grew), the chunks each device receives
+     * and the (expert, node) entries of the cost topology's nodes that an expert newly reaches. */
+    memset(recv_D, 0, (size_t)D * sizeof(int64_t));
+    memset(entries_N, 0, (size_t)ctp.N * sizeof(int64_t));
+    for (Py_ssize_t nn = 0; nn < ctp.N; nn++) stamp_N[nn] = -1;
+    for (Py_ssize_t jj = 0; jj < J; jj++) {
+        const int64_t e = experts_J[jj];
+        if (copies_J[jj] == copies_E[e]) continue;
+        const uint8_t *row_D = mask_JD + jj * D;
+        const Py_ssize_t holders = row_holders(row_D, D, s.holders);     /* P''s (2) and new (1) */
+        for (Py_ssize_t h = 0; h < holders; h++)
+            if (row_D[s.holders[h]] == 2) stamp_N[ctp.node_D[s.holders[h]]] = 2 * jj;
+        for (Py_ssize_t h = 0; h < holders; h++) {
+            const int64_t d = s.holders[h];
+            if (row_D[d] != 1) continue;
+            new_X[added++] = e * (int64_t)D + d;
+            recv_D[d]++;
+            const int64_t nn = ctp.node_D[d];
+            if (stamp_N[nn] != 2 * jj && stamp_N[nn] != 2 * jj + 1) {
+                entries_N[nn]++;
+                stamp_N[nn] = 2 * jj + 1;
+            }
+        }
+        copies_E[e] = copies_J[jj];         /* the merged placement's holder count */
+    }
+    if (added == 0) goto done;                                      /* merged == P' */
+    /* Step 2: adopt only when the gain pays for the extra critical-path transfer. */
+    int64_t max_recv = 0, max_entries = 0;
+    for (Py_ssize_t d = 0; d < D; d++)
+        if (recv_D[d] > max_recv) max_recv = recv_D[d];
+    for (Py_ssize_t nn = 0; nn < ctp.N; nn++)
+        if (entries_N[nn] > max_entries) max_entries = entries_N[nn];
+    const double device_s = (double)max_recv * expert_bytes / intra_bw;
+    const double node_s = (double)max_entries * expert_bytes / inter_bw;
+    extra_s = node_s > device_s ? node_s : device_s;
+    if (extra_s > budget_s) goto done;
+    /* P' ∪ new pairs, ascending (the new pairs are few: sorted, then merged in). */
+    sort_ids(new_X, added, (int64_t)E * D, tmp_X);
+    Py_ssize_t a = 0, b = 0, pairs = 0;
+    while (a < X || b < added)
+        merged_X[pairs++] = b >= added || (a < X && flat_P[a] < new_X[b]) ? flat_P[a++] : new_X[b++];
+    /* Straggler times of the fluid loads on the cost's topology (the loads of step 1 where it is the
+     * same layout). P''s holder counts for the first: copies_E less the new pairs. */
+    const int same = btopo.len == bctopo.len && memcmp(btopo.buf, bctopo.buf, (size_t)btopo.len) == 0;
+    const double *b_D = before_D;
+    if (!same) {
+        for (Py_ssize_t x = 0; x < added; x++) copies_E[new_X[x] / D]--;
+        fluid_load_of_pairs(&ctp, flat_P, X, copies_E, load_E, cbefore_D, run_D);
+        for (Py_ssize_t x = 0; x < added; x++) copies_E[new_X[x] / D]++;
+        b_D = cbefore_D;
+    }
+    fluid_load_of_pairs(&ctp, merged_X, pairs, copies_E, load_E, after_D, run_D);
+    before_s = max_double(b_D, D) * time_per_token_s;
+    after_s = max_double(after_D, D) * time_per_token_s;
+    code = before_s - after_s > extra_s && isfinite(extra_s) ? 1 : 0;
+done:
+    free(mem);
+    free(work);
+    PyBuffer_Release(&btopo);
+    PyBuffer_Release(&bctopo);
+    PyBuffer_Release(&bown);
+    PyBuffer_Release(&bflat);
+    PyBuffer_Release(&bload);
+    PyBuffer_Release(&badded);
+    PyBuffer_Release(&bcopies);
+    if (failed || PyErr_Occurred()) return NULL;
+    return Py_BuildValue("(lnddd)", code, added, before_s, after_s, extra_s);
+}
+
 static PyMethodDef cplan_methods[] = {
     {"materialize", py_materialize, METH_VARARGS, "Alg. 1 core (sparse_materialization after validation)."},
     {"place_replicas", py_place_replicas, METH_VARARGS, "Alg. 1 l.7-11 in place (_place_replicas)."},
@@ -1567,6 +1943,7 @@ static PyMethodDef cplan_methods[] = {
     {"dispatch_device_load", py_dispatch_device_load, METH_VARARGS, "Alg. 3: tokens per device."},
     {"materialize_pairs", py_materialize_pairs, METH_VARARGS, "Alg. 1 from owners, P' \\ P as pairs."},
     {"own_row", py_own_row, METH_VARARGS, "Alg. 3: one rank's row, sparse, from owners and pairs."},
+    {"calibrate_pairs", py_calibrate_pairs, METH_VARARGS, "Calibration (§4.2), fluid model, from the pairs."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1576,7 +1953,7 @@ static struct PyModuleDef cplan_module = {
 };
 
 /* Bumped whenever an entry point's arguments change: the Python side ignores a stale build. */
-#define CPLAN_ABI 3
+#define CPLAN_ABI 4
 
 PyMODINIT_FUNC PyInit__cplan(void)
 {

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CORE_ABI", "compiled_core", "load_compiled_core", "planner_backend", "using"]
 
-CORE_ABI = 3    # the argument conventions the planner calls the core with (`ABI` in _cplan.c)
+CORE_ABI = 4    # the argument conventions the planner calls the core with (`ABI` in _cplan.c)
 
 
 def load_compiled_core() -> ModuleType | None:

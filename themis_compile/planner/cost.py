@@ -97,7 +97,9 @@ def fluid_device_load(placement: Placement, load_E: np.ndarray, topology: Topolo
 def _fluid_load_of_pairs(flat_X: np.ndarray, copies_E: np.ndarray, load_E: np.ndarray, D: int,
                          topology: Topology | None) -> np.ndarray:
     """`fluid_device_load` from the pairs (ascending flat ids), O(|P| + E) with no [E, D] or [E, N] array;
-    on several nodes the same floats as the dense form (the same terms, added in the same order)."""
+    on several nodes the same floats as the dense form (the same terms, added in the same order). The
+    compiled core's calibration from the pairs (``fluid_load_of_pairs`` in ``_cplan.c``) adds the same
+    terms in the same order."""
     e_P, d_P = np.divmod(flat_X, D)
     safe_E = np.maximum(copies_E, 1)
     if topology is None or topology.num_nodes == 1:
@@ -107,7 +109,7 @@ def _fluid_load_of_pairs(flat_X: np.ndarray, copies_E: np.ndarray, load_E: np.nd
     n_P = topology.node_ids[d_P]
     key_P = e_P * N + n_P                      # ascending: pairs by expert, then device, nodes are runs
     first_G = run_starts(key_P)
-    count_G = np.diff(np.r_[first_G, key_P.size])
+    count_G = np.diff(first_G, append=key_P.size)
     holders_P = np.repeat(count_G, count_G)
     covered_E = np.bincount(e_P[first_G], weights=k_N[n_P[first_G]], minlength=copies_E.size)
     uncovered_E = float(D) - covered_E

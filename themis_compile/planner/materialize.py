@@ -35,9 +35,10 @@ A device never receives two copies of an expert (P' is a set). Everything is ord
 by floats computed in one fixed order, so every rank and every process builds the same plan.
 
 Backends: the compiled core (``_cplan``, see `planner/backend.py`) runs l.3-11 when it is built,
-and calibration with token counts in one call (both steps); the numpy code below is its reference and
-the fallback (``THEMIS_PLANNER_NUMPY=1`` forces it). Both make the same floating-point operations in
-the same order, so they build the same plans and take the same decisions bit for bit.
+and calibration in one call (both steps: with token counts, or from the pairs under the fluid model);
+the numpy code below is its reference and the fallback (``THEMIS_PLANNER_NUMPY=1`` forces it). Both
+make the same floating-point operations in the same order, so they build the same plans and take the
+same decisions bit for bit.
 
 Legend: E experts, D devices, N nodes, J materializable experts (the top t).
 """
@@ -51,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from themis_compile.planner.backend import compiled_core
-from themis_compile.planner.cost import PlanCost, bottleneck_time, fluid_device_load, straggler_time
+from themis_compile.planner.cost import PlanCost, fluid_device_load, straggler_time
 from themis_compile.planner.dispatch import dispatch_device_load
 from themis_compile.planner.placement import Placement
 from themis_compile.planner.topology import Topology
@@ -455,94 +456,33 @@ def _calibrate_pairs(core, shard: Placement, materialized: Placement, actual_loa
                      overlap_degree: Any, materialization_budget: Any, topology: Topology,
                      cost: PlanCost) -> Placement | None:
     """`calibrate` with the fluid compute model (loads split over holders, `cost.fluid_device_load`) from
-    the pairs: O(|P'| + t·D) with the compiled core's l.8-11 run on the rows of the J ≤ t experts it may
-    extend, never an [E, D] matrix — the runtime's path (1,024 ranks: 4 MB per placement otherwise).
-    The same decisions as the numpy code below with ``tokens_ED=None``. None where that code must
-    judge instead (checks it makes, a `PlanCost` subclass)."""
+    the pairs, both steps in one compiled call (``_cplan.calibrate_pairs``): l.8-11 on the rows of the
+    J <= t experts it may extend, the transfer of the new pairs, both placements' fluid loads —
+    O(|P'| + t·D), never an [E, D] matrix (the runtime's path; 1,024 ranks: 4 MB per placement
+    otherwise). The same decisions as the numpy code below with ``tokens_ED=None``. None where that code
+    must judge instead (checks it makes, a `PlanCost` subclass, inputs the core declines)."""
     if type(cost) is not PlanCost or type(overlap_degree) is not int or type(materialization_budget) is not int \
-            or overlap_degree < 0 or materialization_budget < 0 or not shard.issubset(materialized):
-        return None
-    try:
-        load_E = check_loads(actual_load_E, shard.num_experts, "actual_load_E")
-    except ValueError:
+            or overlap_degree < 0 or materialization_budget < 0:
         return None
     E, D = shard.shape
-    slots_D, replicated_E, new_allowed = _remaining_budget(shard, materialized, overlap_degree,
-                                                           materialization_budget)
-    if not slots_D.any() or new_allowed < 0:
-        return materialized
-    experts_J = _by_load(np.union1d(np.flatnonzero(replicated_E),
-                                    _top_experts_fast(np.where(replicated_E, -1.0, load_E), new_allowed)), load_E)
-    experts_J = experts_J[load_E[experts_J] > 0]
-    if not experts_J.size:
-        return materialized
-    # l.8-11 on the J experts' rows alone: expert e of J is row j of mask_JD.
+    load_E = actual_load_E
+    if type(load_E) is not np.ndarray or load_E.shape != (E,) or load_E.dtype.kind not in "fiu":
+        return None
+    if load_E.dtype != np.float64 or not load_E.flags.c_contiguous:
+        load_E = np.ascontiguousarray(load_E, dtype=np.float64)
     flat_P = materialized.flat_ids()
-    expert_P, device_P = np.divmod(flat_P, D)
-    row_E = np.full(E, -1, dtype=np.int64)
-    row_E[experts_J] = np.arange(experts_J.size)
-    pick_P = row_E[expert_P] >= 0
-    mask_JD = np.zeros((experts_J.size, D), dtype=np.bool_)
-    mask_JD[row_E[expert_P[pick_P]], device_P[pick_P]] = True
-    before_JD = mask_JD.copy()
-    copies_E = materialized.copy_counts()
-    copies_J = copies_E[experts_J].copy()
-    before_D = fluid_device_load(materialized, load_E, topology)
-    dev_load_D = before_D.copy()
-    core.place_replicas(topology.core_layout, mask_JD, np.ascontiguousarray(load_E[experts_J], dtype=np.float64),
-                        np.arange(experts_J.size, dtype=np.int64), slots_D, copies_J, dev_load_D, None)
-    new_j, new_d = np.nonzero(mask_JD & ~before_JD)
-    if not new_j.size:
-        return materialized
-    merged_copies_E = copies_E.copy()
-    merged_copies_E[experts_J] = copies_J
-    new_X = np.sort(experts_J[new_j] * D + new_d)            # disjoint from P': new holders
-    merged_X = np.insert(flat_P, np.searchsorted(flat_P, new_X), new_X)
-    merged = Placement.from_pairs(merged_X, E, D, merged_copies_E)
-    # Step 2: adopt only when the gain pays for the extra critical-path transfer.
-    if cost.topology is topology:
-        # cost.transfer_time(materialized, merged) from the rows that changed: the new holders receive
-        # one chunk each, and a node newly reached by an expert takes one inter-node transfer.
-        node_D = topology.node_ids
-        N = topology.num_nodes
-        before_JN = np.zeros((experts_J.size, N), dtype=np.bool_)
-        before_JN[np.nonzero(before_JD)[0], node_D[np.nonzero(before_JD)[1]]] = True
-        reached_JN = np.zeros_like(before_JN)
-        reached_JN[new_j, node_D[new_d]] = True
-        psi = float(cost.expert_bytes)
-        extra_s = bottleneck_time(np.bincount(new_d, minlength=D) * psi,
-                                  np.count_nonzero(reached_JN & ~before_JN, axis=0) * psi, topology)
-    else:
-        extra_s = cost.transfer_time(materialized, merged)
-    if extra_s > cost.calibration_budget_s:
-        return materialized
-    same = cost.topology is topology
-    before_s = straggler_time(before_D, cost.time_per_token_s) if same else \
-        cost.fluid_compute_time(materialized, load_E)
-    after_s = cost.fluid_compute_time(merged, load_E)
-    if before_s - after_s > extra_s and math.isfinite(extra_s):
+    m = min(materialization_budget, overlap_degree, E)
+    added_X = np.empty(m * D, dtype=np.int64)
+    copies_E = np.empty(E, dtype=np.int64)
+    cost_topology = cost.topology
+    code, added, before_s, after_s, extra_s = core.calibrate_pairs(
+        topology.core_layout, cost_topology.core_layout, shard.owners(), flat_P, load_E, overlap_degree,
+        materialization_budget, float(cost.expert_bytes), cost_topology.intra_node_bw, cost_topology.inter_node_bw,
+        float(cost.calibration_budget_s), float(cost.time_per_token_s), added_X, copies_E)
+    if code == 1:
         logger.debug("calibration adopted: %.3g s -> %.3g s for %.3g s of transfer", before_s, after_s, extra_s)
-        return merged
-    return materialized
-
-
-def _by_load(experts: np.ndarray, load_E: np.ndarray) -> np.ndarray:
-    """``experts`` by load descending, ties by lower id (the order of a stable argsort of -load)."""
-    return experts[np.lexsort((experts, -load_E[experts]))]
-
-
-def _top_experts_fast(load_E: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the k largest loads (ties by lower id), as ``argsort(-load, stable)[:k]`` selects them,
-    in O(E) (a partition, then a sort of the k): ascending ids, not in load order."""
-    E = load_E.size
-    if k <= 0 or E == 0:
-        return np.zeros(0, dtype=np.int64)
-    if k >= E:
-        return np.arange(E, dtype=np.int64)
-    kth = np.partition(load_E, E - k)[E - k]          # the k-th largest value
-    above = np.flatnonzero(load_E > kth)
-    at = np.flatnonzero(load_E == kth)[:k - above.size]   # ties at the boundary: lower ids first
-    return np.sort(np.concatenate([above, at]))
+        return materialized.extended(added_X[:added], copies_E)     # it remembers P'' \ P' (and \ P)
+    return materialized if code == 0 else None
 
 
 def _calibrate_compiled(core, shard: Placement, materialized: Placement, actual_load_E: np.ndarray,

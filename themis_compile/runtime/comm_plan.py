@@ -386,12 +386,13 @@ class _Groups:
         key_X = expert_X * (int(node_ids.max(initial=0)) + 1) + node_ids[device_X]
         first_G = run_starts(key_X)
         self.expert_G = expert_X[first_G]
-        self.start_G = np.r_[first_G, key_X.size].astype(np.int64)
+        self.start_G = np.append(first_G, key_X.size).astype(np.int64, copy=False)
         self.device_X = device_X
         self.owner_G = np.asarray(owners_E, dtype=np.int64)[self.expert_G]
         self.prior_D = np.bincount(self.owner_G, minlength=D) * float(layout_E.nbytes) if psi_X is None else \
             np.bincount(self.owner_G, weights=psi_X[first_G], minlength=D)
         self.num_stages = 0 if not first_G.size else 2 if (np.diff(self.start_G) > 1).any() else 1
+        self._rank_stages: dict[int, list[list[Transfer]]] = {}
 
     def __len__(self) -> int:
         return int(self.expert_G.size)
@@ -400,6 +401,19 @@ class _Groups:
         """Ascending ids of the groups ``rank`` takes part in: those it feeds and those it belongs to."""
         member_G = np.searchsorted(self.start_G, np.flatnonzero(self.device_X == rank), side="right") - 1
         return np.union1d(np.flatnonzero(self.owner_G == rank), member_G)
+
+    def rank_stages(self, rank: int, layout_E: ChunkLayout | Sequence[ChunkLayout]) -> list[list[Transfer]]:
+        """The transfers ``rank`` sends or receives in SpAG, per stage and sorted as a plan's stages are:
+        those of the groups it takes part in. Computed once per rank (the SpAG and SpRS plans of a layer
+        step share them; SpRS mirrors them); ``layout_E`` is the layouts the groups were built for."""
+        stages = self._rank_stages.get(rank)
+        if stages is None:
+            stage0: list[Transfer] = []
+            stage1: list[Transfer] = []
+            for g in self.of_rank(rank).tolist():
+                self.transfers(g, layout_E, stage0, stage1, rank)
+            stages = self._rank_stages[rank] = [sorted(stage0), sorted(stage1)][:self.num_stages]
+        return stages
 
     def transfers(self, g: int, layout_E: ChunkLayout | Sequence[ChunkLayout],
                   stage0: list[Transfer], stage1: list[Transfer], rank: int | None = None) -> None:
@@ -644,11 +658,7 @@ def rank_plan(collective: str, shard: Placement, placement: Placement, topology:
         return cached
     check_placements(shard, placement, topology)
     groups = _groups_of(shard, placement, topology, layout_E)
-    stage0: list[Transfer] = []
-    stage1: list[Transfer] = []
-    for g in groups.of_rank(rank).tolist():
-        groups.transfers(g, layout_E, stage0, stage1, rank)
-    stages = [sorted(stage0), sorted(stage1)][:groups.num_stages]
+    stages: Sequence[Sequence[Transfer]] = groups.rank_stages(rank, layout_E)
     if collective == SPRS:
         stages = _mirror(stages)
     elif collective != SPAG:

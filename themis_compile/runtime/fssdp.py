@@ -70,6 +70,7 @@ from themis_compile.planner import (
     own_row_entries,
     replicas_pay,
 )
+from themis_compile.planner.placement import merge_sorted
 from themis_compile.runtime import deadline
 from themis_compile.runtime.collectives import sparse_all_gather, sparse_reduce_scatter
 from themis_compile.runtime.comm_plan import ChunkLayout, rank_plan
@@ -243,12 +244,13 @@ _MAX_PENDING_FORWARDS = 64
 class _Holdings:
     """P' of one layer step as pairs, what the rank's own planning reads instead of the [E, D] mask.
 
-    ``added_X``: ΔP = P' \\ P as ascending flat ids e·D + d; ``expert_P`` / ``holder_P``: every
-    (expert, holder) pair of P', by holder then expert; ``splits_W``: pairs per holder; ``held_H``: the
-    experts this rank holds, ascending. O(E + |ΔP|) to build and to keep.
+    ``added_X``: ΔP = P' \\ P as ascending flat ids e·D + d; ``keys_P``: every (expert, holder) pair of
+    P' as ascending keys holder·E + expert, ``expert_P`` / ``holder_P`` the same pairs split; ``splits_W``:
+    pairs per holder; ``held_H``: the experts this rank holds, ascending. O(E + |ΔP|) to build and to keep.
     """
 
     added_X: np.ndarray
+    keys_P: np.ndarray
     expert_P: np.ndarray
     holder_P: np.ndarray
     splits_W: list[int]
@@ -256,22 +258,29 @@ class _Holdings:
 
     @classmethod
     def of(cls, owners_E: np.ndarray, added_X: np.ndarray, num_devices: int, rank: int,
-           shard_K: np.ndarray | None = None) -> "_Holdings":
-        """``shard_K``: the shard's pairs as ascending keys holder·E + expert (`owner_keys`), when known."""
+           shard_K: np.ndarray | None = None, owned_D: np.ndarray | None = None) -> "_Holdings":
+        """``shard_K``: the shard's pairs as ascending keys holder·E + expert (`owner_keys`), and
+        ``owned_D``: the experts each device owns, when known (both kept until re-sharding)."""
         E, D = owners_E.size, num_devices
         if shard_K is None:
             shard_K = owner_keys(owners_E)
-        added_K = np.sort((added_X % D) * E + added_X // D)
-        keys_P = np.insert(shard_K, np.searchsorted(shard_K, added_K), added_K)
-        holder_P, expert_P = np.divmod(keys_P, E)
+        if owned_D is None:
+            owned_D = np.bincount(owners_E, minlength=D)
+        # ΔP by holder, then expert: a stable sort by holder of its expert-major ids (ΔP is small), merged
+        # into the shard's keys; the holders follow from the counts per holder (no division of the keys).
+        expert_X, holder_X = np.divmod(added_X, D)
+        added_K = (holder_X * E + expert_X)[np.argsort(holder_X, kind="stable")]
+        keys_P = merge_sorted(shard_K, added_K)
+        count_D = owned_D + np.bincount(holder_X, minlength=D)
+        holder_P = np.repeat(np.arange(D, dtype=np.int64), count_D)
+        expert_P = keys_P - holder_P * E
         lo, hi = np.searchsorted(keys_P, [rank * E, (rank + 1) * E])
-        return cls(added_X, expert_P, holder_P, np.bincount(holder_P, minlength=D).tolist(), expert_P[lo:hi])
+        return cls(added_X, keys_P, expert_P, holder_P, count_D.tolist(), expert_P[lo:hi])
 
-    def device_load(self, load_E: np.ndarray) -> np.ndarray:
+    def device_load(self, load_E: np.ndarray, copies_E: np.ndarray) -> np.ndarray:
         """[D] int64 rows every device computes when each expert's tokens split evenly over its holders
-        (Alg. 3 without the whole T; exact for experts with one holder)."""
-        copies_E = np.bincount(self.expert_P, minlength=load_E.size)
-        share_P = load_E[self.expert_P] / copies_E[self.expert_P]
+        (Alg. 3 without the whole T; exact for experts with one holder); ``copies_E``: P''s holder counts."""
+        share_P = (load_E / copies_E)[self.expert_P]
         return np.rint(np.bincount(self.holder_P, weights=share_P, minlength=len(self.splits_W))).astype(np.int64)
 
 
@@ -284,15 +293,15 @@ class _OwnRow:
     dest_Y: np.ndarray
     count_Y: np.ndarray
 
-    def counts_of(self, expert_P: np.ndarray, holder_P: np.ndarray, num_devices: int) -> np.ndarray:
-        """[P] the rank's pairs for each (expert, holder) pair (0 where the row sends none)."""
-        expert_Y = np.repeat(np.arange(self.start_E.size - 1, dtype=np.int64), np.diff(self.start_E))
-        keys_Y = expert_Y * num_devices + self.dest_Y           # ascending: by expert, then destination
-        keys_P = expert_P * num_devices + holder_P
-        at_P = np.minimum(np.searchsorted(keys_Y, keys_P), max(keys_Y.size - 1, 0))
-        if not keys_Y.size:
-            return np.zeros(keys_P.size, dtype=np.int64)
-        return np.where(keys_Y[at_P] == keys_P, self.count_Y[at_P], 0)
+    def counts_of(self, keys_P: np.ndarray, num_experts: int) -> np.ndarray:
+        """[P] the rank's pairs for each pair of P', given as ascending keys holder·E + expert (0 where the
+        row sends none). Every entry goes to a holder, so its key is among them: the row's entries (few:
+        at most the rank's own pairs) are looked up in the pairs, O(Y log P + P)."""
+        send_P = np.zeros(keys_P.size, dtype=np.int64)
+        if self.count_Y.size:
+            expert_Y = np.searchsorted(self.start_E, np.arange(self.count_Y.size), side="right") - 1
+            send_P[np.searchsorted(keys_P, self.dest_Y * num_experts + expert_Y)] = self.count_Y
+        return send_P
 
     def destinations(self, ids_TK: torch.Tensor) -> torch.Tensor:
         """[T, K] destination of every pair: of expert e's pairs, in flattened pair order, the first
@@ -328,13 +337,9 @@ def _added_pairs(owners_E: np.ndarray, full_J: np.ndarray, replicas_X: np.ndarra
 
 
 def _placement_of(shard: Placement, added_X: np.ndarray) -> Placement:
-    """P' = shard ∪ ΔP as the Placement the sparse collectives take."""
-    if not added_X.size:
-        return shard
-    copies_E = np.bincount(added_X // shard.num_devices, minlength=shard.num_experts) + 1
-    shard_X = shard.flat_ids()           # both ascending, disjoint: ΔP inserted, no sort
-    return Placement.from_pairs(np.insert(shard_X, np.searchsorted(shard_X, added_X), added_X), *shard.shape,
-                                copies_E)
+    """P' = shard ∪ ΔP as the Placement the sparse collectives take; it remembers ΔP, so that the plans'
+    ``added_over(shard)`` and ``issubset`` checks cost nothing."""
+    return shard.extended(added_X)
 
 
 @dataclass(frozen=True, eq=False)
@@ -516,7 +521,7 @@ class FSSDPExperts(ShardedExperts):
         self.plan_ns = 0
         self.comm_plan_ns = 0     # the part of plan_ns spent on the SpAG / SpRS message plans
         self._planned: Placement | None = None
-        self._owner_keys: tuple[Placement, np.ndarray] | None = None
+        self._owner_keys: tuple[Placement, np.ndarray, np.ndarray] | None = None
         self._planned_added = np.zeros(0, dtype=np.int64)        # ΔP of _planned, flat ids
         self._spag = None
         self._replicas: dict[int, list[torch.Tensor]] | None = None
@@ -530,12 +535,14 @@ class FSSDPExperts(ShardedExperts):
         # Per expert, bit i set: chunk tensor i is frozen on the owner (agreed by the last count all-gather).
         self._frozen_E = [0] * self.num_experts
 
-    def _shard_keys(self) -> np.ndarray:
-        """`owner_keys` of the current shard placement, kept until it changes (re-sharding)."""
+    def _shard_keys(self) -> tuple[np.ndarray, np.ndarray]:
+        """`owner_keys` of the current shard placement and the experts each device owns, kept until the
+        shard placement changes (re-sharding)."""
         shard = self.shard_placement
         if self._owner_keys is None or self._owner_keys[0] is not shard:
-            self._owner_keys = (shard, owner_keys(shard.owners()))
-        return self._owner_keys[1]
+            owners_E = shard.owners()
+            self._owner_keys = (shard, owner_keys(owners_E), np.bincount(owners_E, minlength=self.world_size))
+        return self._owner_keys[1], self._owner_keys[2]
 
     def set_shard_placement(self, shard: Placement) -> None:
         super().set_shard_placement(shard)
@@ -694,8 +701,7 @@ class FSSDPExperts(ShardedExperts):
                 self._plan_collectives(merged)
                 self.plan_ns += time.perf_counter_ns() - start_ns
                 # Gather exactly the pairs calibration adds: SpAG(P, P ∪ (P'' \ P')).
-                extra = self.shard_placement.union(Placement.from_pairs(merged.added_over(self._planned),
-                                                                        *merged.shape))
+                extra = self.shard_placement.extended(merged.added_over(self._planned))
                 with record_function("themis::spag_calibration"):
                     replicas.update(self._gather(extra).wait())
                 start_ns = time.perf_counter_ns()
@@ -703,9 +709,9 @@ class FSSDPExperts(ShardedExperts):
             self._check_plan_digest(placement)
         with record_function("themis::dispatch_plan"):
             holdings = _Holdings.of(self.shard_placement.owners(), added_X, self.world_size, self.rank,
-                                    self._shard_keys())
-            row = self._dispatch_plan(added_X, local_E)
-            send_P = row.counts_of(holdings.expert_P, holdings.holder_P, self.world_size)
+                                    *self._shard_keys())
+            row = self._dispatch_plan(added_X, placement.copy_counts(), local_E)
+            send_P = row.counts_of(holdings.keys_P, self.num_experts)
         self.plan_ns += time.perf_counter_ns() - start_ns
         recv_counts_SE = self.state.counts.receive_counts(self, torch.from_numpy(send_P).to(ids_TK.device),
                                                           holdings.splits_W, holdings.held_H).cpu()
@@ -807,7 +813,7 @@ class FSSDPExperts(ShardedExperts):
             recv_counts_SE=record.recv_counts_SE, recv_experts_H=record.recv_experts_H,
         )
 
-    def _dispatch_plan(self, added_X: np.ndarray, local_E: np.ndarray) -> _OwnRow:
+    def _dispatch_plan(self, added_X: np.ndarray, copies_E: np.ndarray, local_E: np.ndarray) -> _OwnRow:
         """Alg. 3 for this rank: R[:, rank, :], where this rank's pairs of every expert go, as entries.
 
         The row depends only on P' and the rank's own counts T[:, rank] (Alg. 3 splits every source's
@@ -815,8 +821,7 @@ class FSSDPExperts(ShardedExperts):
         an [E, D] array; what every source sends this rank comes from the sources
         (`CountExchange.receive_counts`).
         """
-        owners_E, D = self.shard_placement.owners(), self.world_size
-        copies_E = np.bincount(added_X // D, minlength=self.num_experts) + 1
+        owners_E, D = self.shard_placement.owners(), self.world_size      # copies_E: P''s holder counts
         full_J = np.flatnonzero(copies_E == D) if D > 1 else np.zeros(0, dtype=np.int64)
         replicas_X = added_X[copies_E[added_X // D] < D] if full_J.size else added_X
         start_E, dest_Y, count_Y = own_row_entries(owners_E, full_J, replicas_X, local_E, self.state.topology,
@@ -838,7 +843,7 @@ class FSSDPExperts(ShardedExperts):
         if tokens_ED is not None:
             device_load_D = dispatch_device_load(placement, tokens_ED, self.state.topology)
         else:
-            device_load_D = holdings.device_load(load_E)
+            device_load_D = holdings.device_load(load_E, placement.copy_counts())
         mean = device_load_D.sum() / max(self.world_size, 1)
         self.state.stats.append(LayerStats(
             iteration=self.iteration, layer=self.layer, tokens_per_expert=load_E, device_load=device_load_D,
