@@ -146,7 +146,7 @@ class Policy:
                 raise ValueError(f"unknown byte category {name!r}")
             moved[name] = int(round(value))
         plan_topology = self.topology if dispatch_topology is None else dispatch_topology
-        traffic = dispatch_traffic(placement, tokens_ED, plan_topology, links=self.topology)
+        traffic = dispatch_traffic(placement, tokens_ED, plan_topology, links=self.topology, tokens_checked=True)
         if self.token_bytes > 0:
             moved["a2a"] = int(round(traffic.sent() * self.token_bytes))
             moved["a2a_inter"] = int(round(traffic.inter_node_sent() * self.token_bytes))
