@@ -479,7 +479,8 @@ class SyntheticRecords(Sequence[RoutingRecord]):
             short_b = n - sum_b
             if short_b.any():
                 # The shortfall: categorical draws by inversion of each device's cumulative shares (the
-                # first expert whose cumulative share exceeds u), one `searchsorted` per device. The
+                # first expert whose cumulative share exceeds u), one `searchsorted` per device of its
+                # draws sorted (twice as fast; the counts do not depend on the draws' order). The
                 # cumulative shares are summed in expert order, as before, but along the rows of the
                 # transposed block (a cumsum down the columns costs half as much again).
                 cum_bE = np.cumsum(np.ascontiguousarray(p_Eb.T), axis=1)
@@ -488,7 +489,7 @@ class SyntheticRecords(Sequence[RoutingRecord]):
                 e_i = np.empty(u_i.size, dtype=np.int64)
                 for j in np.flatnonzero(short_b):
                     i0, i1 = ends_b[j] - short_b[j], ends_b[j]
-                    e_i[i0:i1] = np.searchsorted(cum_bE[j], u_i[i0:i1], side="right")
+                    e_i[i0:i1] = np.searchsorted(cum_bE[j], np.sort(u_i[i0:i1]), side="right")
                 np.minimum(e_i, E - 1, out=e_i)
                 np.add.at(counts_Eb.reshape(-1), e_i * b + np.repeat(np.arange(b), short_b), 1)
             if out_ED.dtype == np.uint16 and n >= 2 ** 16 and counts_Eb.max(initial=0) >= 2 ** 16:
