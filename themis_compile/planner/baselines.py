@@ -153,7 +153,13 @@ class Policy:
         return PolicyStep(placement, shard, traffic, moved, info or {}, tokens_ED, plan_topology)
 
     def _pairs_bytes(self, placement: Placement, shard: Placement) -> int:
-        return int(round(placement.delta(shard).num_pairs() * self.expert_bytes))
+        """Bytes of ΔP = placement \\ shard, |placement| - |shard| for shard ⊆ placement (checked, as
+        `Placement.delta` does), without building ΔP."""
+        if placement is shard:
+            return 0
+        if not shard.issubset(placement):
+            raise ValueError("delta: the base placement is not a subset of this placement")
+        return int(round((placement.num_pairs() - shard.num_pairs()) * self.expert_bytes))
 
 
 # --------------------------------------------------------------------------------------- Themis
