@@ -347,6 +347,15 @@ def _narrow(counts: np.ndarray) -> np.ndarray:
     return counts.astype(dtype)
 
 
+def _transposed(a_XY: np.ndarray, rows: int = 512) -> np.ndarray:
+    """``a_XY.T`` as a C-contiguous [Y, X] copy, made ``rows`` rows at a time (each chunk's reads and
+    writes stay in cache: a quarter faster than one strided copy of a block of the Poisson sampler)."""
+    out_YX = np.empty(a_XY.shape[::-1], dtype=a_XY.dtype)
+    for lo in range(0, a_XY.shape[0], rows):
+        out_YX[:, lo:lo + rows] = a_XY[lo:lo + rows].T
+    return out_YX
+
+
 class SyntheticRecords(Sequence[RoutingRecord]):
     """The records of `synthetic_trace`, step-major, each step's L records generated when first read.
 
@@ -407,12 +416,12 @@ class SyntheticRecords(Sequence[RoutingRecord]):
         self._rng = np.random.default_rng(seed)
         z_LE = self._rng.standard_normal((num_layers, num_experts))
         self._spread_states: list[dict] = []
-        self._spread_cache: list[np.ndarray] | None = None
+        # Per layer: exp(spread) as [D, E] float64 (multinomial), or the Poisson sampler's [E, b] float16 blocks.
+        self._spread_cache: list[np.ndarray] | list[list[np.ndarray]] | None = None
         self._poisson = num_devices * num_experts > self.EXACT_CELLS
         if self._poisson:
             if 2.0 * num_layers * num_devices * num_experts <= self.SPREAD_CACHE_BYTES:
-                self._spread_cache = [np.concatenate(list(self._spread_blocks(layer)), axis=1)
-                                      for layer in range(num_layers)]
+                self._spread_cache = [list(self._spread_blocks(layer)) for layer in range(num_layers)]
         elif 8.0 * num_layers * num_devices * num_experts <= self.SPREAD_CACHE_BYTES:
             self._spread_cache = [np.exp(device_spread * self._rng.standard_normal((num_devices, num_experts)))
                                   for _ in range(num_layers)]
@@ -462,9 +471,7 @@ class SyntheticRecords(Sequence[RoutingRecord]):
         out_ED = np.empty((E, D), dtype=np.uint16)
         wide = np.uint32 if n < 2 ** 32 else np.int64
         cols = self._block_devices()
-        cache = self._spread_cache[layer] if self._spread_cache is not None else None
-        blocks = (cache[:, lo:lo + cols] for lo in range(0, D, cols)) if cache is not None else \
-            self._spread_blocks(layer)
+        blocks = self._spread_cache[layer] if self._spread_cache is not None else self._spread_blocks(layer)
         for lo, w_Eb in zip(range(0, D, cols), blocks):
             b = w_Eb.shape[1]
             p_Eb = p_E[:, None] * w_Eb
@@ -483,7 +490,7 @@ class SyntheticRecords(Sequence[RoutingRecord]):
                 # draws sorted (twice as fast; the counts do not depend on the draws' order). The
                 # cumulative shares are summed in expert order, as before, but along the rows of the
                 # transposed block (a cumsum down the columns costs half as much again).
-                cum_bE = np.cumsum(np.ascontiguousarray(p_Eb.T), axis=1)
+                cum_bE = np.cumsum(_transposed(p_Eb), axis=1)
                 ends_b = np.cumsum(short_b)
                 u_i = rng.random(int(ends_b[-1])) * np.repeat(cum_bE[:, -1], short_b)
                 e_i = np.empty(u_i.size, dtype=np.int64)
