@@ -60,11 +60,12 @@ class PolicyCharges:
     def transfer_time(self, base: Placement, target: Placement, psi: float, topology: Topology) -> float:
         """`sparse_transfer_time` (SpAG(base, target)), with ``base`` given to it as pairs: it then counts
         the transfer from the pairs, O(|P|), instead of passes over the [E, D] masks and node masks of
-        placements that are new every layer step (the same counts). The shards' pairs are kept."""
+        placements that are new every layer step (the same counts). The pairs of the current shards (one
+        per layer at most) are kept; a re-sharding drops the old ones."""
         if not base.is_sparse:
             held = self._shard_pairs.get(id(base))
             if held is None or held[0] is not base:
-                if len(self._shard_pairs) > 2 * self.setup.num_layers:
+                if len(self._shard_pairs) >= self.setup.num_layers:
                     self._shard_pairs.clear()
                 held = self._shard_pairs[id(base)] = (base, _as_pairs(base))
             base = held[1]
