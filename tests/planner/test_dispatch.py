@@ -127,3 +127,33 @@ def test_sparse_traffic_of_a_replicated_expert_by_hand():
     # Topology-unaware (FlexMoE): every source splits over all three holders, across nodes.
     flat = dispatch_traffic(Placement(mask), tokens, Topology.single_node(8), topo)
     assert flat.load_D.sum() == 56 and flat.inter_node_sent() > 0
+
+
+@pytest.mark.parametrize("num_devices", [8, 12, 24])
+def test_first_holders_are_the_masks_argmax(num_devices):
+    """The lowest holder of every expert, read eight devices a word where D allows it (12 does not), for
+    rows with no holder, one, or several, and for a shard placement (its owners)."""
+    from themis_compile.planner.dispatch import _first_holders
+
+    rng = np.random.default_rng(num_devices)
+    mask = rng.random((64, num_devices)) < rng.choice([0.0, 0.02, 0.2, 0.9], size=(64, 1))
+    mask[0] = False
+    mask[1, -1] = True
+    for placement in (Placement(mask), Placement.contiguous(64, num_devices)):
+        assert np.array_equal(_first_holders(placement), np.argmax(placement.mask, axis=1))
+
+
+def test_sparse_traffic_with_whole_words_of_devices_and_checked_tokens():
+    """2 x 8 devices (the holders read a word at a time): `dispatch_traffic` equals the dense plan's
+    totals, with the tokens checked by it or by the caller (``tokens_checked``)."""
+    from themis_compile.planner import reference
+    from themis_compile.planner.dispatch import DispatchTraffic, check_tokens, dispatch_traffic
+
+    topo = Topology.uniform(2, 8)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        placement = Placement.from_owners(rng.integers(0, 16, size=24), 16) | Placement(rng.random((24, 16)) < 0.1)
+        tokens = rng.integers(0, 30, size=(24, 16))
+        expect = DispatchTraffic.from_plan(reference.topology_aware_dispatch(placement, tokens, topo), topo)
+        assert dispatch_traffic(placement, tokens, topo) == expect
+        assert dispatch_traffic(placement, check_tokens(tokens, 24, 16), topo, tokens_checked=True) == expect

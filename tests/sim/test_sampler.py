@@ -5,6 +5,8 @@ multinomial distribution."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -104,3 +106,33 @@ def test_the_poisson_sampler_gives_the_same_figures_statistically(monkeypatch):
         assert not np.array_equal(a, b)
         stderr = np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)
         assert abs(a.mean() - b.mean()) < 3 * stderr + 1e-3 * a.mean(), name
+
+
+# The Poisson sampler's records at fixed seeds (sha256 of the int64 [E, D] counts, first 16 hex digits):
+# several blocks of devices; one block with jitter; more than 2^16 assignments a device with one expert
+# past 2^16 tokens (the record widened to uint32). A change of the sampler's random stream moves them.
+POISSON_RECORDS = [
+    (dict(num_layers=2, num_experts=40, num_devices=16, tokens_per_device=300, top_k=4, iterations=3, cv=2.0,
+          seed=1), 40 * 3, np.uint16,
+     ["e8903a206bbf9531", "05d17f8c8fed456b", "50112c64c2977561", "309b84feb57e688c", "be505df8ec142aca",
+      "a040f563ff37059c"]),
+    (dict(num_layers=1, num_experts=64, num_devices=24, tokens_per_device=512, top_k=2, iterations=2, cv=1.28,
+          jitter=0.2, seed=7), 2 ** 20, np.uint16, ["fb5d2fdbd332aa84", "bf1c5b24c10b7347"]),
+    (dict(num_layers=1, num_experts=8, num_devices=4, tokens_per_device=70000, top_k=1, iterations=1, cv=2.5,
+          seed=2), 8 * 2, np.uint32, ["d43c53b2333dbd97"]),
+]
+
+
+@pytest.mark.parametrize("kw,block_cells,dtype,digests", POISSON_RECORDS)
+def test_the_poisson_samplers_records_are_pinned(monkeypatch, kw, block_cells, dtype, digests):
+    _poisson(monkeypatch)
+    monkeypatch.setattr(SyntheticRecords, "BLOCK_CELLS", block_cells)
+    trace = synthetic_trace(**kw)
+    D, got = kw["num_devices"], []
+    for step in range(kw["iterations"]):
+        for layer in range(kw["num_layers"]):
+            tokens_ED = trace.record(step, layer).tokens_ED(D)
+            assert tokens_ED.dtype == dtype
+            assert (tokens_ED.sum(axis=0, dtype=np.int64) == kw["tokens_per_device"] * kw["top_k"]).all()
+            got.append(hashlib.sha256(tokens_ED.astype(np.int64).tobytes()).hexdigest()[:16])
+    assert got == digests

@@ -22,7 +22,7 @@ from themis_compile.sim.traces import synthetic_trace
 ALL = ("ep", "uniform", "fastermoe", "smartmoe", "flexmoe", "eplb", "themis", "themis-rm")
 
 
-def _dense_traffic(placement, tokens_ED, topology, links=None):
+def _dense_traffic(placement, tokens_ED, topology, links=None, *, tokens_checked=False):
     """The readable reference's dense plan, summed: what the simulator charged before its plans were sparse."""
     return DispatchTraffic.from_plan(reference.topology_aware_dispatch(placement, tokens_ED, topology),
                                      topology if links is None else links)

@@ -146,14 +146,20 @@ class Policy:
                 raise ValueError(f"unknown byte category {name!r}")
             moved[name] = int(round(value))
         plan_topology = self.topology if dispatch_topology is None else dispatch_topology
-        traffic = dispatch_traffic(placement, tokens_ED, plan_topology, links=self.topology)
+        traffic = dispatch_traffic(placement, tokens_ED, plan_topology, links=self.topology, tokens_checked=True)
         if self.token_bytes > 0:
             moved["a2a"] = int(round(traffic.sent() * self.token_bytes))
             moved["a2a_inter"] = int(round(traffic.inter_node_sent() * self.token_bytes))
         return PolicyStep(placement, shard, traffic, moved, info or {}, tokens_ED, plan_topology)
 
     def _pairs_bytes(self, placement: Placement, shard: Placement) -> int:
-        return int(round(placement.delta(shard).num_pairs() * self.expert_bytes))
+        """Bytes of ΔP = placement \\ shard, |placement| - |shard| for shard ⊆ placement (checked, as
+        `Placement.delta` does), without building ΔP."""
+        if placement is shard:
+            return 0
+        if not shard.issubset(placement):
+            raise ValueError("delta: the base placement is not a subset of this placement")
+        return int(round((placement.num_pairs() - shard.num_pairs()) * self.expert_bytes))
 
 
 # --------------------------------------------------------------------------------------- Themis

@@ -193,11 +193,15 @@ def _split_replicated(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np
     return R_XSD
 
 
-def _checked(placement: Placement, tokens_ED: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
-    """Validate the inputs of Alg. 3; returns (int64 tokens [E, D], holder counts [E])."""
+def _checked(placement: Placement, tokens_ED: np.ndarray, topology: Topology,
+             tokens_checked: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Validate the inputs of Alg. 3; returns (int64 tokens [E, D], holder counts [E]). ``tokens_checked``:
+    ``tokens_ED`` is already `check_tokens`' result for this shape (only the orphans are checked)."""
     E, D = placement.shape
     topology.validate(D)
-    tokens_ED = check_tokens(tokens_ED, E, D)
+    if not (tokens_checked and type(tokens_ED) is np.ndarray and tokens_ED.dtype == np.int64
+            and tokens_ED.shape == (E, D)):
+        tokens_ED = check_tokens(tokens_ED, E, D)
     copies_E = placement.copy_counts()
     if E and copies_E.min() == 0:
         orphan = np.flatnonzero(copies_E == 0)
@@ -424,15 +428,33 @@ def _replicated_slots(holds_XD: np.ndarray, tokens_XD: np.ndarray, experts_X: np
     return hx_H[list_G[g_Y]], dest_Y, recv_Y, intra_Y, src_S, intra_S, tokens_S
 
 
-def _single_holder_traffic(mask_ED: np.ndarray, tokens_ED: np.ndarray, copies_E: np.ndarray, links: Topology,
+def _first_holders(placement: Placement) -> np.ndarray:
+    """[E] the lowest device holding each expert (0 for an expert without holders), what
+    ``argmax(mask, axis=1)`` gives: a shard placement's cached owners; otherwise the mask's rows read
+    eight devices a word (the first nonzero word, then its first nonzero byte) where they allow it."""
+    if placement.is_shard_placement():
+        return placement.owners()
+    mask_ED = placement.mask
+    E, D = mask_ED.shape
+    if D % 8 or not mask_ED.flags.c_contiguous:
+        return np.argmax(mask_ED, axis=1)
+    words_EW = mask_ED.view(np.uint64)
+    w_E = np.argmax(words_EW != 0, axis=1)
+    word_E = np.ascontiguousarray(words_EW[np.arange(E), w_E])
+    return 8 * w_E + np.argmax(word_E.view(np.uint8).reshape(E, 8) != 0, axis=1)
+
+
+def _single_holder_traffic(placement: Placement, tokens_ED: np.ndarray, copies_E: np.ndarray, links: Topology,
                            t: DispatchTraffic) -> None:
     """Add the experts with one holder to ``t``: every source's tokens go to the holder o (l.5, l.12)."""
+    mask_ED = placement.mask
     D = mask_ED.shape[1]
     single_O = np.flatnonzero(copies_E == 1)
     if not single_O.size:
         return
+    first_holders = _first_holders(placement)
     # Row reductions of the whole [E, D] arrays, then indexed: no [O, D] copy.
-    owner_O = np.argmax(mask_ED, axis=1)[single_O]
+    owner_O = first_holders[single_O]
     total_O = tokens_ED.sum(axis=1)[single_O]
     # The tokens of o's own node: T[e, offset + j] for the J devices of that node ([O, J] gather).
     node_O = links.node_ids[owner_O]
@@ -462,23 +484,24 @@ def _single_holder_traffic(mask_ED: np.ndarray, tokens_ED: np.ndarray, copies_E:
 
 
 def dispatch_traffic(placement: Placement, tokens_ED: np.ndarray, topology: Topology,
-                     links: Topology | None = None) -> DispatchTraffic:
+                     links: Topology | None = None, *, tokens_checked: bool = False) -> DispatchTraffic:
     """The per-device totals of the Alg. 3 plan, ``DispatchTraffic.from_plan(topology_aware_dispatch(
     placement, tokens_ED, topology), links)``, bit for bit, in O(E·D) without the [E, D, D] plan (see
     the module docstring).
 
     ``links``: the topology whose nodes classify the traffic as intra- or inter-node (default
     ``topology``). `even_dispatch`'s plan is ``topology = Topology.single_node(D)`` on the cluster's links.
-    ValueError as for `topology_aware_dispatch`.
+    ``tokens_checked``: ``tokens_ED`` is `check_tokens`' result already (a policy checks its counts once
+    per plan), so they are not read once more to be checked. ValueError as for `topology_aware_dispatch`.
     """
-    tokens_ED, copies_E = _checked(placement, tokens_ED, topology)
+    tokens_ED, copies_E = _checked(placement, tokens_ED, topology, tokens_checked)
     links = topology if links is None else links
     E, D = placement.shape
     links.validate(D)
     t = DispatchTraffic(*(np.zeros(D, dtype=np.int64) for _ in range(6)))
     mask_ED = placement.mask
     # Step 1: experts with one holder.
-    _single_holder_traffic(mask_ED, tokens_ED, copies_E, links, t)
+    _single_holder_traffic(placement, tokens_ED, copies_E, links, t)
     # Step 2: replicated experts: holders keep their tokens (l.4-5), the others split (l.6-12).
     rep_X = np.flatnonzero(copies_E > 1)
     if rep_X.size:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from themis_compile.planner import LoadPredictor, PolicyStep
+from themis_compile.planner import LoadPredictor, Placement, PolicyStep
 from themis_compile.planner.cost import all_to_all_time
 from themis_compile.sim.costs import Coster, LayerCost
 from themis_compile.sim.policies import DEFAULT_POLICIES, REFERENCE, PolicyCharges, charges_for
@@ -291,6 +291,14 @@ def simulate(setup: SimSetup, trace: RoutingTrace, policies: tuple[str, ...] | l
                      time.perf_counter() - started, float(np.mean(skews)) if skews else 0.0)
 
 
+def _owned(shard: Placement) -> np.ndarray:
+    """[D] the experts each device owns: ``shard.slots()``, counted from the owners a shard placement
+    keeps (O(E)) instead of a pass over its [E, D] mask."""
+    if shard.is_shard_placement():
+        return np.bincount(shard.owners(), minlength=shard.num_devices)
+    return shard.slots()
+
+
 @dataclass
 class _PolicyRun:
     """One policy's charges and what the engine accumulates for it over the iterations."""
@@ -325,10 +333,12 @@ class _PolicyRun:
         step = charges.plan(layer, predicted_E, tokens_ED)
         self._costs.append(_layer_cost(coster, charges, layer, step, predicted_E))
         if step.placement is not step.shard:                # replicas added this layer
-            added_D = (step.placement.mask & ~step.shard.mask).sum(axis=0)
+            # ΔP = P' \ shard per device, from the pairs the policy's SpAG / SpRS charge already derived
+            added_D = np.bincount(step.placement.added_over(step.shard) % step.shard.num_devices,
+                                  minlength=step.shard.num_devices)
             self._added_sum_D += added_D
             self.layer_max = max(self.layer_max, int(added_D.max()))
-        self._owned_D += step.shard.slots()
+        self._owned_D += _owned(step.shard)
         # Persistent state that changed since last iteration: migration / re-sharding.
         state_ED = charges.persistent_state(step)
         prev_ED = self.persistent_LED.get(layer)

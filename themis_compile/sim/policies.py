@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from themis_compile.planner import Policy, PolicyStep, make_policy, sparse_materialization
+from themis_compile.planner import Placement, Policy, PolicyStep, Topology, make_policy, sparse_materialization
 from themis_compile.planner.cost import sparse_transfer_time
 
 from themis_compile.sim.costs import Coster, LayerCost
@@ -37,6 +37,13 @@ from themis_compile.sim.setup import SimSetup
 
 __all__ = ["PolicyCharges", "ThemisCharges", "FasterMoECharges", "PersistentReplicaCharges",
            "FlexMoECharges", "CHARGES", "DEFAULT_POLICIES", "REFERENCE", "charges_for"]
+
+
+def _as_pairs(placement: Placement) -> Placement:
+    """The same placement held as its pairs (no [E, D] matrix)."""
+    if placement.is_sparse:
+        return placement
+    return Placement.from_pairs(placement.flat_ids(), *placement.shape, placement.copy_counts())
 
 
 class PolicyCharges:
@@ -48,6 +55,21 @@ class PolicyCharges:
         self.setup = setup
         self.policy: Policy = make_policy(name, setup.num_layers, setup.num_experts, setup.topology(), setup.psi,
                                           **self.policy_kwargs(setup, name))
+        self._shard_pairs: dict[int, tuple[Placement, Placement]] = {}
+
+    def transfer_time(self, base: Placement, target: Placement, psi: float, topology: Topology) -> float:
+        """`sparse_transfer_time` (SpAG(base, target)), with ``base`` given to it as pairs: it then counts
+        the transfer from the pairs, O(|P|), instead of passes over the [E, D] masks and node masks of
+        placements that are new every layer step (the same counts). The pairs of the current shards (one
+        per layer at most) are kept; a re-sharding drops the old ones."""
+        if not base.is_sparse:
+            held = self._shard_pairs.get(id(base))
+            if held is None or held[0] is not base:
+                if len(self._shard_pairs) >= self.setup.num_layers:
+                    self._shard_pairs.clear()
+                held = self._shard_pairs[id(base)] = (base, _as_pairs(base))
+            base = held[1]
+        return sparse_transfer_time(base, target, psi, topology)
 
     @classmethod
     def policy_kwargs(cls, setup: SimSetup, name: str) -> dict[str, Any]:
@@ -111,13 +133,13 @@ class ThemisCharges(PolicyCharges):
                                               policy.materialization_budget, topo)
         self._plan_s.append(time.perf_counter() - started)
         if step.info.get("calibrated"):
-            lc.calib_s = sparse_transfer_time(materialized, step.placement, psi, topo)
+            lc.calib_s = sparse_transfer_time(_as_pairs(materialized), step.placement, psi, topo)
         if materialized != step.shard:
-            lc.spag_s = sparse_transfer_time(step.shard, materialized, psi, topo)
+            lc.spag_s = self.transfer_time(step.shard, materialized, psi, topo)
         if step.placement != step.shard:
-            lc.sprs_s = sparse_transfer_time(step.shard, step.placement, coster.grad_psi, topo)
+            lc.sprs_s = self.transfer_time(step.shard, step.placement, coster.grad_psi, topo)
             if self.releases(layer) and step.bytes_moved["spag_remat"]:
-                lc.remat_s = sparse_transfer_time(step.shard, step.placement, psi, topo)
+                lc.remat_s = self.transfer_time(step.shard, step.placement, psi, topo)
 
     def bytes_moved(self, layer: int, step: PolicyStep) -> dict[str, int]:
         if self.releases(layer) or not step.bytes_moved["spag_remat"]:
@@ -173,7 +195,7 @@ class FasterMoECharges(PolicyCharges):
     def charge(self, coster: Coster, layer: int, step: PolicyStep, predicted_E: np.ndarray, lc: LayerCost) -> None:
         if step.bytes_moved["broadcast"]:
             p = self.setup.precision
-            lc.bcast_s = sparse_transfer_time(step.shard, step.placement, self.setup.psi, coster.topo)
+            lc.bcast_s = self.transfer_time(step.shard, step.placement, self.setup.psi, coster.topo)
             lc.reduce_s = lc.bcast_s * p.grad_bytes / max(p.param_bytes, 1)
 
     def held_replicas(self, sum_max: int, layer_max: int) -> tuple[int, int, int]:

@@ -347,6 +347,15 @@ def _narrow(counts: np.ndarray) -> np.ndarray:
     return counts.astype(dtype)
 
 
+def _transposed(a_XY: np.ndarray, rows: int = 512) -> np.ndarray:
+    """``a_XY.T`` as a C-contiguous [Y, X] copy, made ``rows`` rows at a time (each chunk's reads and
+    writes stay in cache: a quarter faster than one strided copy of a block of the Poisson sampler)."""
+    out_YX = np.empty(a_XY.shape[::-1], dtype=a_XY.dtype)
+    for lo in range(0, a_XY.shape[0], rows):
+        out_YX[:, lo:lo + rows] = a_XY[lo:lo + rows].T
+    return out_YX
+
+
 class SyntheticRecords(Sequence[RoutingRecord]):
     """The records of `synthetic_trace`, step-major, each step's L records generated when first read.
 
@@ -407,12 +416,12 @@ class SyntheticRecords(Sequence[RoutingRecord]):
         self._rng = np.random.default_rng(seed)
         z_LE = self._rng.standard_normal((num_layers, num_experts))
         self._spread_states: list[dict] = []
-        self._spread_cache: list[np.ndarray] | None = None
+        # Per layer: exp(spread) as [D, E] float64 (multinomial), or the Poisson sampler's [E, b] float16 blocks.
+        self._spread_cache: list[np.ndarray] | list[list[np.ndarray]] | None = None
         self._poisson = num_devices * num_experts > self.EXACT_CELLS
         if self._poisson:
             if 2.0 * num_layers * num_devices * num_experts <= self.SPREAD_CACHE_BYTES:
-                self._spread_cache = [np.concatenate(list(self._spread_blocks(layer)), axis=1)
-                                      for layer in range(num_layers)]
+                self._spread_cache = [list(self._spread_blocks(layer)) for layer in range(num_layers)]
         elif 8.0 * num_layers * num_devices * num_experts <= self.SPREAD_CACHE_BYTES:
             self._spread_cache = [np.exp(device_spread * self._rng.standard_normal((num_devices, num_experts)))
                                   for _ in range(num_layers)]
@@ -454,15 +463,15 @@ class SyntheticRecords(Sequence[RoutingRecord]):
         """[E, D] counts of one record: for every device d, Multinomial(n, p_E·exp(spread[layer, :, d]))
         (normalized), drawn as independent Poisson counts, a device's column drawn again while its sum
         exceeds n, and completed with n - sum categorical draws (see the class docstring). Built in
-        blocks of devices (columns), so nothing of the record's size is transposed or held as floats."""
+        blocks of devices (columns), so nothing of the record's size is transposed or held as floats.
+        Stored as uint16 while the counts fit (always below 2^16 assignments a device; above, the record
+        is widened the first time a block does not fit)."""
         D, E, n, rng = self.num_devices, self.num_experts, self._assignments, self._rng
         mean = max(0.0, n - self.POISSON_MARGIN * math.sqrt(n))
-        out_ED = np.empty((E, D), dtype=np.uint16 if n < 2 ** 16 else np.uint32 if n < 2 ** 32 else np.int64)
+        out_ED = np.empty((E, D), dtype=np.uint16)
+        wide = np.uint32 if n < 2 ** 32 else np.int64
         cols = self._block_devices()
-        cache = self._spread_cache[layer] if self._spread_cache is not None else None
-        blocks = (cache[:, lo:lo + cols] for lo in range(0, D, cols)) if cache is not None else \
-            self._spread_blocks(layer)
-        levels = max(1, int(E - 1).bit_length())
+        blocks = self._spread_cache[layer] if self._spread_cache is not None else self._spread_blocks(layer)
         for lo, w_Eb in zip(range(0, D, cols), blocks):
             b = w_Eb.shape[1]
             p_Eb = p_E[:, None] * w_Eb
@@ -476,20 +485,22 @@ class SyntheticRecords(Sequence[RoutingRecord]):
                 over_b = over_b[sum_b[over_b] > n]
             short_b = n - sum_b
             if short_b.any():
-                # The shortfall: categorical draws by inversion of each device's cumulative shares, a
-                # binary search for all draws at once (the first expert whose cumulative share exceeds u).
-                cum_Eb = np.cumsum(p_Eb, axis=0)
-                col_i = np.repeat(np.arange(b), short_b)
-                u_i = rng.random(col_i.size) * cum_Eb[-1, col_i]
-                flat = cum_Eb.reshape(-1)
-                lo_i = np.zeros(col_i.size, dtype=np.int64)
-                hi_i = np.full(col_i.size, E - 1, dtype=np.int64)
-                for _ in range(levels):
-                    mid_i = (lo_i + hi_i) >> 1
-                    right = flat[mid_i * b + col_i] <= u_i
-                    lo_i = np.where(right, mid_i + 1, lo_i)
-                    hi_i = np.where(right, hi_i, mid_i)
-                counts_Eb += np.bincount(lo_i * b + col_i, minlength=E * b).reshape(E, b)
+                # The shortfall: categorical draws by inversion of each device's cumulative shares (the
+                # first expert whose cumulative share exceeds u), one `searchsorted` per device of its
+                # draws sorted (twice as fast; the counts do not depend on the draws' order). The
+                # cumulative shares are summed in expert order, as before, but along the rows of the
+                # transposed block (a cumsum down the columns costs half as much again).
+                cum_bE = np.cumsum(_transposed(p_Eb), axis=1)
+                ends_b = np.cumsum(short_b)
+                u_i = rng.random(int(ends_b[-1])) * np.repeat(cum_bE[:, -1], short_b)
+                e_i = np.empty(u_i.size, dtype=np.int64)
+                for j in np.flatnonzero(short_b):
+                    i0, i1 = ends_b[j] - short_b[j], ends_b[j]
+                    e_i[i0:i1] = np.searchsorted(cum_bE[j], np.sort(u_i[i0:i1]), side="right")
+                np.minimum(e_i, E - 1, out=e_i)
+                np.add.at(counts_Eb.reshape(-1), e_i * b + np.repeat(np.arange(b), short_b), 1)
+            if out_ED.dtype == np.uint16 and n >= 2 ** 16 and counts_Eb.max(initial=0) >= 2 ** 16:
+                out_ED = out_ED.astype(wide)         # a device sent one expert 2^16 tokens or more
             out_ED[:, lo:lo + b] = counts_Eb
         return out_ED
 
