@@ -1045,6 +1045,40 @@ static int sort_by_load(int64_t *ids, Py_ssize_t n, const double *load_E)
     return 0;
 }
 
+/* Calibration's step 1 remainder and l.8 rows, for either calibration: slots_D (the replicas added per
+ * device) becomes the remaining budget max(m - added, 0); when some device has a slot and the overlap
+ * degree leaves room (t - replicated >= 0), experts_J gets every replicated expert and the
+ * t - replicated highest-load others, those with load, by load descending (ties: lower id), at most t
+ * of them (rep_J, fresh_J: scratch of t entries). Returns their number (0: nothing to place), -1 with
+ * no memory. */
+static Py_ssize_t eligible_rows(int64_t *slots_D, Py_ssize_t D, Py_ssize_t m, Py_ssize_t t, Py_ssize_t replicated,
+                                const double *load_E, Py_ssize_t E, const uint8_t *replicated_E,
+                                int64_t *rep_J, int64_t *fresh_J, int64_t *experts_J)
+{
+    int any_slot = 0;
+    for (Py_ssize_t d = 0; d < D; d++) {
+        slots_D[d] = slots_D[d] < m ? m - slots_D[d] : 0;
+        any_slot |= slots_D[d] != 0;
+    }
+    const Py_ssize_t new_allowed = t - replicated;
+    if (!any_slot || new_allowed < 0) return 0;
+    Py_ssize_t num_rep = 0;
+    for (Py_ssize_t e = 0; e < E; e++)
+        if (replicated_E[e] && load_E[e] > 0) rep_J[num_rep++] = e;
+    const Py_ssize_t num_fresh = top_experts(load_E, E, new_allowed, replicated_E, fresh_J);
+    if (num_fresh < 0 || sort_by_load(rep_J, num_rep, load_E) < 0) return -1;
+    Py_ssize_t J = 0, i = 0, j = 0;
+    while (i < num_rep || j < num_fresh) {
+        int take_rep = j >= num_fresh;
+        if (i < num_rep && j < num_fresh) {
+            const double a = load_E[rep_J[i]], b = load_E[fresh_J[j]];
+            take_rep = a > b || (a == b && rep_J[i] < fresh_J[j]);
+        }
+        experts_J[J++] = take_rep ? rep_J[i++] : fresh_J[j++];
+    }
+    return J;
+}
+
 /* Sum of eight 0/1 bytes. */
 static inline int64_t byte_sum(uint64_t word)
 {
@@ -1233,34 +1267,14 @@ static PyObject *py_calibrate(PyObject *self, PyObject *args)
         replicated += rep;
     }
     code = 0;
-    int any_slot = 0;
-    for (Py_ssize_t d = 0; d < D; d++) {     /* remaining budget: max(m - added, 0) */
-        slots_D[d] = slots_D[d] < m ? m - slots_D[d] : 0;
-        any_slot |= slots_D[d] != 0;
-    }
-    const Py_ssize_t new_allowed = t - replicated;                  /* remaining overlap degree */
-    if (!any_slot || new_allowed < 0) goto done;
-    /* Eligible: every replicated expert and the new_allowed highest-load others; those with load, by
-     * load descending (ties: lower id). */
-    Py_ssize_t num_rep = 0;
-    for (Py_ssize_t e = 0; e < E; e++)
-        if (replicated_E[e] && load_E[e] > 0) rep_J[num_rep++] = e;
-    const Py_ssize_t num_fresh = top_experts(load_E, E, new_allowed, replicated_E, fresh_J);
-    if (num_fresh < 0 || sort_by_load(rep_J, num_rep, load_E) < 0) {
+    const Py_ssize_t J = eligible_rows(slots_D, D, m, t, replicated, load_E, E, replicated_E, rep_J, fresh_J,
+                                       experts_J);
+    if (J < 0) {
         failed = 1;
         PyErr_NoMemory();
         goto done;
     }
-    Py_ssize_t J = 0, i = 0, j = 0;
-    while (i < num_rep || j < num_fresh) {
-        int take_rep = j >= num_fresh;
-        if (i < num_rep && j < num_fresh) {
-            const double a = load_E[rep_J[i]], b = load_E[fresh_J[j]];
-            take_rep = a > b || (a == b && rep_J[i] < fresh_J[j]);
-        }
-        experts_J[J++] = take_rep ? rep_J[i++] : fresh_J[j++];
-    }
-    if (J == 0) goto done;                                          /* nothing to place */
+    if (J == 0) goto done;                                              /* nothing to place */
     memcpy(mask_ED, mat_ED, (size_t)E * (size_t)D);
     if (!have_dev)
         fluid_device_load_pairs(&tp, mat_ED, load_E, E, held_E, owner_E, dev_load_D, s.holders_N, s.holders);
@@ -1816,32 +1830,12 @@ static PyObject *py_calibrate_pairs(PyObject *self, PyObject *args)
         replicated += replicated_E[e];
     }
     code = 0;
-    int any_slot = 0;
-    for (Py_ssize_t d = 0; d < D; d++) {                /* remaining budget: max(m - added, 0) */
-        slots_D[d] = slots_D[d] < m ? m - slots_D[d] : 0;
-        any_slot |= slots_D[d] != 0;
-    }
-    const Py_ssize_t new_allowed = t - replicated;                      /* remaining overlap degree */
-    if (!any_slot || new_allowed < 0) goto done;
-    /* Eligible: every replicated expert and the new_allowed highest-load others; those with load, by
-     * load descending (ties: lower id). At most t of them. */
-    Py_ssize_t num_rep = 0;
-    for (Py_ssize_t e = 0; e < E; e++)
-        if (replicated_E[e] && load_E[e] > 0) rep_J[num_rep++] = e;
-    const Py_ssize_t num_fresh = top_experts(load_E, E, new_allowed, replicated_E, fresh_J);
-    if (num_fresh < 0 || sort_by_load(rep_J, num_rep, load_E) < 0) {
+    const Py_ssize_t J = eligible_rows(slots_D, D, m, t, replicated, load_E, E, replicated_E, rep_J, fresh_J,
+                                       experts_J);
+    if (J < 0) {
         failed = 1;
         PyErr_NoMemory();
         goto done;
-    }
-    Py_ssize_t J = 0, i = 0, j = 0;
-    while (i < num_rep || j < num_fresh) {
-        int take_rep = j >= num_fresh;
-        if (i < num_rep && j < num_fresh) {
-            const double a = load_E[rep_J[i]], b = load_E[fresh_J[j]];
-            take_rep = a > b || (a == b && rep_J[i] < fresh_J[j]);
-        }
-        experts_J[J++] = take_rep ? rep_J[i++] : fresh_J[j++];
     }
     if (J == 0) goto done;                                              /* nothing to place */
     /* l.8-11 on J's rows alone: row j is expert experts_J[j], with its load, holder count and id j in
