@@ -206,3 +206,49 @@ def test_checkpoint_and_export_in_the_users_keys(tmp_path):
     """torch.distributed.checkpoint through themis_compile.checkpoint holds the user's keys (``w_in.3``) and
     resumes the run exactly; the full state dict is the unmodified model's, equal to one process's training."""
     checkpoint_resumes_in_the_users_keys(functools.partial(_model, "nonzero"), tmp_path)
+
+
+class EveryExpertParamListsMoE(nn.Module):
+    """Top-1 over a biased router whose last expert is never chosen, a ``torch.where`` loop that calls every
+    expert, those without tokens on no rows (their gradient zero in one process, not None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(H, E)
+        with torch.no_grad():
+            self.router.bias[E - 1] = -100.0
+        self.w_in, self.w_out = _weights(E, FFN, H), _weights(E, H, FFN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, x = x.shape, x.reshape(-1, H)
+        w_TK, ids_TK = self.router(x).softmax(-1).topk(1, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = torch.where(ids_TK == e)
+            out.index_add_(0, tok, F.linear(F.gelu(F.linear(x[tok], self.w_in[e])), self.w_out[e]) * w_TK[tok, slot, None])
+        return out.view(shape)
+
+
+def _every_expert_model() -> zoo.ZooLM:
+    torch.manual_seed(0)
+    return zoo.ZooLM("every", blocks={"every": EveryExpertParamListsMoE})
+
+
+def test_an_expert_without_tokens_in_a_loop_calling_every_expert():
+    """The check of the rewrite runs such an expert on no rows, as the runtime does for a block that calls every
+    expert: the layer is accepted (it was refused, the reference leaving that gradient None), its never-chosen
+    expert gets a zero gradient as in one process, and 2 ranks train equal to one process."""
+    from themis_compile.passes.shard import prepare_moe_layers
+
+    model, original = _every_expert_model(), _every_expert_model()
+    infos = prepare_moe_layers(model, strict=True)
+    assert [(i.rewrite, i.top_k, i.skips_empty_experts) for i in infos] == [("param-lists", 1, False)] * len(LAYERS)
+    block, ref = model.layers[0].moe, original.layers[0].moe
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(1))
+    ref(x).square().sum().backward()
+    block(x).square().sum().backward()
+    unused = block.experts[E - 1].w_in
+    assert unused.grad is not None and not unused.grad.any()
+    torch.testing.assert_close(unused.grad, ref.w_in[E - 1].grad)
+    trains_like_one_process(_every_expert_model, lambda n: any(f".moe.{a}." in n for a in ("w_in", "w_out")),
+                            LAYERS, E, 2, timeout_s=240)

@@ -930,7 +930,7 @@ def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], s
                                                                         "indexed-weights", "own-weights"):
             # The trial computes its experts exactly as the sharded runtime will (each expert alone).
             trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr],
-                                                                 info.num_experts)
+                                                                 info.num_experts, info.skips_empty_experts)
         verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
         if info.rewrite == "dense-dispatch":
             verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
