@@ -225,7 +225,8 @@ class EveryExpertParamListsMoE(nn.Module):
         out = torch.zeros_like(x)
         for e in range(E):
             tok, slot = torch.where(ids_TK == e)
-            out.index_add_(0, tok, F.linear(F.gelu(F.linear(x[tok], self.w_in[e])), self.w_out[e]) * w_TK[tok, slot, None])
+            y = F.linear(F.gelu(F.linear(x[tok], self.w_in[e])), self.w_out[e])
+            out.index_add_(0, tok, y * w_TK[tok, slot, None])
         return out.view(shape)
 
 
