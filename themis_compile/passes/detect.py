@@ -281,21 +281,22 @@ class RuntimeReference(nn.Module):
     """What the sharded runtime computes for ``experts(x_TH, ids_TK, weights_TK)``, in one process:
     ``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` with each expert run alone by the
     :class:`~themis_compile.runtime.experts.ExpertBank` of ``experts`` (held, not registered; ``num_experts``
-    as the router scores them, which tells flat ``[E * F, H]`` weights apart). An expert without rows is
-    not run (no gradient) when ``skips_empty``, as the runtime does for a block that skips it; otherwise
-    it runs on no rows (a zero gradient), as the runtime runs it for a block whose loop calls every expert."""
+    as the router scores them, which tells flat ``[E * F, H]`` weights apart). An expert module without
+    rows is not run (no gradient) when ``skips_empty``, as the runtime does for a block that skips it;
+    otherwise it runs on no rows (a zero gradient), as the runtime runs it for a block whose loop calls
+    every expert. (Stacked weights are one tensor: skipping an expert leaves no gradient None.)"""
 
     def __init__(self, experts: nn.Module, num_experts: int | None = None, skips_empty: bool = True) -> None:
         super().__init__()
         self.bank = ExpertBank(experts, num_experts=num_experts or None)
-        self.skips_empty = skips_empty
+        self.runs_empty = not skips_empty and self.bank.per_expert_modules
         self.__dict__["experts"] = experts
 
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         out_TH = torch.zeros(x_TH.shape, dtype=torch.float64, device=x_TH.device)
         for e in range(self.bank.num_experts):
             token_N, k_N = torch.where(ids_TK == e)
-            if token_N.numel() or not self.skips_empty:
+            if token_N.numel() or self.runs_empty:
                 y_NH = self.bank.run(self.bank.chunk(self.experts, e), x_TH[token_N],
                                      self.bank.shared_tensors(self.experts))
                 out_TH = out_TH.index_add(0, token_N, y_NH.double() * weights_TK[token_N, k_N, None].double())
