@@ -79,3 +79,21 @@ def test_code_that_cannot_be_an_expert_stays_data_parallel_with_the_step_named()
 
 def test_checkpoint_resumes_in_the_users_keys(tmp_path):
     checkpoint_resumes_in_the_users_keys(build, tmp_path)
+
+
+@pytest.mark.parametrize("style", ["padded_bmm", "inline_decoder", "gathered_einsum"])
+def test_an_expert_without_rows_runs_on_none(style):
+    """The runtime runs an expert of a block that calls every expert on no rows where none reached it: the
+    own-weights experts' code takes zero rows (it reshaped them to [0, K, -1], which torch cannot) and gives
+    every weight of the expert a zero gradient."""
+    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.runtime.experts import ExpertBank
+
+    info = prepare_moe_layers(style_models.skewed_model(style), strict=True)[0]
+    experts = getattr(info.module, info.experts_attr)
+    bank = ExpertBank(experts, num_experts=info.num_experts)
+    params = [p.detach().requires_grad_() for p in bank.chunk(experts, 0)]
+    y = bank.run(params, torch.zeros(0, info.hidden_size), bank.shared_tensors(experts))
+    assert tuple(y.shape) == (0, info.hidden_size)
+    grads = torch.autograd.grad(y.sum(), params, allow_unused=True)
+    assert all(g is not None and not g.any() for g in grads), grads

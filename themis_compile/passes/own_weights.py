@@ -102,11 +102,12 @@ class OwnWeightsExperts(nn.Module):
             buf_ECH, order_N, expert_N, slot_N = padded_rows(x_TH, ids_TK, E)
             y_ECH = self.region(self, buf_ECH)
             y_NH = y_ECH.new_empty(T * K, y_ECH.shape[-1]).index_copy(0, order_N, y_ECH[expert_N, slot_N])
-            return torch.einsum("tkh,tk->th", y_NH.view(T, K, -1), weights_TK.to(y_NH.dtype))
+            return torch.einsum("tkh,tk->th", y_NH.view(T, K, y_NH.shape[-1]), weights_TK.to(y_NH.dtype))
         if self.form == "per-slot":
             y_TKH = self.region(self, x_TH, ids_TK)
         else:
-            y_TKH = self.region(self, x_TH.repeat_interleave(K, dim=0), ids_TK.reshape(-1)).reshape(T, K, -1)
+            y_NH = self.region(self, x_TH.repeat_interleave(K, dim=0), ids_TK.reshape(-1))
+            y_TKH = y_NH.reshape(T, K, y_NH.shape[-1])      # (T may be 0: an expert without rows)
         return torch.einsum("tkh,tk->th", y_TKH, weights_TK.to(y_TKH.dtype))
 
 
