@@ -699,6 +699,17 @@ def _recorded_routing(rec: Any) -> tuple[str, str]:
             ", ".join(dict.fromkeys(rec.selections)) or "no top-k/max/sort call (masks)")
 
 
+def _selecting_probe(module: nn.Module, hidden: int) -> tuple[torch.Tensor, Any] | None:
+    """(probe, the calls its forward made) when ``module`` runs on a probe of hidden states and selects
+    experts there (a top-k, a sort cut to k, a max / argmax); None otherwise."""
+    try:
+        x = probe_input(module, hidden)
+        rec = record_calls(module, x)
+    except Exception:  # noqa: BLE001 - not a block run on hidden states
+        return None
+    return (x, rec) if rec.ks or rec.top1 else None
+
+
 def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     """The layer of a block (an MoE block or a whole decoder layer) that holds its experts as stacked
     ``[E, ...]`` parameters of its own and applies them inline (:mod:`themis_compile.passes.own_weights`):
@@ -710,13 +721,9 @@ def _own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     if found is None:
         return None
     router_name, E, H, names = found
-    try:
-        x = probe_input(module, H)
-        rec = record_calls(module, x)
-    except Exception:  # noqa: BLE001 - not a block run on hidden states
+    if (probed := _selecting_probe(module, H)) is None:
         return None
-    if not (rec.ks or rec.top1):
-        return None
+    x, rec = probed
     shapes = ", ".join(f"{n} {list(module._parameters[n].shape)}" for n in names)
     head = (f"its expert weights are stacked parameters of the block itself ({shapes}, {E} experts scored by "
             f"'{router_name}')")
@@ -947,13 +954,9 @@ def _param_lists_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
         return None
     lists, E, (router_name, router) = found
     H = router.in_features
-    try:
-        x = probe_input(module, H)
-        rec = record_calls(module, x)
-    except Exception:  # noqa: BLE001 - not a block run on hidden states
+    if (probed := _selecting_probe(module, H)) is None:
         return None
-    if not (rec.ks or rec.top1):
-        return None
+    x, rec = probed
     names = tuple(attr for attr, _ in lists)
     for attr, child in lists:
         if len({(tuple(p.shape), p.dtype) for p in child}) != 1:
