@@ -781,21 +781,14 @@ def rewrite_moe_layer(info: MoELayerInfo) -> None:
                     "call (capture and replay)", info.name, info.plan.first, info.plan.second, info.experts_attr,
                     info.experts_attr)
         return
-    if info.rewrite == "indexed-weights":
+    if info.rewrite in ("param-lists", "indexed-weights"):     # the same reading: entry e of each list
         apply_param_lists(info.module, info.plan)
         apply_replay(info.module, info.experts_attr, info.plan.replay, layer=info.name)
         info.rewritten = True
-        logger.info("MoE layer %s: its stacked weights %s, indexed by expert id, and the code applying them moved "
-                    "into %s, served by one %s(x, ids, weights) call (capture and replay)", info.name,
-                    ", ".join(info.plan.lists), info.experts_attr, info.experts_attr)
-        return
-    if info.rewrite == "param-lists":
-        apply_param_lists(info.module, info.plan)
-        apply_replay(info.module, info.experts_attr, info.plan.replay, layer=info.name)
-        info.rewritten = True
-        logger.info("MoE layer %s: entry e of %s and the code applying them moved into %s[e], served by one "
-                    "%s(x, ids, weights) call (capture and replay)", info.name, ", ".join(info.plan.lists),
-                    info.experts_attr, info.experts_attr)
+        moved = ("its stacked weights %s, indexed by expert id, and the code applying them moved into %s"
+                 if info.rewrite == "indexed-weights" else "entry e of %s and the code applying them moved into %s[e]")
+        logger.info("MoE layer %s: " + moved + ", served by one %s(x, ids, weights) call (capture and replay)",
+                    info.name, ", ".join(info.plan.lists), info.experts_attr, info.experts_attr)
         return
     if info.rewrite == "replay":
         plan = info.plan if isinstance(info.plan, ReplayPlan) else ReplayPlan(num_experts=info.num_experts)
