@@ -11,11 +11,13 @@ from torch import nn
 
 from themis_compile.config import ThemisConfig
 from themis_compile.export import bind_save_pretrained, guard_state_dict
-from themis_compile.passes.detect import (SEARCHED, MoELayerInfo, explain_moe_layers, find_moe_layers,
-                                          shared_parameter_names)
+from themis_compile.layer_info import MoELayerInfo
+from themis_compile.passes.candidates import shared_parameter_names
+from themis_compile.passes.detect import SEARCHED, find_moe_layers
+from themis_compile.passes.explain import explain_moe_layers
 from themis_compile.passes.probe import probing_as_recorded
 from themis_compile.passes.schedule import schedule_model
-from themis_compile.passes.shard import prepare_moe_layers
+from themis_compile.passes.styles import describe_layer, prepare_found
 from themis_compile.planner import PlanCost, Placement, Topology
 from themis_compile.runtime import deadline
 from themis_compile.runtime.budgets import BudgetController
@@ -98,12 +100,13 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     group, rank, world_size, dense_mesh = _resolve_group(group)
     if getattr(model, "_themis_runtime", None) is not None:
         raise ValueError("this model was already optimized by themis_compile")
-    # Detect (read-only); name what will not be sharded before anything changes. Then rewrite expert
-    # loops into one experts(x, ids, weights) call and verify each on a probe (raises naming the layer).
+    # Detect once (read-only); name what will not be sharded before anything changes. Then rewrite each
+    # layer by its style into one experts(x, ids, weights) call, each checked on a probe first (raises
+    # naming the layer).
     found, rejected = find_moe_layers(model, example_inputs)
     _report_unsharded(model, found, rejected, strict=strict, world_size=world_size, config=config)
-    with probing_as_recorded(found):     # layers found with recorded inputs are found so again, no forward
-        infos = prepare_moe_layers(model, strict=strict, example_inputs=example_inputs) if found else []
+    with probing_as_recorded(found):     # layers found with recorded inputs are probed with them
+        infos = prepare_found(found, rejected, strict=strict) if found else []
 
     runtime = ThemisRuntime(config=config, rank=rank, world_size=world_size, group=group,
                             unsharded=[(name, _one_line(why)) for name, why in rejected])
@@ -377,7 +380,7 @@ def explain(model: nn.Module, verbose: bool = False, *, example_inputs: tuple | 
         return explain_moe_layers(model, example_inputs)
     infos, rejected = find_moe_layers(model, example_inputs)
     lines = [f"{len(infos)} MoE layer(s) found"]
-    lines += [f"  {info.name}: {info.describe()}{_shared_note(info)}" for info in infos]
+    lines += [f"  {info.name}: {describe_layer(info)}{_shared_note(info)}" for info in infos]
     lines += [f"  rejected {name}: {why}" for name, why in rejected]
     return "\n".join(lines)
 
@@ -411,7 +414,7 @@ def _explain_optimized(runtime: ThemisRuntime, verbose: bool) -> str:
             text += f"; parameters every expert uses (dense, data-parallel): {', '.join(shared)}"
         lines.append(text)
         if verbose and info is not None:
-            lines.append(f"    {info.describe()}")
+            lines.append(f"    {describe_layer(info)}")
     if runtime.dense_parallel is None:
         lines.append("not sharded (world size 1, no data parallelism needed): every other parameter")
     else:

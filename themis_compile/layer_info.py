@@ -1,16 +1,16 @@
 """The record of one MoE layer found in a model (:class:`MoELayerInfo`), and the recorded call it may be
 probed with (:class:`RecordedCall`).
 
-Detection (`themis_compile.passes.detect`) makes these records, the rewrite (`themis_compile.passes.shard`)
-fills in their plan, and the runtime keeps them (`themis_compile.runtime.registry.ThemisRuntime.layer_infos`).
+Detection (`themis_compile.passes.detect`) makes these records, the rewrite of their style
+(`themis_compile.passes.styles`) fills in their plan, and the runtime keeps them (`themis_compile.runtime.registry.ThemisRuntime.layer_infos`).
 They sit at the bottom of the package so that every layer can read them: this module imports only torch
 and the standard library. What needs more than the record itself (the experts cut into chunks, a probe)
-lives with its user: ``passes.detect.shared_parameter_names``, ``passes.probe``.
+lives with its user: ``passes.candidates.shared_parameter_names``, ``passes.probe``.
 
 Contract:
     A record holds where the layer's parts are (``module``, ``experts_attr``, ``router_path``), what
     detection read off them (experts, top-k, router, activation, shared experts) and how its experts are
-    called (``rewrite``, one of the names listed at the field). The rewrite sets ``plan`` (its own plan
+    called (``rewrite``, the name of its style: a row of ``passes.styles.STYLES``). The rewrite sets ``plan`` (its own plan
     type, per ``rewrite``) and ``rewritten``; nothing else changes once `find_moe_layers` returns it.
 """
 
@@ -41,17 +41,13 @@ class MoELayerInfo:
     activation: str
     shared_experts: bool
     experts_attr: str = "experts"              # attribute of ``module`` holding the experts
-    rewrite: str = "none"                      # "none" | "inline-loop" | "per-slot" | "sorted-rows" |
-                                               # "dense-dispatch" | "dispatch-mask" | "flatten" | "replay" |
-                                               # "all-rows" | "scores-call" | "joined" | "zero-experts" |
-                                               # "parallel-lists" | "param-lists" | "own-weights" |
-                                               # "indexed-weights"
+    rewrite: str = "none"                      # its style: the name of a row of passes.styles.STYLES
     router_path: str = ""                      # qualified name (in ``module``) of the router's weight or Linear
     score_fn: str = ""                         # "softmax" | "sigmoid" | "none"
     hidden_size: int = 0
     shared_expert_names: tuple[str, ...] = ()
     aux_losses: tuple[str, ...] = ()           # what else the forward produces: stored losses, buffer updates
-    rewritten: bool = False                    # set by passes.shard.rewrite_moe_layer
+    rewritten: bool = False                    # set by passes.styles.rewrite_moe_layer
     probe_flat: bool = False                   # the forward takes hidden states [T, H] rather than [B, S, H]
     skips_empty_experts: bool = False          # runs only the experts that receive tokens (skips_empty_experts)
     zero_experts: int = 0                      # Z identity experts with ids [E, E + Z) (zero-experts rewrite)
@@ -59,62 +55,18 @@ class MoELayerInfo:
                                                # (Megatron-Core's (output, output_bias) without bias: 1)
     tied_to: str = ""                          # the earlier layer whose experts these are (tied weights):
                                                # served by that layer's sharded experts
-    plan: Any = field(default=None, repr=False, compare=False)   # passes.shard.RewritePlan, once made
-                                                                 # (passes.replay.ReplayPlan for "replay",
-                                                                 # AllRowsPlan for "all-rows",
-                                                                 # passes.joined.JoinedPlan for "joined")
+    plan: Any = field(default=None, repr=False, compare=False)   # its style's plan, once made (a plan
+                                                # with experts_of(block) builds the experts module itself)
     probe_call: RecordedCall | None = field(default=None, repr=False, compare=False)   # the arguments it is
                                                 # probed with when hidden states alone do not run it
 
     @property
     def experts(self) -> nn.Module:
-        if self.rewrite in ("joined", "parallel-lists", "param-lists", "own-weights", "indexed-weights"):
+        if hasattr(self.plan, "experts_of"):
             # Joined or moved (passes.joined, passes.parallel_lists, passes.own_weights): the experts exist
             # as one module once rewritten.
             return self.plan.experts_of(self.module)
         return getattr(self.module, self.experts_attr)
-
-    def describe(self) -> str:
-        shared = ", ".join(self.shared_expert_names) if self.shared_expert_names else "no"
-        call = {"none": f"calls {self.experts_attr}(x, ids, weights)",
-                "inline-loop": "loops over its experts inline (rewritten to one experts call)",
-                "per-slot": f"calls {self.experts_attr}(x, ids) -> [T, K, H] (rewritten to one experts call)",
-                "sorted-rows": f"calls {self.experts_attr}(rows sorted by expert, counts) (rewritten to one "
-                               "experts call)",
-                "replay": "calls its experts one by one in an untraceable forward (capture and replay: one "
-                          "experts call between two passes of the forward)",
-                "dense-dispatch": "dispatches and combines through [T, E, C] tensors (rewritten to one experts "
-                                  "call)",
-                "dispatch-mask": f"calls {self.experts_attr}(x, one-hot mask [T, K, E], weights) (rewritten to one "
-                                 "experts call)",
-                "flatten": f"calls {self.experts_attr}(x [B, S, H], ids, weights) (rewritten to one call on flat "
-                           "x [T, H])",
-                "all-rows": f"calls {self.experts_attr}(x [E*T, H]) on every row (rewritten to one experts "
-                            "call)",
-                "scores-call": f"calls {self.experts_attr}(x, scores [T, E], weights, ids) in some order (rewritten "
-                               "to one experts(x, ids, weights) call)",
-                "joined": f"calls two halves of its experts on rows sorted by expert, row-wise code between them "
-                          f"(joined into '{self.experts_attr}', rewritten to one experts call)",
-                "own-weights": f"applies stacked [E, ...] parameters of its own inline (moved into "
-                               f"'{self.experts_attr}', rewritten to one experts call)",
-                "param-lists": f"applies entry e of each of its ParameterLists per expert (moved into "
-                               f"'{self.experts_attr}', capture and replay: one experts call)",
-                "indexed-weights": f"applies stacked [E, ...] parameters of its own indexed by expert id, w[e], per "
-                                   f"expert (moved into '{self.experts_attr}', capture and replay: one experts call)",
-                "parallel-lists": f"calls entry e of each of two parallel ModuleLists per expert (joined into "
-                                  f"'{self.experts_attr}', capture and replay: one experts call)",
-                "zero-experts": f"calls {self.experts_attr}(x, ids, weights) with ids in [0, E + Z) (the "
-                                f"{self.zero_experts} ids >= E add weight * x, served by the rewrite; the others "
-                                "by the runtime)"}.get(self.rewrite,
-                                                                                                 self.rewrite)
-        zero = f" + {self.zero_experts} zero (identity) experts" if self.zero_experts else ""
-        text = (f"{self.num_experts} experts{zero} ({self.experts_form}, '{self.experts_attr}'), top-{self.top_k}, "
-                f"router {self.router}, activation {self.activation}, shared experts: {shared}; {call}")
-        if self.aux_losses:
-            text += f"; auxiliary: {'; '.join(self.aux_losses)}"
-        if self.tied_to:
-            text += f"; experts tied to {self.tied_to!r}'s (served by its sharded experts)"
-        return text
 
 
 @dataclass(frozen=True, eq=False)

@@ -118,7 +118,7 @@ def check_own_weights_rewrite(build: Callable, block_path: str, weight: str, den
     holds its stacked ``weight`` (the same parameter object) in its experts child, the model's state-dict
     keys are the unmodified model's, both ways, and the block computes what the unmodified one does: values,
     and the gradients of the hidden states, of ``weight`` and of the dense parameter ``dense``."""
-    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.passes.styles import prepare_moe_layers
 
     model, original = build(), build()
     keys = list(original.state_dict())

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from themis_compile.passes.detect import (AllRowsPlan, RuntimeReference, all_rows_experts_class, find_moe_layers,
-                                          serve_all_rows, zero_rows_reason)
-from themis_compile.passes.shard import AllRowsCall, prepare_moe_layers
+from themis_compile.passes.candidates import RuntimeReference
+from themis_compile.passes.detect import find_moe_layers
+from themis_compile.passes.find_behaviour import AllRowsPlan, all_rows_experts_class, serve_all_rows, zero_rows_reason
+from themis_compile.passes.shard import AllRowsCall
+from themis_compile.passes.styles import prepare_moe_layers
 
 H, FFN, E = 16, 24, 4
 

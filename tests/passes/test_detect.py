@@ -9,7 +9,8 @@ from torch import nn
 
 import themis_compile
 from themis_compile.models import build_model
-from themis_compile.passes.detect import SEARCHED, explain_moe_layers, find_moe_layers
+from themis_compile.passes.detect import SEARCHED, find_moe_layers
+from themis_compile.passes.explain import explain_moe_layers
 from tests.passes import moe_zoo as zoo
 
 

@@ -16,7 +16,7 @@ import themis_compile
 from tests.passes import zoo_models as zoo
 from themis_compile.passes.detect import find_moe_layers
 from themis_compile.passes.joined import JoinedExperts, row_mixing_reason
-from themis_compile.passes.shard import prepare_moe_layers
+from themis_compile.passes.styles import prepare_moe_layers
 from themis_compile.runtime.experts import ExpertBank
 
 

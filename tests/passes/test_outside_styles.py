@@ -95,7 +95,7 @@ def test_stacked_weights_move_with_their_code(style):
     per slot): the weights, the same parameter objects, move into the experts module; the state-dict keys stay
     the unmodified model's, both ways; the block computes what the unmodified one does, values and
     gradients."""
-    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.passes.styles import prepare_moe_layers
 
     names, rewrite = STACKED[style]
     model, original = outside.build(style), outside.build(style)

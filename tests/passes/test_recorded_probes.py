@@ -267,7 +267,7 @@ def _ranks(rank: int, world_size: int, cases: list[tuple[str, str]]):
 def test_rewrite_is_verified_with_the_recorded_inputs():
     """The per-slot rewrite of the position-biased block is checked against the original on probes that
     carry the recorded positions; a rewrite that ignored them would not match."""
-    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.passes.styles import prepare_moe_layers
 
     model = _model("position")
     with torch.no_grad():

@@ -16,7 +16,7 @@ import themis_compile
 from tests.passes import zoo_models as zoo
 from themis_compile.passes.detect import find_moe_layers
 from themis_compile.passes.replay import ReplayError, ReplayPlan, apply_replay, replay_mismatch
-from themis_compile.passes.shard import prepare_moe_layers
+from themis_compile.passes.styles import prepare_moe_layers
 
 
 class DeepseekV3NoSkip(zoo.DeepseekV3MoE):

@@ -16,7 +16,8 @@ from torch import nn
 import themis_compile
 from themis_compile.passes import fx_graph, probe, shard
 from themis_compile.passes.detect import find_moe_layers
-from themis_compile.passes.shard import ExpertLoop, dense_dispatch_slots, prepare_moe_layers
+from themis_compile.passes.shard import ExpertLoop, dense_dispatch_slots
+from themis_compile.passes.styles import prepare_moe_layers
 from tests.passes import zoo_models as zoo
 
 H, FFN, E = zoo.H, zoo.FFN, zoo.E

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from themis_compile.models import build_model
-from themis_compile.passes import shard
+from themis_compile.passes import shard, styles
 from themis_compile.passes.detect import find_moe_layers
 from themis_compile.passes.fx_graph import trace_block
-from themis_compile.passes.shard import ExpertLoop, prepare_moe_layers, rewrite_moe_layer, verify_rewrite
+from themis_compile.passes.shard import ExpertLoop, verify_rewrite
+from themis_compile.passes.styles import prepare_moe_layers, rewrite_moe_layer
 from tests.passes import moe_zoo as zoo
 
 
@@ -163,7 +164,7 @@ def test_probe_mismatch_raises_and_leaves_the_model_unchanged(monkeypatch):
 
 
 def test_faulty_rewrite_function_is_caught(monkeypatch):
-    real = shard.rewrite_moe_layer
+    real = styles.rewrite_moe_layer
 
     def faulty(info):
         real(info)
@@ -171,7 +172,7 @@ def test_faulty_rewrite_function_is_caught(monkeypatch):
 
     model = nn.Sequential(zoo.OldHFBlock())
     gate = model[0].gate
-    monkeypatch.setattr(shard, "rewrite_moe_layer", faulty)
+    monkeypatch.setattr(styles, "rewrite_moe_layer", faulty)
     with pytest.raises(ValueError, match="MoE layer '0'.*does not match the original"):
         prepare_moe_layers(model)
     assert model[0].gate is gate and type(model[0]) is zoo.OldHFBlock
@@ -220,7 +221,7 @@ def test_per_slot_experts_call_is_rewritten_to_one_experts_call():
     torch.manual_seed(0)
     block = zoo_models.GptFastMoE()
     original = copy.deepcopy(block)
-    (info,) = shard.prepare_moe_layers(nn.ModuleDict({"moe": block}))
+    (info,) = styles.prepare_moe_layers(nn.ModuleDict({"moe": block}))
     assert (info.rewrite, info.experts_attr, info.top_k, info.num_experts) == ("per-slot", "cond_ffn", 2, 4)
     assert list(block.state_dict()) == list(original.state_dict())
     calls = []

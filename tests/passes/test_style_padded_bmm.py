@@ -86,7 +86,7 @@ def test_an_expert_without_rows_runs_on_none(style):
     """The runtime runs an expert of a block that calls every expert on no rows where none reached it: the
     own-weights experts' code takes zero rows (it reshaped them to [0, K, -1], which torch cannot) and gives
     every weight of the expert a zero gradient."""
-    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.passes.styles import prepare_moe_layers
     from themis_compile.runtime.experts import ExpertBank
 
     info = prepare_moe_layers(style_models.skewed_model(style), strict=True)[0]

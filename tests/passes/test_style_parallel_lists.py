@@ -123,7 +123,7 @@ def test_parallel_lists_are_found_and_explained(style):
 
 @pytest.mark.parametrize("style", sorted(BLOCKS))
 def test_rewrite_is_exact_and_keeps_the_users_keys(style):
-    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.passes.styles import prepare_moe_layers
 
     model, original = _model(style), _model(style)
     keys = list(original.state_dict())

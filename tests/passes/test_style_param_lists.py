@@ -137,7 +137,7 @@ def test_param_lists_are_found_and_explained(style):
 
 @pytest.mark.parametrize("style", sorted(BLOCKS))
 def test_rewrite_is_exact_and_keeps_the_users_keys(style):
-    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.passes.styles import prepare_moe_layers
 
     model, original = _model(style), _model(style)
     keys = list(original.state_dict())
@@ -239,7 +239,7 @@ def test_an_expert_without_tokens_in_a_loop_calling_every_expert():
     """The check of the rewrite runs such an expert on no rows, as the runtime does for a block that calls every
     expert: the layer is accepted (it was refused, the reference leaving that gradient None), its never-chosen
     expert gets a zero gradient as in one process, and 2 ranks train equal to one process."""
-    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.passes.styles import prepare_moe_layers
 
     model, original = _every_expert_model(), _every_expert_model()
     infos = prepare_moe_layers(model, strict=True)

@@ -300,7 +300,7 @@ def test_output_tensors_sees_inside_dataclasses():
 def test_research_block_is_found_and_rewritten_exactly(style):
     """Found, and the rewrite (capture and replay) passes its probe checks: before, the dataclass output
     crashed the gradient check and autocast failed the forward check by ~2e-3."""
-    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.passes.styles import prepare_moe_layers
 
     model = _model(style)
     infos = prepare_moe_layers(model, strict=True)

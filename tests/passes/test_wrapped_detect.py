@@ -10,7 +10,7 @@ import torch
 
 from tests.passes import zoo_models as zoo
 from themis_compile.passes.detect import find_moe_layers
-from themis_compile.passes.shard import prepare_moe_layers
+from themis_compile.passes.styles import prepare_moe_layers
 
 
 @pytest.mark.parametrize("style, rewrite, tail", [("megatron", "sorted-rows", 1), ("deepspeed", "dense-dispatch", 0)])

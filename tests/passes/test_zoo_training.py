@@ -170,7 +170,7 @@ def test_rewritten_experts_run_an_expert_without_rows(style):
     """A rank holding an expert that no row was routed to runs it on an empty input (zero gradient, as
     in the unsharded model). Under a skewed router that is every step: the sorted-rows rewrite once
     failed there (``view(0, 1, -1)`` of an empty result)."""
-    from themis_compile.passes.shard import prepare_moe_layers
+    from themis_compile.passes.styles import prepare_moe_layers
     from themis_compile.runtime.experts import ExpertBank
 
     info = prepare_moe_layers(_model(style), strict=True)[0]

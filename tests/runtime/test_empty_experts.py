@@ -311,7 +311,8 @@ def test_inline_loops_that_skip_empty_experts_are_told_apart():
     skips, the old HF Qwen2-MoE loop runs every expert (on empty rows). Described by hand: detection
     rejects the first for its untraceable loop, so only the check itself is exercised here."""
     from tests.passes.zoo_models import DeepseekV3MoE, Qwen2MoeOldBlock, E as ZE, H as ZH, K as ZK
-    from themis_compile.passes.detect import MoELayerInfo, skips_empty_experts
+    from themis_compile.layer_info import MoELayerInfo
+    from themis_compile.passes.detect import skips_empty_experts
 
     def info(block):
         return MoELayerInfo(name="moe", module=block, num_experts=ZE, top_k=ZK, experts_form="modulelist",

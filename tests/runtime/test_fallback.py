@@ -23,6 +23,7 @@ from torch import nn
 import themis_compile
 from themis_compile import ThemisConfig
 from themis_compile.models.gpt_moe import CausalSelfAttention, ExpertMLP, MoEFeedForward, MoEModelConfig
+from themis_compile.passes.styles import describe_layer
 from themis_compile.testing import run_multirank
 from tests.runtime.equivalence import _batches, _expert_chunks_reference, make_optimizer, model_loss, rank_state_dict
 
@@ -295,7 +296,7 @@ def test_world_size_one_warns_naming_each_rejected_module_and_trains_unchanged()
                         "  blocks.1.ffn: ep, 4 experts (modulelist, 'experts'), top-2; this rank owns 4: [0, 1, 2, 3]"]
     assert text[2].startswith("not sharded (world size 1") and text[-1].startswith(f"    blocks.0.ffn: {REJECTED_REASON}")
     verbose = themis_compile.explain(model, verbose=True).splitlines()
-    assert verbose[2] == "    " + themis_compile.api.runtime_of(model).layer_infos["blocks.1.ffn"].describe()
+    assert verbose[2] == "    " + describe_layer(themis_compile.api.runtime_of(model).layer_infos["blocks.1.ffn"])
 
 
 def test_strict_refuses_naming_the_rejected_modules():

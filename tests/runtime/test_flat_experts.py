@@ -31,8 +31,9 @@ from torch.distributed.checkpoint.state_dict import set_state_dict as torch_set_
 
 import themis_compile
 from themis_compile.checkpoint import RUNTIME_STATE_KEY, get_state_dict, set_state_dict
-from themis_compile.passes.detect import combine_mismatch, find_moe_layers
-from themis_compile.passes.shard import prepare_moe_layers
+from themis_compile.passes.candidates import combine_mismatch
+from themis_compile.passes.detect import find_moe_layers
+from themis_compile.passes.styles import prepare_moe_layers
 from themis_compile.runtime.experts import ExpertBank, flat_layout
 from themis_compile.testing import run_multirank
 from tests.passes import hf_families as hf

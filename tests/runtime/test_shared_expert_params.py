@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 import themis_compile
 from tests.passes import zoo_models as zoo
 from tests.runtime.equivalence import assert_equivalent, rank_state_dict
-from themis_compile.passes.shard import prepare_moe_layers
+from themis_compile.passes.styles import prepare_moe_layers
 from themis_compile.runtime.experts import ExpertBank
 
 pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")

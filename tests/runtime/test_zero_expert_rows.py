@@ -28,7 +28,9 @@ from torch.distributed.checkpoint.state_dict import set_state_dict as torch_set_
 
 import themis_compile
 from themis_compile.checkpoint import get_state_dict, set_state_dict
-from themis_compile.passes.detect import combine_mismatch, find_moe_layers
+from themis_compile.passes.candidates import combine_mismatch
+from themis_compile.passes.detect import find_moe_layers
+from themis_compile.passes.styles import describe_layer
 from themis_compile.runtime.clip import clip_grad_norm_
 from themis_compile.runtime.experts import ExpertBank, zero_expert_rows, zero_rows_span
 from themis_compile.testing import run_multirank
@@ -151,7 +153,7 @@ def test_detection_names_the_zero_experts():
     info = infos[0]
     assert (info.num_experts, info.zero_experts, info.rewrite, info.router_path) == (E, Z, "zero-experts",
                                                                                       "router")
-    assert f"{E} experts + {Z} zero (identity) experts" in info.describe()      # what explain() prints
+    assert f"{E} experts + {Z} zero (identity) experts" in describe_layer(info)      # what explain() prints
 
 
 # ---------------------------------------------------------------------------------- 2 ranks

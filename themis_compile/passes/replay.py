@@ -270,7 +270,7 @@ class _Replay(_Pass):
 def restored_attributes(module: nn.Module, modules: list[nn.Module]) -> Iterator[None]:
     """While it runs, anything may be set on ``modules``; afterwards their attributes and their
     parameter, buffer and submodule dicts are as before, and the RNG (CPU and ``module``'s first CUDA
-    device) has been forked. The common part of `isolated` and `passes.detect.preserved_state`."""
+    device) has been forked. The common part of `isolated` and `passes.probe.preserved_state`."""
     dicts = {m: dict(m.__dict__) for m in modules}
     inner = {m: (dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in modules}
     devices = [p.device for p in module.parameters() if p.device.type == "cuda"]

@@ -1,4 +1,6 @@
-"""Make every detected MoE layer call its experts through one interface the runtime can swap.
+"""The rewrites' machinery: what makes a detected MoE layer call its experts through the one interface the
+runtime swaps. Which rewrite a layer gets is its style's (:data:`themis_compile.passes.styles.STYLES`,
+which also runs the pass: ``prepare_moe_layers``).
 
 The FSSDP runtime (paper §3.1, Fig. 5) replaces a layer's experts with a module holding only this rank's
 experts and computing ``experts(x_TH, ids_TK, weights_TK) -> out_TH``. Blocks that already call their
@@ -27,12 +29,12 @@ Blocks whose forward calls ``experts[i](rows)`` in code FX cannot trace keep the
 twice around one ``experts(x, ids, weights)`` call (capture and replay, :mod:`themis_compile.passes.replay`).
 
 Contract:
-    ``rewrite_moe_layer(info)`` changes only the layer's class (a subclass of the user's whose forward
-    is the rewritten graph, traced once per train/eval mode) and its experts attribute (an
-    ``ExpertLoop`` holding the very same expert modules): parameters, buffers, state-dict keys and the
-    routing computation are unchanged. ``prepare_moe_layers`` rewrites a copy of each layer first and
-    compares it with the original on a probe; on any mismatch it raises ``ValueError`` naming the layer
-    and the model is left untouched.
+    A rewrite changes only the layer's class (a subclass of the user's whose forward is the rewritten
+    graph, traced once per train/eval mode, or its own forward with the experts attribute seen through
+    an adapter) and its experts attribute (an ``ExpertLoop`` holding the very same expert modules, or
+    the experts module's class given the interface): parameters, buffers, state-dict keys and the
+    routing computation are unchanged. :func:`verify_rewrite` (and :func:`verify_rewrite_gradients`)
+    compare a rewritten copy with the original on a probe.
 
 Pseudo-code of the graph rewrite (``replace_expert_loop``):
     C = calls into the experts                                  # Step 1
@@ -46,13 +48,10 @@ Shape suffixes: T tokens, H hidden size, E experts, K top-k.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import itertools
 import logging
 import math
 import operator
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -60,23 +59,11 @@ import torch.fx as fx
 from torch import nn
 
 from themis_compile.layer_info import MoELayerInfo
-from themis_compile.passes.detect import (
-    SEARCHED,
-    AllRowsPlan,
-    RuntimeReference,
-    ScoresCallPlan,
-    all_rows_experts_class,
-    check_layer,
-    dense_dispatch_of,
-    expert_call_path,
-    expert_list,
-    find_moe_layers,
-    flat_call_experts_class,
-    mask_call_experts_class,
-    mask_slots,
-    scores_call_experts_class,
-    serve_all_rows,
-)
+from themis_compile.passes.candidates import expert_call_path, expert_list
+from themis_compile.passes.find_behaviour import (AllRowsPlan, ScoresCallPlan, all_rows_experts_class,
+                                                  flat_call_experts_class, mask_call_experts_class, mask_slots,
+                                                  scores_call_experts_class, serve_all_rows)
+from themis_compile.passes.find_routing import dense_dispatch_of
 from themis_compile.passes.fx_graph import (
     TensorMeta,
     TracedBlock,
@@ -94,11 +81,8 @@ from themis_compile.passes.fx_graph import (
     trace_block,
     trace_block_with_method_leaves,
 )
-from themis_compile.passes.joined import apply_joined
-from themis_compile.passes.own_weights import BatchedCall, PerRowCall, ServedOwnWeightsExperts, apply_own_weights
-from themis_compile.passes.parallel_lists import apply_param_lists, apply_parallel_lists
-from themis_compile.passes.probe import PROBE_SEED, preserved_state, probe_input, probing_as_recorded, run_probe
-from themis_compile.passes.replay import ReplayPlan, apply_replay, gradient_mismatch, output_tensors
+from themis_compile.passes.probe import PROBE_SEED, preserved_state, probe_input, run_probe
+from themis_compile.passes.replay import output_tensors
 from themis_compile.runtime.experts import loop_combine, with_zero_rows_gradient, wrapped_expert_list
 
 logger = logging.getLogger(__name__)
@@ -538,7 +522,7 @@ class SortedRowsCall:
 class DispatchMaskCall:
     """``self.<experts>`` as a dispatch-mask block's forward sees it: ``experts(x_TH, mask_TKE, weights_TK)``
     with a one-hot mask in place of ids (HF Switch Transformers). Computed with one call of the runtime's
-    interface on the ids and weights the mask means (:func:`~themis_compile.passes.detect.mask_slots`:
+    interface on the ids and weights the mask means (:func:`~themis_compile.passes.find_behaviour.mask_slots`:
     a slot with an empty mask, a token dropped by capacity, has weight 0)."""
 
     def __init__(self, experts: nn.Module) -> None:
@@ -564,7 +548,7 @@ class AllRowsCall:
     """``self.<experts>`` as an all-rows block's forward sees it: ``experts(x_NH) -> y_NH`` with ``N = E * T``
     rows, expert-major (row ``e * T + t`` is token t's copy for expert e, scaled by the routing), every
     expert on every row (Llama 4). Computed with one call of the runtime's interface
-    (:func:`~themis_compile.passes.detect.serve_all_rows`): every served row a token of its own, routed to
+    (:func:`~themis_compile.passes.find_behaviour.serve_all_rows`): every served row a token of its own, routed to
     its expert; the plan says which rows are served (every row, or the nonzero ones)."""
 
     def __init__(self, experts: nn.Module, plan: AllRowsPlan) -> None:
@@ -575,16 +559,16 @@ class AllRowsCall:
         return serve_all_rows(self.experts, x_NH, self.plan)
 
 
-def _all_rows_rewrite_classes(block_cls: type, experts_cls: type, attr: str, plan: AllRowsPlan
+def all_rows_rewrite_classes(block_cls: type, experts_cls: type, attr: str, plan: AllRowsPlan
                               ) -> tuple[type, type]:
     """(block class, experts class) of an all-rows rewrite: the block's forward runs unchanged with
     ``self.<attr>`` seen as an :class:`AllRowsCall`; the experts module is called as
-    ``experts(x_TH, ids_TK, weights_TK)`` (:func:`~themis_compile.passes.detect.all_rows_experts_class`)."""
-    new_block = _served_block_class(block_cls, attr, lambda experts: AllRowsCall(experts, plan))
+    ``experts(x_TH, ids_TK, weights_TK)`` (:func:`~themis_compile.passes.find_behaviour.all_rows_experts_class`)."""
+    new_block = served_block_class(block_cls, attr, lambda experts: AllRowsCall(experts, plan))
     return new_block, all_rows_experts_class(experts_cls)
 
 
-def _served_block_class(block_cls: type, attr: str, view: Callable[[nn.Module], Callable]) -> type:
+def served_block_class(block_cls: type, attr: str, view: Callable[[nn.Module], Callable]) -> type:
     """A subclass of ``block_cls`` whose forward is its own with ``self.<attr>`` seen as ``view(experts)``:
     the adapter shadows the experts submodule (an instance attribute before ``nn.Module.__getattr__``)
     inside the forward only, so that ``named_modules``, state dicts and hooks see the experts module."""
@@ -631,7 +615,7 @@ class ZeroExpertsCall:
 class ScoresCall:
     """``self.<experts>`` as a block calling it with the router's dense scores besides the top-k sees it:
     ``experts(x, scores_TE, weights_TK, ids_TK)`` in the order of its :class:`~themis_compile.passes.
-    detect.ScoresCallPlan` (HF DBRX before v5), ``x`` as ``[T, H]`` or ``[B, S, H]``. Computed with one
+    find_behaviour.ScoresCallPlan` (HF DBRX before v5), ``x`` as ``[T, H]`` or ``[B, S, H]``. Computed with one
     call of the runtime's interface on ``x`` flattened, the ids and the weights (detection proved on a
     probe that the scores of experts a token is not routed to change nothing), the result in ``x``'s
     shape."""
@@ -685,7 +669,7 @@ class NoneTail:
         return (self.call(*args),) + (None,) * self.n
 
 
-def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str, num_experts: int = 0,
+def call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: str, num_experts: int = 0,
                           plan: Any = None, call_tail: int = 0) -> tuple[type, type]:
     """(block class, experts class) of a per-slot, sorted-rows or dispatch-mask rewrite: the block's forward
     runs unchanged with ``self.<attr>`` seen as a :class:`PerSlotCall` / :class:`SortedRowsCall` /
@@ -693,7 +677,7 @@ def _call_rewrite_classes(block_cls: type, experts_cls: type, attr: str, form: s
     call = {"per-slot": PerSlotCall, "sorted-rows": SortedRowsCall, "dispatch-mask": DispatchMaskCall,
             "flatten": FlattenCall, "scores-call": lambda experts: ScoresCall(experts, plan)}[form]
 
-    new_block = _served_block_class(block_cls, attr, (lambda experts: NoneTail(call(experts), call_tail))
+    new_block = served_block_class(block_cls, attr, (lambda experts: NoneTail(call(experts), call_tail))
                                     if call_tail else call)
     experts_forward = (_per_slot_experts_forward(experts_cls) if form == "per-slot"
                        else mask_call_experts_class(experts_cls, num_experts).forward if form == "dispatch-mask"
@@ -716,101 +700,6 @@ def _per_slot_experts_forward(experts_cls: type):
 
     experts_forward.__doc__ = f"{experts_cls.__name__}.forward combined with the top-k weights."
     return experts_forward
-
-
-def rewrite_moe_layer(info: MoELayerInfo) -> None:
-    """Make ``info.module`` call its experts as ``experts(x_TH, ids_TK, weights_TK)``, in place.
-
-    Nothing to do when it already does (``info.rewrite == "none"``). For an inline expert loop the
-    forward is traced in train and eval mode, each graph rewritten by :func:`replace_expert_loop`, and
-    the module's class becomes a subclass of its own with that forward; its experts ModuleList becomes an
-    :class:`ExpertLoop` of the same modules. ``info.plan``, when set, is used instead of tracing again."""
-    if info.rewrite == "none" or info.rewritten:
-        return
-    if info.rewrite in CALL_REWRITES:
-        experts = info.experts
-        block_cls, experts_cls = _call_rewrite_classes(type(info.module), type(experts), info.experts_attr,
-                                                       info.rewrite, info.num_experts, info.plan, info.call_tail)
-        info.module.__class__ = block_cls
-        experts.__class__ = experts_cls
-        info.rewritten = True
-        logger.info("MoE layer %s: %s(x, ids) served by one %s(x, ids, weights) call", info.name,
-                    info.experts_attr, info.experts_attr)
-        return
-    if info.rewrite == "zero-experts":
-        info.module.__class__ = _served_block_class(type(info.module), info.experts_attr,
-                                                    lambda experts: ZeroExpertsCall(experts, info.num_experts))
-        info.rewritten = True
-        logger.info("MoE layer %s: the %d zero (identity) experts of %s served by the block, the %d others by one "
-                    "%s(x, ids, weights) call", info.name, info.zero_experts, info.experts_attr, info.num_experts,
-                    info.experts_attr)
-        return
-    if info.rewrite == "all-rows":
-        experts = info.experts
-        block_cls, experts_cls = _all_rows_rewrite_classes(type(info.module), type(experts), info.experts_attr,
-                                                           info.plan)
-        info.module.__class__ = block_cls
-        experts.__class__ = experts_cls
-        info.rewritten = True
-        logger.info("MoE layer %s: %s(x [E*T, H]) served by one %s(x, ids, weights) call on %s", info.name,
-                    info.experts_attr, info.experts_attr,
-                    f"the nonzero rows (top-{info.plan.slots})" if info.plan.sparse else "every row")
-        return
-    if info.rewrite == "joined":
-        apply_joined(info.module, info.plan, layer=info.name)
-        info.rewritten = True
-        logger.info("MoE layer %s: %s and %s joined into %s, served by one %s(x, ids, weights) call", info.name,
-                    info.plan.first, info.plan.second, info.experts_attr, info.experts_attr)
-        return
-    if info.rewrite == "own-weights":
-        plan = info.plan
-        apply_own_weights(info.module, plan)
-        info.module._modules[info.experts_attr].__class__ = ServedOwnWeightsExperts
-        call = {"per-slot": PerSlotCall, "per-row": lambda experts: PerRowCall(experts, plan.out_middle),
-                "expert-batched": BatchedCall}[plan.form]
-        info.module.__class__ = _served_block_class(type(info.module), info.experts_attr, call)
-        info.rewritten = True
-        logger.info("MoE layer %s: its stacked weights %s and the code applying them moved into %s, served by one "
-                    "%s(x, ids, weights) call", info.name, ", ".join(plan.names), info.experts_attr, info.experts_attr)
-        return
-    if info.rewrite == "parallel-lists":
-        apply_parallel_lists(info.module, info.plan)
-        apply_replay(info.module, info.experts_attr, info.plan.replay, layer=info.name)
-        info.rewritten = True
-        logger.info("MoE layer %s: entry e of %s and of %s joined into %s[e], served by one %s(x, ids, weights) "
-                    "call (capture and replay)", info.name, info.plan.first, info.plan.second, info.experts_attr,
-                    info.experts_attr)
-        return
-    if info.rewrite in ("param-lists", "indexed-weights"):     # the same reading: entry e of each list
-        apply_param_lists(info.module, info.plan)
-        apply_replay(info.module, info.experts_attr, info.plan.replay, layer=info.name)
-        info.rewritten = True
-        moved = ("its stacked weights %s, indexed by expert id, and the code applying them moved into %s"
-                 if info.rewrite == "indexed-weights" else "entry e of %s and the code applying them moved into %s[e]")
-        logger.info("MoE layer %s: " + moved + ", served by one %s(x, ids, weights) call (capture and replay)",
-                    info.name, ", ".join(info.plan.lists), info.experts_attr, info.experts_attr)
-        return
-    if info.rewrite == "replay":
-        plan = info.plan if isinstance(info.plan, ReplayPlan) else ReplayPlan(num_experts=info.num_experts)
-        apply_replay(info.module, info.experts_attr, plan, layer=info.name)
-        info.rewritten = True
-        logger.info("MoE layer %s: expert calls served by one %s(x, ids, weights) call (capture and replay)",
-                    info.name, info.experts_attr)
-        return
-    if info.rewrite not in GRAPH_REWRITES:
-        raise ValueError(f"MoE layer {info.name!r}: unknown rewrite {info.rewrite!r}")
-    plan = info.plan if info.plan is not None else plan_rewrite(info)
-    module = info.module
-    for name, value in plan.constants.items():
-        module.register_buffer(name, value, persistent=False)
-    module.__class__ = plan.cls
-    if wrapped_expert_list(info.experts) is not None:
-        # A wrapper keeps its list (and so its parameter names), called as experts(x, ids, weights).
-        info.experts.__class__ = wrapped_loop_class(type(info.experts))
-    else:
-        setattr(module, info.experts_attr, ExpertLoop(list(info.experts)))
-    info.rewritten = True
-    logger.info("MoE layer %s: expert loop rewritten to one %s(x, ids, weights) call", info.name, info.experts_attr)
 
 
 def _mismatch(a: Any, b: Any, rtol: float = 1e-4, atol: float = 1e-5) -> str | None:
@@ -871,72 +760,3 @@ def verify_rewrite_gradients(original: nn.Module, rewritten: nn.Module, probe: t
                 a.double(), b.double(), rtol=1e-4, atol=1e-5)):
             raise ValueError(f"MoE layer {layer!r}: the rewritten layer's gradient of {name} does not match the "
                              "original's on a probe input; the model was left unchanged")
-
-
-def _probe_for(info: MoELayerInfo) -> torch.Tensor:
-    return probe_input(info.module, info.hidden_size, flat=info.probe_flat)
-
-
-def prepare_moe_layers(model: nn.Module, strict: bool = False, *, example_inputs=None) -> list[MoELayerInfo]:
-    """Detect the MoE layers of ``model``, rewrite those that loop over their experts inline, verify each
-    rewrite on a probe, and return the layers ready for sharding (``getattr(info.module,
-    info.experts_attr)`` is what the runtime replaces).
-
-    No MoE layer found: warn naming what was searched and what was rejected and return ``[]`` (the model
-    is unchanged), or raise ``ValueError`` when ``strict``. A rewrite that does not reproduce the
-    original on the probe raises ``ValueError`` naming the layer; no layer of the model is changed then.
-    A layer found with recorded inputs (``example_inputs``, see ``find_moe_layers``) is verified with them.
-    """
-    infos, rejected = find_moe_layers(model, example_inputs)
-    with probing_as_recorded(infos):
-        return _prepare_found(infos, rejected, strict)
-
-
-def _prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], strict: bool) -> list[MoELayerInfo]:
-    if not infos:
-        msg = f"themis_compile found no MoE layer (searched for {SEARCHED})"
-        if rejected:
-            msg += "; rejected: " + "; ".join(f"{n}: {why}" for n, why in rejected)
-        if strict:
-            raise ValueError(msg)
-        warnings.warn(msg, stacklevel=3)
-        return []
-    for info in infos:
-        check_layer(info)
-    for name, why in rejected:
-        logger.warning("MoE-like module %s left as it is: %s", name, why)
-
-    # Rewrite copies (sharing parameters and buffers) and compare with the originals before touching any.
-    todo = [info for info in infos if info.rewrite != "none" and not info.rewritten]
-    for info in todo:
-        if info.rewrite in GRAPH_REWRITES:
-            info.plan = plan_rewrite(info)
-        shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
-        # Tensors a forward stored on the modules (DeepSpeed's self.l_aux, with its autograd history) are
-        # shared too: a non-leaf tensor cannot be deep-copied, and the probes restore attributes anyway.
-        shared.update({id(v): v for m in info.module.modules() for v in vars(m).values()
-                       if isinstance(v, torch.Tensor)})
-        trial = copy.deepcopy(info.module, shared)
-        rewrite_moe_layer(dataclasses.replace(info, module=trial))
-        if info.rewrite in CALL_REWRITES or info.rewrite in ("replay", "all-rows", "joined", "zero-experts",
-                                                                        "parallel-lists", "param-lists",
-                                                                        "indexed-weights", "own-weights"):
-            # The trial computes its experts exactly as the sharded runtime will (each expert alone).
-            trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr],
-                                                                 info.num_experts, info.skips_empty_experts)
-        verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
-        if info.rewrite == "dense-dispatch":
-            verify_rewrite_gradients(info.module, trial, _probe_for(info), layer=info.name)
-        if info.rewrite in ("all-rows", "replay", "joined", "zero-experts", "parallel-lists", "param-lists",
-                            "indexed-weights", "own-weights") and (
-                why := gradient_mismatch(
-                info.module, trial, _probe_for(info), PROBE_SEED)) is not None:
-            what = {"all-rows": "all-rows", "replay": "capture-and-replay", "joined": "joined",
-                    "parallel-lists": "parallel-lists", "param-lists": "param-lists", "own-weights": "own-weights",
-                    "indexed-weights": "indexed-weights",
-                    "zero-experts": "zero-experts"}[info.rewrite]
-            raise ValueError(f"MoE layer {info.name!r}: the {what} rewrite does not reproduce the gradients of "
-                             f"the original on a probe input ({why}); the model was left unchanged")
-    for info in todo:
-        rewrite_moe_layer(info)
-    return infos

@@ -27,7 +27,7 @@ Three layouts are understood:
   e's chunk is the rows ``w[e * F_p:(e + 1) * F_p]`` of each parameter. One expert runs as the user's
   module with E = 1: a parameter-free copy whose ``num_experts``-like attributes are set to 1 (in every
   submodule, where they equal E), given the ``[F_p, ...]`` rows themselves. :func:`flat_layout` decides
-  the layout from the shapes; the probe check of ``passes.detect.combine_mismatch`` proves it (expert e
+  the layout from the shapes; the probe check of ``passes.candidates.combine_mismatch`` proves it (expert e
   run alone on its rows computes what the module computes for the tokens routed to e). Names, shapes
   and state-dict keys stay the user's: a checkpoint holds ``w1 [E * F, H]``, each expert's ``[F, H]``
   rows at offset ``e * F`` (``runtime.ep.expert_sharded_tensor(..., flat=True)``).
@@ -192,7 +192,7 @@ def zero_expert_rows(experts: nn.Module) -> tuple[int, dict[str, int]] | None:
     least one parameter has leading dimension E and every other one E + Z for one Z > 0 (rows
     ``[E, E + Z)`` of those belong to no expert). Whether the module really never reads those rows and
     serves ids ``>= E`` as ``weight * x`` is not assumed: detection proves it on a probe
-    (``passes.detect.combine_mismatch``, values and gradients).
+    (``passes.candidates.combine_mismatch``, values and gradients).
     """
     if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
         return None
