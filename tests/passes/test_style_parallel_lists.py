@@ -4,7 +4,7 @@ blocks write them:
 
 - ``SortedSplitMoE``: tokens sorted by expert id (``argsort``), split by ``bincount(...).tolist()`` counts,
   ``down_proj[i](act(up_proj[i](chunk)))`` per split, the result scattered back and combined per slot;
-- ``NonzeroLoopMoE`` (``tests/passes/test_trial3.py``'s ``ParallelListsMoE``): a loop over the experts with
+- ``NonzeroLoopMoE`` (``tests/passes/test_research_styles.py``'s ``ParallelListsMoE``): a loop over the experts with
   ``nonzero`` and ``index_add_``, biases and dropout, skipping experts without tokens;
 - ``AllUpsFirstMoE``: every up projection first (a list comprehension over the splits), then every down
   projection, the lists named ``experts_up`` / ``experts_down``.
@@ -29,7 +29,7 @@ from torch import nn
 
 import themis_compile
 from tests.passes import zoo_models as zoo
-from tests.passes.test_trial3 import ParallelListsMoE
+from tests.passes.test_research_styles import ParallelListsMoE
 from tests.passes.style_training import (POLICIES, check_sharded_and_equal,
                                          checkpoint_resumes_in_the_users_keys, reference, train)
 

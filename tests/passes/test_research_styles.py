@@ -1,24 +1,20 @@
-"""MoE blocks in styles the zoo (tests/passes/zoo_models.py) does not have, each exposing a defect that
-``optimize`` / ``explain`` had, written as their projects write them:
+"""MoE blocks in styles the zoo (tests/passes/zoo_models.py) does not have, written as their projects write
+them, each found (or rejected with its reason) and trained like one process:
 
 - ``ResearchMoE``: counts through ``.tolist()`` and a Python loop over them, experts with biases and
   dropout, the router and optionally the experts under ``torch.autocast(bfloat16)`` inside the block, and
-  a dataclass output ``MoEOutput(hidden_states, aux_loss)``. The dataclass made ``optimize`` crash in
-  the probe's gradient check (pytree sees a dataclass as one leaf, so no tensor was compared); the
-  autocast made the probe check fail (the runtime's experts call ran outside the block's autocast);
-- ``ExpertChoiceMoE`` (Zhou et al. 2022, experts pick their top-C tokens): was found as "top-E" and
-  dispatched every token to every expert; now rejected with the reason and left data-parallel;
-- ``ParallelListsMoE`` (each expert entry e of parallel ModuleLists ``up`` / ``down``): was neither found
-  nor rejected, so ``explain`` said nothing of it; then rejected with the reason; now sharded (entry e of
-  each list joined into expert e, ``rewrite == "parallel-lists"``, tests/passes/test_style_parallel_lists.py);
+  a dataclass output ``MoEOutput(hidden_states, aux_loss)`` (the probe checks compare the tensors inside
+  the dataclass; the runtime's experts call runs under the block's autocast);
+- ``ExpertChoiceMoE`` (Zhou et al. 2022, experts pick their top-C tokens): not token-choice routing, so
+  rejected with the reason and left data-parallel;
+- ``ParallelListsMoE`` (each expert entry e of parallel ModuleLists ``up`` / ``down``): entry e of each
+  list joined into expert e (style "parallel-lists", tests/passes/test_style_parallel_lists.py);
 - ``GShardMoE`` (top-2 by argmax with a capacity and token dropping by position, stacked ``wi`` / ``wo``
-  of the block itself, einsum dispatch / combine): was rejected with no reason in ``explain``; then with the
-  reason; now sharded (its weights and the code applying them on the capacity buffer moved into an experts
-  child, ``rewrite == "own-weights"``, docs/detection.md);
+  of the block itself, einsum dispatch / combine): its weights and the code applying them on the capacity
+  buffer moved into an experts child (style "own-weights", docs/detection.md);
 - ``TitanGroupedMMMoE`` (torchtitan's ``MoE`` as it is now: ``torch.histc`` counts, a float vector,
   handed to ``GroupedExperts`` running ``torch._grouped_mm`` with cumulative offsets; a shared expert):
-  the float counts were not read as counts, so the layer was rejected ("called as experts(Tensor[16, 32],
-  Tensor[4])") and trained data-parallel.
+  the float counts read as counts (style "sorted-rows").
 
 Shape suffixes: T tokens, H hidden, F ffn, E experts, K top-k, C capacity, S tokens (GShard).
 """
@@ -347,7 +343,7 @@ def test_grouped_mm_experts_with_histc_counts_are_found():
     assert "rows sorted by expert with counts at the experts call" in text, text
 
 
-def test_trial_blocks_train_like_one_process_on_2_ranks():
+def test_research_blocks_train_like_one_process_on_2_ranks():
     """One process group: the dataclass, GShard (own weights), parallel-lists and torchtitan grouped-mm blocks
     sharded (themis, ep) train like one process on the whole batch; the expert-choice block is left
     data-parallel (its routing depends on the whole batch, so only that is checked: the ranks stay in sync)."""
