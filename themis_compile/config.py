@@ -44,8 +44,8 @@ class ThemisConfig:
         collective_timeout_s: the deadline of every collective of the library: the sparse collectives
             (SpAG, SpRS), the token-count exchange and the all-to-alls of the token exchange (forward and
             backward), the routing and router-output flags, the count all-reduce of a block's
-            ``global_tokens_per_expert``, plan digests, the budget and profile exchanges and the
-            re-sharding gathers. A rank that stops participating makes the others raise
+            ``global_tokens_per_expert``, plan digests, the budget and profile exchanges, the
+            re-sharding gathers and the replica check (``check_replicas``). A rank that stops participating makes the others raise
             ``themis_compile.runtime.deadline.CollectiveTimeoutError`` (a ``TimeoutError``) within this
             many seconds, naming the collective, the layer and the ranks that did not participate,
             instead of hanging (`runtime/deadline.py`). On NCCL the all-to-alls of the rows do not block

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
@@ -187,6 +188,13 @@ def test_replica_check(tmp_path):
         assert r["resumed"] == [2, 2], f"rank {rank}: replica checks before saving and after loading {r['resumed']}"
         forward, message = r["unreduced"]
         assert forward == 3 and "several forwards before their backwards" in message, f"rank {rank}: {r['unreduced']}"
+
+
+def test_config():
+    assert themis_compile.ThemisConfig().check_replicas == 1
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="check_replicas"):
+            themis_compile.ThemisConfig(check_replicas=bad)
 
 
 def test_checksum_sees_one_ulp_and_every_dtype():
