@@ -5,16 +5,18 @@ the same update. Something that changes the gradients per rank after the all-red
 any error, and the most likely such thing after ``optimize`` is clipping by a norm computed from this
 rank's gradients alone: ``torch.nn.utils.clip_grad_norm_`` (or ``fabric.clip_gradients``, or any
 gradient scaling computed from local gradients) sees this rank's experts only, each rank computes a
-different norm, clips by a different factor, and the replicas drift apart (`runtime/clip.py`). The
-training is then no longer that of one process, silently.
+different norm, clips by a different factor, and the replicas drift apart (`runtime/clip.py`). (So do
+several forwards before their backwards outside ``no_sync``: DDP then leaves some gradients
+unreduced, plain DDP too.) The training is then no longer that of one process, silently.
 
 So an optimized model under DDP checks itself (`install_replica_check`, a forward pre-hook of the
 model, ``ThemisConfig.check_replicas``): at every N-th forward that trains (the module in train mode,
 gradients enabled, not a recomputation inside backward) every rank computes one integer checksum per
-dense tensor, the sum of its elements' bit patterns as int64 (exact and independent of the reduction's
-order, so equal replicas give equal sums on any device or thread count; any change of one element
-changes it), and the ranks exchange them in ONE all-reduce (MAX of ``[c, -c]``: the largest and the
-smallest value of each checksum over the ranks) with the library's deadline. Every rank gets the same
+dense tensor, the sum modulo 2^32 of its bytes read as int32 words (`param_checksum`: exact and
+independent of the reduction's order, so equal replicas give equal sums on any device or thread count;
+any change of one element changes it), and the ranks exchange them in one all-reduce (MAX of
+``[c, -c]``: the largest and the smallest value of each checksum over the ranks) with the library's
+deadline. Every rank gets the same
 answer, so where the replicas differ every rank raises `ReplicaMismatchError`, in the same forward,
 before any other collective of it: no rank is left waiting.
 
@@ -24,8 +26,9 @@ skipped: eval mode, ``no_grad`` / ``inference_mode``, and forwards run while aut
 backward (activation checkpointing that recomputes the whole model inside backward runs its pre-hooks
 again; a collective there could interleave with DDP's gradient all-reduces).
 
-Cost per checked forward: one read of every dense parameter (a sum per tensor), one all-reduce of
-2 int64 per dense tensor, and one host synchronisation to read the result.
+Cost per checked forward: one read of every dense parameter (an int32 sum per tensor, as fast as a
+float sum, no copy), one all-reduce of 2 int64 per dense tensor, and one host synchronisation to read
+the result.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ __all__ = ["ReplicaMismatchError", "install_replica_check", "param_checksum"]
 PURPOSE = "replica check of the dense parameters"
 _SHOWN = 3                   # differing tensors named in the message
 
-# The integer type of each element size whose bit patterns are summed.
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+# The integer type of each element size, for elements that do not pair into int32 words.
+_BITS = {1: torch.int8, 2: torch.int16}
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -67,18 +70,23 @@ class ReplicaMismatchError(RuntimeError):
 
 
 def param_checksum(t: torch.Tensor) -> torch.Tensor:
-    """The sum of the bit patterns of ``t``'s elements, a 0-dim int64 tensor on ``t``'s device: exact
-    (integer addition), so the same on any device, kernel or reduction order for bitwise-equal tensors,
-    and changed by any change of one element. Elements of 8 bytes count as two 4-byte halves, complex
-    ones as their real and imaginary parts. (The sum wraps modulo 2^64 past 2^32 elements of 4 bytes,
-    alike on every rank.)"""
+    """The sum modulo 2^32 of ``t``'s bytes read as int32 words, a 0-dim int32 tensor on ``t``'s device.
+
+    Integer addition modulo 2^32 is exact and associative, so bitwise-equal tensors give the same sum on
+    any device, kernel, thread count or reduction order; a change of one element changes one word by
+    less than 2^32, hence the sum. It reads the tensor once, as fast as a float sum, with no copy (a
+    contiguous tensor whose bytes pair into words; otherwise its elements are widened to int32 first)."""
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
-    t = t.reshape(-1)          # a view for the contiguous tensors parameters are; a copy otherwise
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    return t.view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+    flat = t.reshape(-1)       # a view for the contiguous tensors parameters are; a copy otherwise
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    try:
+        words = flat.view(torch.int32)
+    except RuntimeError:       # 1- or 2-byte elements whose number or offset does not pair them into words
+        words = flat.view(_BITS[flat.element_size()]).to(torch.int32)
+    return words.sum(dtype=torch.int32)
 
 
 class _ReplicaCheck:
@@ -112,13 +120,13 @@ class _ReplicaCheck:
     def check(self) -> None:
         named = self.dense()
         device = collective_device(self.group)
-        sums = torch.stack([param_checksum(p).to(device) for _, p in named]) if named else \
+        sums = torch.stack([param_checksum(p).to(device) for _, p in named]).long() if named else \
             torch.zeros(0, dtype=torch.int64, device=device)
         both = torch.cat([sums, -sums])
         deadline.all_reduce(both, group=self.group, timeout_s=self.timeout_s, purpose=PURPOSE,
                             op=dist.ReduceOp.MAX)
         hi, neg_lo = both[:len(named)], both[len(named):]
-        differ = (hi + neg_lo).ne(0).nonzero().flatten().tolist()     # max - min, modulo 2^64
+        differ = (hi + neg_lo).ne(0).nonzero().flatten().tolist()     # max - min
         if not differ:
             self.last_equal = self.forwards
             return
