@@ -148,8 +148,8 @@ def _resume(rank, world_size, path: str) -> list[int | None]:
 
 
 def _run(rank, world_size, path):
-    return dict(resumed=_resume(rank, world_size, path),every=_torch_clipping(rank, world_size, 1), second=_torch_clipping(rank, world_size, 2),
-                off=_torch_clipping(rank, world_size, 0, steps=3),
+    return dict(every=_torch_clipping(rank, world_size, 1), second=_torch_clipping(rank, world_size, 2),
+                off=_torch_clipping(rank, world_size, 0, steps=3), resumed=_resume(rank, world_size, path),
                 correct=[_correct_training(rank, world_size, *case) for case in CORRECT],
                 unreduced=_forwards_before_backwards(rank, world_size))
 
@@ -165,7 +165,8 @@ def test_replica_check(tmp_path):
     # after the first clipped step (at the next checked one with check_replicas=2), in bounded time.
     for key, forward in [("every", 2), ("second", 3)]:
         runs = [r[key] for r in ranks]
-        assert runs[0]["norms"][0] != runs[1]["norms"][0] and min(runs[0]["norms"][0], runs[1]["norms"][0]) > MAX_NORM
+        first = [run["norms"][0] for run in runs]
+        assert first[0] != first[1] and min(first) > MAX_NORM, f"{key}: local norms {first}"
         for rank, run in enumerate(runs):
             assert run["forward"] == forward, f"{key} rank {rank}: {run}"
             assert run["in_step"] and run["seconds"] < TIMEOUT_S / 2, f"{key} rank {rank}: {run}"
