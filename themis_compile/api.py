@@ -26,6 +26,7 @@ from themis_compile.runtime.ep import ShardedExperts, uniform_ids
 from themis_compile.runtime.experts import ExpertBank, zero_rows_of
 from themis_compile.runtime.fssdp import FSSDPExperts, FSSDPState, default_budgets
 from themis_compile.runtime.registry import ThemisRuntime, optimized_models, register, runtime_of
+from themis_compile.runtime.replicas import install_replica_check
 from themis_compile.runtime.reshard import ReshardScheduler
 
 __all__ = ["ThemisRuntime", "explain", "optimize", "optimized_models", "runtime_of", "uniform_ids"]
@@ -244,6 +245,9 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
         owned = [m.expert(e) for m in sharded for e in m.owned_experts()]
         owned += [rows for m in sharded if (rows := zero_rows_of(m)) is not None]   # held by one rank each, too
         replicate(model, ignored_modules=owned, process_group=group, find_unused_parameters=True)
+        # Per-rank gradient scaling (torch's clip_grad_norm_ sees one rank's experts) would make the
+        # replicas drift apart silently: the model checks them (runtime/replicas.py).
+        install_replica_check(model, sharded, group, config.check_replicas, config.collective_timeout_s)
     model._ddp_params_and_buffers_to_ignore = RefuseDDPWrap(config.dense_parallel)
     model.register_forward_pre_hook(_refuse_second_fully_shard(model, config.dense_parallel), prepend=True)
 

@@ -44,8 +44,8 @@ class ThemisConfig:
         collective_timeout_s: the deadline of every collective of the library: the sparse collectives
             (SpAG, SpRS), the token-count exchange and the all-to-alls of the token exchange (forward and
             backward), the routing and router-output flags, the count all-reduce of a block's
-            ``global_tokens_per_expert``, plan digests, the budget and profile exchanges and the
-            re-sharding gathers. A rank that stops participating makes the others raise
+            ``global_tokens_per_expert``, plan digests, the budget and profile exchanges, the
+            re-sharding gathers and the replica check (``check_replicas``). A rank that stops participating makes the others raise
             ``themis_compile.runtime.deadline.CollectiveTimeoutError`` (a ``TimeoutError``) within this
             many seconds, naming the collective, the layer and the ranks that did not participate,
             instead of hanging (`runtime/deadline.py`). On NCCL the all-to-alls of the rows do not block
@@ -58,6 +58,15 @@ class ThemisConfig:
             predicted to save (forward and backward) exceeds their SpAG and SpRS
             (`planner.cost.replicas_pay`): at even loads Alg. 1's top-t replicas only move work and pay two
             transfers. ``False`` materializes what Alg. 1 chooses, as the paper states it.
+        check_replicas: under ``dense_parallel="ddp"`` (world size > 1), check at every N-th forward that
+            trains (train mode, gradients enabled; the first one included) that the replicated dense
+            parameters are still bitwise equal on every rank, and raise on every rank, naming the forward,
+            where they are not. They drift apart silently when gradients are scaled per rank, e.g. clipped
+            with ``torch.nn.utils.clip_grad_norm_`` (each rank's local norm) instead of
+            ``themis_compile.clip_grad_norm_`` (`runtime/replicas.py`). Cost per check: one read of every
+            dense parameter (an int32 sum per tensor, as fast as a float sum, no copy), one all-reduce of
+            2 int64 per dense tensor and a host synchronisation. 0 disables it; FSDP2 shards its parameters
+            and is never checked.
         check_plans: cross-check a digest of every plan across ranks (debugging; one extra collective
             per layer step).
         full_stats: keep the whole count table in the load statistics (``LayerStats.
@@ -93,6 +102,7 @@ class ThemisConfig:
     kernels: str = "auto"
     collective_timeout_s: float = 300.0
     check_plans: bool = False
+    check_replicas: int = 1
     cost_benefit: bool = True
     schedule: bool = True
     profile_path: str | None = None
@@ -122,6 +132,8 @@ class ThemisConfig:
             raise ValueError(f"ThemisConfig.expert_row_block must be 'auto', None or an int >= 1, got {block!r}")
         if self.stats_max_bytes < 0:
             raise ValueError(f"ThemisConfig.stats_max_bytes must be >= 0, got {self.stats_max_bytes}")
+        if isinstance(self.check_replicas, bool) or not isinstance(self.check_replicas, int) or self.check_replicas < 0:
+            raise ValueError(f"ThemisConfig.check_replicas must be an int >= 0, got {self.check_replicas!r}")
         if self.collective_timeout_s <= 0:
             raise ValueError("ThemisConfig.collective_timeout_s must be > 0")
 

@@ -5,7 +5,8 @@ test_train_matrix.py), with FSDP2 and DDP for the dense parameters: at every ste
 equals, on every rank, the norm torch computes over the whole gradient of one process on the global batch
 (2-norm and inf-norm; the model, a generator or a list of its parameters as the argument), and training
 with clipping active equals that process clipped with ``torch.nn.utils.clip_grad_norm_``. Re-sharding
-every 2 steps moves experts between owners meanwhile.
+every 2 steps moves experts between owners meanwhile. Under DDP the replica check (`runtime/replicas.py`)
+runs at every step and finds the replicas equal.
 """
 
 from __future__ import annotations
@@ -37,14 +38,17 @@ def _as_argument(model, form: str):
 
 
 def _train(rank, world_size, model_kwargs, config, norm_type, form):
-    norms = []
+    norms, checked = [], []
 
     def clip(model, step):
         norm = themis_compile.clip_grad_norm_(_as_argument(model, form), MAX_NORM[norm_type], norm_type)
         norms.append(norm.item())
+        # Under DDP the replica check (on by default) found the replicas equal at this step's forward.
+        check = getattr(model, "_themis_replica_check", None)
+        checked.append(None if check is None else check.last_equal)
 
     result = train_distributed(rank, world_size, model_kwargs, config, STEPS, BATCH, SEQ, before_step=clip)
-    return result, norms
+    return result, norms, checked
 
 
 def _unrelated_parameters(rank):
@@ -107,7 +111,9 @@ def test_global_norm_and_clipped_training_match_one_process(world_size, devices_
         reference = train_reference(mk, STEPS, BATCH, SEQ, before_step=clip)
         assert min(ref_norms) > 2 * MAX_NORM[norm_type], f"case {i}: clipping is not active ({ref_norms})"
         for rank, r in enumerate(results):
-            norms = r[i][1]
+            norms, checked = r[i][1], r[i][2]
+            want = list(range(1, STEPS + 1)) if cfg.get("dense_parallel") == "ddp" else [None] * STEPS
+            assert checked == want, f"case {i} rank {rank}: replica checks {checked}"
             for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
                 assert abs(a - b) <= 1e-5 * b, f"case {i} rank {rank} step {step}: norm {a}, one process {b}"
         assert_equivalent(reference, [r[i][0] for r in results])

@@ -4,8 +4,8 @@ Every collective themis_compile issues besides the sparse collectives (which kee
 `runtime/collectives.py`) goes through this module: the token-count exchange and the all-to-alls of the
 token exchange, forward and backward (`runtime/exchange.py`), the routing and router-output flags
 (`runtime/ep.py`, `runtime/fssdp.py`), the count all-reduce of a block's ``global_tokens_per_expert``
-(`api.py`), plan digests, budget and profile exchanges (`runtime/budgets.py`, `runtime/profiling.py`)
-and the re-sharding gathers (`runtime/reshard.py`).
+(`api.py`), plan digests, budget and profile exchanges (`runtime/budgets.py`, `runtime/profiling.py`),
+the re-sharding gathers (`runtime/reshard.py`) and the DDP replica check (`runtime/replicas.py`).
 
 Contract:
   - The normal case costs nothing: a call here is the collective torch would run, posted with
