@@ -156,7 +156,9 @@ def non_identical_reason(experts: nn.ModuleList) -> str | None:
 
 
 def router_widths(module: nn.Module, experts: nn.Module) -> list[tuple[str, int, int]]:
-    """(path, scored width, input width) of every Linear or bare 2-D weight outside the experts."""
+    """(path, scored width, input width) of every Linear or bare 2-D weight outside the experts. A bare
+    weight is read both ways, ``[E, H]`` (``F.linear(x, w)``, ``x @ w.t()``) and ``[H, E]`` (``x @ w``, the
+    ``w_gate`` of Shazeer et al.'s noisy top-k gating as it is often written)."""
     inside = {id(p) for p in experts.parameters()}
     out = []
     for path, sub in module.named_modules():
@@ -169,6 +171,8 @@ def router_widths(module: nn.Module, experts: nn.Module) -> list[tuple[str, int,
         for pname, p in sub.named_parameters(recurse=False):
             if p.dim() == 2 and id(p) not in inside:
                 out.append((f"{path}.{pname}" if path else pname, p.shape[0], p.shape[1]))
+                if p.shape[0] != p.shape[1]:
+                    out.append((f"{path}.{pname}" if path else pname, p.shape[1], p.shape[0]))
     return out
 
 

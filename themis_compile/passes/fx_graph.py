@@ -37,10 +37,12 @@ from themis_compile.passes.probe import PROBE_SEED, preserved_state, probe_argum
 
 __all__ = ["is_mlp_like", "TracedBlock", "leaf_modules", "trace_block", "TensorMeta", "record_meta", "is_fn", "is_topk",
            "is_inplace", "score_kind", "topk_outputs", "effective_users", "reachable", "ancestors", "descendants",
-           "router_of", "is_top1", "selections_of", "selection_outputs", "selection_k", "selection_tokens", "is_sort",
+           "router_of", "is_top1", "topk_cut", "selections_of", "selection_outputs", "selection_k", "selection_tokens",
+           "is_sort",
            "cut_length", "is_sort_selection", "sort_cuts", "sort_cut_k", "index_text", "describe_selection",
            "variable_selection_reason", "record_sort_cut", "record_calls", "expert_index", "expert_nodes",
-           "output_node", "reach_by_expert", "combine_node", "OWNER_INPUT", "trace_block_with_method_leaves"]
+           "output_node", "reach_by_expert", "combine_node", "combine_nodes", "OWNER_INPUT",
+           "trace_block_with_method_leaves"]
 
 
 # --- Tracing -----------------------------------------------------------------------------------------
@@ -247,6 +249,10 @@ def descendants(nodes: list[fx.Node]) -> set[fx.Node]:
     return reachable(nodes, lambda n: list(n.users))
 
 
+_MATMULS = {operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm, "matmul", "mm",
+            "__matmul__"}
+
+
 def router_of(gm: fx.GraphModule, topk: fx.Node) -> tuple[str, int, int] | None:
     """(path, E, H) of the learned weight nearest before the top-k: a Linear leaf or a 2-D weight."""
     best = None
@@ -263,7 +269,10 @@ def router_of(gm: fx.GraphModule, topk: fx.Node) -> tuple[str, int, int] | None:
             except AttributeError:
                 t = None
             if t is not None and t.dim() == 2:
-                hit = (n.target, t.shape[0], t.shape[1])
+                # x @ w scores w's columns ([H, E], as noisy top-k gating writes it); F.linear(x, w),
+                # x @ w.t() and w @ x score its rows ([E, H]).
+                right = any(u.target in _MATMULS and len(u.args) > 1 and u.args[1] is n for u in n.users)
+                hit = (n.target, t.shape[1], t.shape[0]) if right else (n.target, t.shape[0], t.shape[1])
         if hit is not None and (best is None or order[n] > best[0]):
             best = (order[n], hit)
     return None if best is None else best[1]
@@ -302,22 +311,55 @@ def selections_of(graph: fx.Graph) -> list[fx.Node]:
     return topks or [n for n in graph.nodes if is_top1(n)]
 
 
+def topk_cut(node: fx.Node) -> tuple[int, list[fx.Node], list[fx.Node]] | None:
+    """(K, values cuts, ids cuts) of a top-k whose ids are used only cut to their first K entries along its
+    dimension, K below its k: noisy top-k gating takes the top k + 1 (the (k+1)-th logit is a threshold for
+    its load statistic) and routes by ``[:, :k]``. None for a top-k used whole."""
+    if not is_topk(node):
+        return None
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    values, ids = topk_outputs(node)
+    if not ids or not isinstance(dim, int) or isinstance(dim, bool):
+        return None
+    id_cuts = []
+    for out in ids:
+        for u in out.users:
+            length = (cut_length(u.args[1], dim) if u.op == "call_function" and u.target is operator.getitem
+                      and u.args[0] is out else None)
+            if length is None or not length[1]:
+                return None
+            id_cuts.append((u, length[0]))
+    lengths = {k for _, k in id_cuts}
+    k = next(iter(lengths)) if len(lengths) == 1 else None
+    whole = node.args[1] if len(node.args) > 1 else node.kwargs.get("k")
+    if k is None or (isinstance(whole, int) and k >= whole):
+        return None
+    value_cuts = [u for out in values for u in out.users if u.op == "call_function" and u.target is operator.getitem
+                  and u.args[0] is out and cut_length(u.args[1], dim) == (k, True)]
+    return k, value_cuts, [u for u, _ in id_cuts]
+
+
 def selection_outputs(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
-    """(values nodes, ids nodes) of a selection: a top-k's or max's outputs, an argmax itself (no values),
-    a sort's cuts to K (an argsort's: ids only)."""
+    """(values nodes, ids nodes) of a selection: a top-k's or max's outputs (a top-k's cuts where its ids
+    are used only cut, :func:`topk_cut`), an argmax itself (no values), a sort's cuts to K (an argsort's:
+    ids only)."""
     if is_sort(node):
         return sort_cuts(node)
     if node.target in (torch.argmax, "argmax"):
         return [], [node]
+    if (cut := topk_cut(node)) is not None:
+        return cut[1], cut[2]
     return topk_outputs(node)
 
 
 def selection_k(node: fx.Node, meta: dict) -> int | None:
-    """k of a selection: a top-k's k, a sort's cut length (None when the probe's shapes, if given, show
-    the cut is not along the last dimension), 1 for max / argmax."""
+    """k of a selection: a top-k's k (its cut's, :func:`topk_cut`), a sort's cut length (None when the
+    probe's shapes, if given, show the cut is not along the last dimension), 1 for max / argmax."""
     if is_sort(node):
         tokens = selection_tokens(node, meta) if meta else None
         return sort_cut_k(node) if not meta or tokens is not None else None
+    if (cut := topk_cut(node)) is not None:
+        return cut[0]
     return _topk_k(node, meta) if is_topk(node) else 1
 
 
@@ -340,7 +382,8 @@ def selection_tokens(node: fx.Node, meta: dict) -> tuple[tuple[int, ...], int] |
     if m is None:
         return None
     if is_topk(node):
-        return m[0].shape[:-1], m[0].shape[-1]
+        cut = topk_cut(node)
+        return m[0].shape[:-1], m[0].shape[-1] if cut is None else cut[0]
     ids = m if isinstance(m, TensorMeta) else m[1]
     return ids.shape, 1
 
@@ -611,24 +654,28 @@ def reach_by_expert(calls: list[fx.Node], attr: str, succ: dict[fx.Node, list[fx
     return {e: reachable(cs, lambda n: succ[n]) for e, cs in groups.items()}
 
 
-def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
-    """Y: the nearest node every expert's output flows through on its way to the output (the combined
-    value), following in-place updates as versions. None when there is none besides the output."""
+def combine_nodes(traced: TracedBlock, attr: str) -> list[fx.Node]:
+    """The nodes every expert's output flows through on its way to the output, nearest first (following
+    in-place updates as versions), the output itself left out."""
     graph = traced.gm.graph
     calls = expert_nodes(graph, attr)
     if not calls:
-        return None
+        return []
     succ = effective_users(graph)
     out = output_node(graph)
     reach = reach_by_expert(calls, attr, succ)
     common = set.intersection(*reach.values())
     if out not in common:
-        return None
-    for y in graph.nodes:  # topological order: the first post-dominator is the nearest
-        if y in common and y not in calls and y is not out:
-            if out not in reachable(calls, lambda n: succ[n], avoid=y):
-                return y
-    return None
+        return []
+    return [y for y in graph.nodes   # topological order: the first post-dominator is the nearest
+            if y in common and y not in calls and y is not out
+            and out not in reachable(calls, lambda n: succ[n], avoid=y)]
+
+
+def combine_node(traced: TracedBlock, attr: str) -> fx.Node | None:
+    """Y: the nearest node every expert's output flows through on its way to the output (the combined
+    value), following in-place updates as versions. None when there is none besides the output."""
+    return next(iter(combine_nodes(traced, attr)), None)
 
 
 # --- Tracing with the block's methods kept as calls (dense dispatch: GShard, Top2Gate) ---------------

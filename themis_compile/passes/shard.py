@@ -68,6 +68,7 @@ from themis_compile.passes.fx_graph import (
     TensorMeta,
     TracedBlock,
     combine_node,
+    combine_nodes,
     effective_users,
     expert_nodes,
     is_inplace,
@@ -203,6 +204,16 @@ def _masked_weight_slots(graph: fx.Graph, meta: dict, weights_TE: fx.Node, k: in
     return ids, weights
 
 
+def _meta_of(meta: dict, n: fx.Node) -> Any:
+    """The probe's record of ``n``, or of the tensor it updated in place."""
+    return meta.get(_base(n)) if meta.get(n) is None else meta.get(n)
+
+
+def _shape_of(meta: dict, n: fx.Node) -> tuple | None:
+    m = _meta_of(meta, n)
+    return tuple(m.shape) if isinstance(m, TensorMeta) else None
+
+
 def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModule:
     """Replace the inline expert loop + weighted combine of a traced block with one
     ``self.<experts_attr>(x, ids, weights)`` call; needs ``traced.meta`` (shapes from a probe)."""
@@ -250,6 +261,12 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
         raise RewriteError(f"MoE layer {layer!r}: no top-k ids feed the expert loop")
     topk = topks[-1]
     (tok, K), H = selection_tokens(topk, meta), info.hidden_size
+    if _shape_of(meta, y) not in (tok + (H,), (math.prod(tok), H)):
+        # The experts' outputs meet as rows first (concatenated in expert order, weighted per row: a
+        # dispatcher's "stitch"), then are combined into [T, H]: Y is the first such value they all reach.
+        combined = (tok + (H,), (math.prod(tok), H))
+        y = next((n for n in combine_nodes(traced, attr) if _shape_of(meta, n) in combined), y)
+        before_y = reachable([y], lambda n: pred[n])
     after_topk = reachable([topk], lambda n: succ[n])
     after_ids = reachable(selection_outputs(topk)[1], lambda n: succ[n])
 
@@ -277,7 +294,7 @@ def replace_expert_loop(traced: TracedBlock, info: MoELayerInfo) -> fx.GraphModu
             raise RewriteError(f"MoE layer {layer!r}: cannot find the {what} that feed every expert")
 
     # Step 2: one experts call in place of Y; later reads of Y (or of the tensor it updated) read it.
-    y_meta = meta.get(_base(y)) if meta.get(y) is None else meta.get(y)
+    y_meta = _meta_of(meta, y)
     if not isinstance(y_meta, TensorMeta) or y_meta.shape not in (tok + (H,), (math.prod(tok), H)):
         raise RewriteError(f"MoE layer {layer!r}: the combined value has shape {getattr(y_meta, 'shape', None)}, "
                            f"not {tok + (H,)}")
