@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import themis_compile
@@ -178,3 +179,29 @@ def test_a_block_whose_hidden_size_equals_the_expert_count_is_not_its_parents_ex
                         vocab_size=64, seq_len=16, experts_form="stacked")
     text = themis_compile.explain(model)
     assert text.startswith("2 MoE layer(s) found") and "rejected" not in text, text
+
+
+class _StackedAtForward(nn.Module):
+    """ModuleList experts whose weights the forward stacks itself and gathers by id (never calls them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(32, 4, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(32, 16), nn.SiLU(), nn.Linear(16, 32)) for _ in range(4))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, ids = self.gate(x).softmax(-1).topk(2)
+        w1 = torch.stack([e[0].weight for e in self.experts])
+        w2 = torch.stack([e[2].weight for e in self.experts])
+        h = F.silu(torch.einsum("th,tkfh->tkf", x, w1[ids]))
+        return (torch.einsum("tkf,tkhf->tkh", h, w2[ids]) * w[..., None]).sum(1).reshape(shape)
+
+
+def test_experts_read_without_being_called_are_rejected_with_what_to_do():
+    found, rejected = find_moe_layers(nn.ModuleDict({"moe": _StackedAtForward()}))
+    assert found == [] and [name for name, _ in rejected] == ["moe"]
+    why = rejected[0][1]
+    assert why.startswith("the forward never calls the 4 experts of 'experts' on the probe"), why
+    assert "call each expert as a module on its rows" in why and "stacked [E, ...] in the block itself" in why

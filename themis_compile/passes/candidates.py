@@ -383,7 +383,11 @@ def experts_call_form(module: nn.Module, attr: str, x: torch.Tensor, top_k: int 
                 h.remove()
         if sum(counts) > 0:
             return "inline-loop", f"calls its {len(experts)} experts one by one ({sum(counts)} calls on the probe)"
-        return "unsupported", "the forward never calls its experts on the probe"
+        return "unsupported", (f"the forward never calls the {len(experts)} experts of '{attr}' on the probe (it reads "
+                               "their parameters itself, e.g. torch.stack([e.w1.weight for e in experts]), or "
+                               "does not use them); call each expert as a module on its rows (experts[e](rows)), "
+                               "call the experts once as experts(x, ids, weights), or hold the weights stacked "
+                               "[E, ...] in the block itself (the own-weights style)")
     if error is not None:
         return "unsupported", f"swapping '{attr}' for an experts(x, ids, weights) module fails: {error}"
     shapes = ", ".join(f"{type(a).__name__}{list(a.shape) if isinstance(a, torch.Tensor) else ''}"
