@@ -17,7 +17,7 @@ from themis_compile.passes.detect import SEARCHED, find_moe_layers
 from themis_compile.passes.explain import explain_moe_layers
 from themis_compile.passes.probe import probing_as_recorded
 from themis_compile.passes.schedule import schedule_model
-from themis_compile.passes.styles import describe_layer, prepare_found
+from themis_compile.passes.styles import describe_layer, left_as_they_are, prepare_found
 from themis_compile.planner import PlanCost, Placement, Topology
 from themis_compile.runtime import deadline
 from themis_compile.runtime.budgets import BudgetController
@@ -78,7 +78,7 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
         config: a :class:`ThemisConfig`; default ``ThemisConfig()``.
         group: a ProcessGroup or DeviceMesh; default the default group, or world size 1 without one.
         strict: raise ``ValueError`` instead of warning when no MoE layer is found or when a module that
-            looks MoE-like is not sharded.
+            looks MoE-like is not sharded (rejected, or found but its rewrite failed its check on a probe).
         example_inputs: arguments for one forward of ``model``, as for ``torch.export``: a tuple of
             positional arguments or a dict of keyword arguments of ``model(...)``, the same on every rank.
             Used only when a candidate MoE layer's forward does not run on hidden states alone (it needs
@@ -107,7 +107,12 @@ def optimize(model: nn.Module, config: ThemisConfig | None = None, *, group=None
     found, rejected = find_moe_layers(model, example_inputs)
     _report_unsharded(model, found, rejected, strict=strict, world_size=world_size, config=config)
     with probing_as_recorded(found):     # layers found with recorded inputs are probed with them
-        infos = prepare_found(found, rejected, strict=strict) if found else []
+        infos, left = prepare_found(found, rejected, strict=strict) if found else ([], [])
+    if left:     # their rewrite failed its check: data-parallel like a rejected module, said so
+        fate = f"data-parallel through {config.dense_parallel} over {world_size} ranks" if world_size > 1 else \
+            "as they are (world size 1)"
+        warnings.warn(left_as_they_are(left, "themis_compile.optimize", fate), UserWarning, stacklevel=2)
+        rejected = rejected + left
 
     runtime = ThemisRuntime(config=config, rank=rank, world_size=world_size, group=group,
                             unsharded=[(name, _one_line(why)) for name, why in rejected])

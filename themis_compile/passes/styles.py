@@ -64,7 +64,8 @@ from themis_compile.runtime.experts import wrapped_expert_list
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Style", "STYLES", "style_of", "describe_layer", "rewrite_moe_layer", "prepare_moe_layers", "prepare_found"]
+__all__ = ["Style", "STYLES", "style_of", "describe_layer", "rewrite_moe_layer", "prepare_moe_layers", "prepare_found",
+           "left_as_they_are"]
 
 
 # --- The rewrites, one per style ----------------------------------------------------------------------
@@ -300,20 +301,54 @@ def prepare_moe_layers(model: nn.Module, strict: bool = False, *, example_inputs
     the runtime replaces).
 
     No MoE layer found: warn naming what was searched and what was rejected and return ``[]`` (the model
-    is unchanged), or raise ``ValueError`` when ``strict``. A rewrite that does not reproduce the
-    original on the probe raises ``ValueError`` naming the layer; no layer of the model is changed then.
-    A layer found with recorded inputs (``example_inputs``, see ``find_moe_layers``) is checked with them.
+    is unchanged), or raise ``ValueError`` when ``strict``. A layer whose rewrite cannot be made or does
+    not reproduce the original on the probe is left as it is with a warning naming it and why (its
+    experts stay dense: data-parallel under ``optimize``); with ``strict`` it raises ``ValueError``
+    naming the layer, and no layer of the model is changed then. A layer found with recorded inputs
+    (``example_inputs``, see ``find_moe_layers``) is checked with them.
     """
     infos, rejected = find_moe_layers(model, example_inputs)
     with probing_as_recorded(infos):
-        return prepare_found(infos, rejected, strict)
+        prepared, left = prepare_found(infos, rejected, strict)
+    if left:
+        warnings.warn(left_as_they_are(left), UserWarning, stacklevel=2)
+    return prepared
+
+
+def left_as_they_are(left: list[tuple[str, str]], who: str = "themis_compile", fate: str = "data-parallel") -> str:
+    """The warning for MoE layers whose rewrite failed its check (:func:`prepare_found`'s second result)."""
+    return "\n".join([f"{who}: {len(left)} MoE layer(s) left as they are (their rewrite failed its check on a "
+                       f"probe): their experts stay dense parameters, {fate}; strict=True raises instead"]
+                      + [f"  {name}: {why}" for name, why in left])
+
+
+def _check_on_a_copy(info: MoELayerInfo) -> None:
+    """Rewrite a copy of ``info.module`` (sharing its parameters and buffers) with its style and compare it
+    with the original on a probe; ValueError naming the layer when the rewrite cannot be made or differs."""
+    style = style_of(info)
+    if style.plan is not None:
+        info.plan = style.plan(info)
+    shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
+    # Tensors a forward stored on the modules (DeepSpeed's self.l_aux, with its autograd history) are
+    # shared too: a non-leaf tensor cannot be deep-copied, and the probes restore attributes anyway.
+    shared.update({id(v): v for m in info.module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)})
+    trial = copy.deepcopy(info.module, shared)
+    rewrite_moe_layer(dataclasses.replace(info, module=trial))
+    if style.reference:
+        # The trial computes its experts exactly as the sharded runtime will (each expert alone).
+        trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr],
+                                                             info.num_experts, info.skips_empty_experts)
+    verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
+    if style.gradients is not None:
+        style.gradients(info, trial, _probe_for(info))
 
 
 def prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], strict: bool = False
-                  ) -> list[MoELayerInfo]:
+                  ) -> tuple[list[MoELayerInfo], list[tuple[str, str]]]:
     """:func:`prepare_moe_layers` on what ``find_moe_layers`` returned (``optimize`` detects once, reports
-    what it will not shard, then prepares the layers it found); layers found with recorded inputs are
-    probed so inside ``probing_as_recorded(infos)``."""
+    what it will not shard, then prepares the layers it found; layers found with recorded inputs are
+    probed so inside ``probing_as_recorded(infos)``): (the layers ready for sharding, [(name, why)] of the
+    layers left as they are because their rewrite failed its check, and of the layers tied to those)."""
     if not infos:
         msg = f"themis_compile found no MoE layer (searched for {SEARCHED})"
         if rejected:
@@ -321,32 +356,27 @@ def prepare_found(infos: list[MoELayerInfo], rejected: list[tuple[str, str]], st
         if strict:
             raise ValueError(msg)
         warnings.warn(msg, stacklevel=3)
-        return []
+        return [], []
     for info in infos:
         check_layer(info)
     for name, why in rejected:
         logger.warning("MoE-like module %s left as it is: %s", name, why)
 
-    # Rewrite copies (sharing parameters and buffers) and compare with the originals before touching any.
-    todo = [info for info in infos if style_of(info).apply is not None and not info.rewritten]
-    for info in todo:
-        style = style_of(info)
-        if style.plan is not None:
-            info.plan = style.plan(info)
-        shared = {id(t): t for t in itertools.chain(info.module.parameters(), info.module.buffers())}
-        # Tensors a forward stored on the modules (DeepSpeed's self.l_aux, with its autograd history) are
-        # shared too: a non-leaf tensor cannot be deep-copied, and the probes restore attributes anyway.
-        shared.update({id(v): v for m in info.module.modules() for v in vars(m).values()
-                       if isinstance(v, torch.Tensor)})
-        trial = copy.deepcopy(info.module, shared)
-        rewrite_moe_layer(dataclasses.replace(info, module=trial))
-        if style.reference:
-            # The trial computes its experts exactly as the sharded runtime will (each expert alone).
-            trial._modules[info.experts_attr] = RuntimeReference(trial._modules[info.experts_attr],
-                                                                 info.num_experts, info.skips_empty_experts)
-        verify_rewrite(info.module, trial, _probe_for(info), layer=info.name)
-        if style.gradients is not None:
-            style.gradients(info, trial, _probe_for(info))
-    for info in todo:
+    # Check every rewrite on a copy before touching any layer.
+    left: dict[str, str] = {}
+    for info in infos:
+        if style_of(info).apply is None or info.rewritten:
+            continue
+        try:
+            _check_on_a_copy(info)
+        except ValueError as why:
+            if strict:
+                raise
+            left[info.name] = str(why)
+    for info in infos:           # one sharded module serves tied layers: they follow the layer they are tied to
+        if info.tied_to in left:
+            left[info.name] = f"its experts are tied to those of {info.tied_to!r}, which is left as it is"
+    prepared = [info for info in infos if info.name not in left]
+    for info in prepared:
         rewrite_moe_layer(info)
-    return infos
+    return prepared, list(left.items())
