@@ -28,6 +28,7 @@ from themis_compile.runtime.fssdp import FSSDPExperts, FSSDPState, default_budge
 from themis_compile.runtime.registry import ThemisRuntime, optimized_models, register, runtime_of
 from themis_compile.runtime.replicas import install_replica_check
 from themis_compile.runtime.reshard import ReshardScheduler
+from themis_compile.runtime.unused import UnusedGradients
 
 __all__ = ["ThemisRuntime", "explain", "optimize", "optimized_models", "runtime_of", "uniform_ids"]
 
@@ -243,6 +244,11 @@ def _make_dense_data_parallel(model: nn.Module, sharded: list[nn.Module], group,
         fully_shard(model, mesh=mesh, ignored_params=expert_params)
         if _fsdp2_reduces_unused_params():
             model.set_reduce_scatter_unused_params(True)
+        if conditional:
+            # A zero gradient where no rank used a parameter would still move it under AdamW, where one
+            # process leaves it without one (runtime/unused.py).
+            modules = [model if name == "<root>" else model.get_submodule(name) for name, _ in conditional]
+            UnusedGradients(model, modules, group, config.collective_timeout_s)
     else:
         from torch.distributed._composable.replicate import replicate
 

@@ -70,7 +70,7 @@ class GuardedMoE(UnevenMoE):
     its experts skipping tokens per rank like the rejected block's."""
 
     def __init__(self) -> None:
-        super().__init__(widths=(32,) * 8, top_k=2)
+        super().__init__(widths=(32,) * 8)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if x_BSH.abs().max() > 1e6:
@@ -305,18 +305,25 @@ def test_unsharded_modules_train_like_one_process(world_size):
             assert (f"\n  blocks.1.ffn: {CONFIGS[wrapper]['policy']}, 4 experts (modulelist, 'experts'), top-2; "
                     f"this rank owns {len(owned)}: {owned}\n") in out["explain"]
         assert sorted(e for out in per_rank for e in out["owned_now"]["blocks.1.ffn"]) == [0, 1, 2, 3]
-        if kind == "mixed":       # (the guarded block routes top-2 over 8 experts: each rank uses every one)
+        if kind == "mixed":
             assert_dynamic_sparsity(per_rank, references[kind])
+        else:
+            # Some expert of the block left as it is got tokens on one rank only in some step, and some
+            # expert none on any rank (one process leaves its .grad None; under FSDP2 the zero gradient it
+            # reduce-scatters is set back to None before the step: runtime/unused.py).
+            assert_dynamic_sparsity(per_rank, references[kind], every_step_uses_every_expert=False)
+            assert not all(all(used[0]) for used in references[kind]["used"]), references[kind]["used"]
 
 
-def assert_dynamic_sparsity(per_rank: list[dict], reference: dict) -> None:
+def assert_dynamic_sparsity(per_rank: list[dict], reference: dict, every_step_uses_every_expert: bool = True) -> None:
     """The unsharded block's experts went unused on some rank in some step while another rank used them
     (ranks would reduce different sets of gradients if the wrapper were not told), while every expert got
     tokens from the whole batch in every step, as in the one-process run."""
     num_experts = len(reference["used"][0][0])
     assert any(len({r["used"][step][0][e] for r in per_rank}) == 2
                for step in range(STEPS) for e in range(num_experts)), [r["used"] for r in per_rank]
-    assert all(all(used[0]) for used in reference["used"]), reference["used"]
+    if every_step_uses_every_expert:
+        assert all(all(used[0]) for used in reference["used"]), reference["used"]
 
 
 # --------------------------------------------------------------------------- one process, no group
