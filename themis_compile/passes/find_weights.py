@@ -50,7 +50,9 @@ from themis_compile.passes.own_weights import (
     region_module,
     replace_region,
     replace_slot_regions,
+    routing_reads,
     slot_regions,
+    stacked_biases,
 )
 from themis_compile.passes.parallel_lists import (
     apply_parallel_lists,
@@ -90,7 +92,12 @@ def own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     the code applying them, read off its FX graph, moves with them into an experts child called per slot or
     per row (``rewrite == "own-weights"``). None when the block holds no such weights or does not run on
     probe hidden states; raises Reject naming the step that failed when it holds them next to a router
-    of their width and selects on a probe."""
+    of their width and selects on a probe.
+
+    The block's 2-D ``[E, X]`` parameters (stacked biases, ``b1 [E, F]``) are read as the experts' with the
+    stacked weights, except those the routing reads (an integer tensor, the selected ids, computed from
+    them); where no reading takes the block so, it is read again without them (they then stay the block's,
+    outside the experts' code), and a rejection names them."""
     found = own_stacked_weights(module)
     if found is None:
         return None
@@ -98,6 +105,31 @@ def own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
     if (probed := _selecting_probe(module, H)) is None:
         return None
     x, rec = probed
+    routing = routing_reads(module, stacked_biases(module, names), lambda: run_probe(module, x, training=True))
+    names = tuple(n for n in names if n not in routing)
+    biases = stacked_biases(module, names)
+    try:
+        return _own_weights_reading(name, module, names, router_name, E, H, x, rec)
+    except Reject as exc:
+        if not biases:
+            raise
+        with_biases = exc
+    try:
+        return _own_weights_reading(name, module, tuple(n for n in names if n not in biases), router_name, E, H, x,
+                                    rec)
+    except Reject:
+        pass
+    shapes = " and ".join(f"{n} {list(module._parameters[n].shape)}" for n in biases)
+    raise Reject(f"{with_biases}; {shapes}, [E, X] parameters of the block, were read as the experts' biases: a "
+                 "stacked bias is served where the code applying the stacked weights reads it indexed by the expert "
+                 f"id ({biases[0]}[ids], {biases[0]}[e]) between their first use and the experts' result (read "
+                 "without the biases, the block is rejected too)") from None
+
+
+def _own_weights_reading(name: str, module: nn.Module, names: tuple[str, ...], router_name: str, E: int, H: int,
+                         x: torch.Tensor, rec: Any) -> MoELayerInfo:
+    """:func:`own_weights_layer` with the stacked parameters ``names``: the layer, or Reject naming the step
+    that failed."""
     shapes = ", ".join(f"{n} {list(module._parameters[n].shape)}" for n in names)
     head = (f"its expert weights are stacked parameters of the block itself ({shapes}, {E} experts scored by "
             f"'{router_name}')")
@@ -127,9 +159,15 @@ def own_weights_layer(name: str, module: nn.Module) -> MoELayerInfo | None:
             # Applied once per slot (a loop over the k slots): one per-row call on every slot's rows.
             slots, slots_why = slot_regions(traced, names, H)
             if slots is None:
+                # A loop over the experts guarded by a branch (``if tok.numel() == 0: continue``) traces, but
+                # its code is the indexed-weights reading's.
+                found, indexed_why = _indexed_weights_layer(name, module, names, attr, x, H, E, rec, router_name,
+                                                            head)
+                if found is not None:
+                    return found
                 raise Reject(f"{head}; step 2 (find the code applying them, from the selected ids to one value per "
                               f"token and slot) failed: {why}" + (f"; read once per slot: {slots_why}" if slots_why
-                                                                  else ""))
+                                                                  else "") + f", and {indexed_why}")
             (nodes, inputs, y), form, slotted = slots[0], "per-row", True
             ids_shape = (sum(traced.meta[ins[1]].shape[0] for _, ins, _ in slots),)
         region_gm = region_module(traced, nodes, inputs, y)

@@ -10,7 +10,8 @@ applies them inline, gathered by the selected ids::
     out_TD = torch.einsum("tkd,tk->td", y_TKD, top.softmax(-1))              # the block's combine
 
 or per row (``torch.bmm(rows_N1D, self.w1[ids_N])``), or on a padded buffer of every expert's rows
-(``torch.bmm(buf_ECH, self.w_in)``). No module is the experts; the code is. This module reads that code off
+(``torch.bmm(buf_ECH, self.w_in)``), stacked 2-D biases added alike (``... + self.b_up[ids_TK]``). No module
+is the experts; the code is. This module reads that code off
 the block (its FX graph, or a probe where FX cannot trace it) and moves it, with the weights, into a child.
 
 Contract:
@@ -35,7 +36,8 @@ Contract:
     keys stay the user's (:class:`OwnWeightsKeys`).
 
 Pseudo-code (FX reading):
-    W      = get_attr nodes of the block's stacked parameters (>= 3-D, leading dimension E = the router's width)
+    W      = get_attr nodes of the block's stacked parameters (>= 3-D, leading dimension E = the router's width;
+             with them its 2-D [E, X] ones, the experts' biases, unless the routing computes the ids from them)
     D      = every node computed from W
     y      = the first node of D such that the uses of W are ancestors of y and D \\ ancestors(y) follows y
     region = D ∩ (ancestors(y) ∪ {y}) + views of floating inputs used only by the region
@@ -65,7 +67,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from themis_compile.passes.fx_graph import TensorMeta, TracedBlock, ancestors, descendants, is_inplace
 from themis_compile.passes.joined import VALUE_READS, KeyHook, in_place_call
 
-__all__ = ["OwnWeightsExperts", "OwnWeightsPlan", "own_stacked_weights", "own_weights_region", "apply_own_weights",
+__all__ = ["OwnWeightsExperts", "OwnWeightsPlan", "own_stacked_weights", "stacked_biases", "routing_reads",
+           "own_weights_region", "apply_own_weights",
            "slot_regions", "replace_slot_regions",
            "PerRowCall", "OwnWeightsKeys", "ServedOwnWeightsExperts",
            "region_module", "replace_region", "WeightUses", "WeightsRecorder",
@@ -163,14 +166,58 @@ class OwnWeightsPlan:
 
 def own_stacked_weights(module: nn.Module) -> tuple[str, int, int, tuple[str, ...]] | None:
     """(router name, E, H, the stacked weights' names) of a block holding stacked ``[E, ...]`` weights of
-    3 or more dimensions itself next to a Linear router of E outputs; None for any other module."""
-    own = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() >= 3]
+    3 or more dimensions itself next to a Linear router of E outputs; None for any other module. The names
+    include the block's 2-D ``[E, X]`` parameters (stacked biases, ``b1 [E, F]``) in the user's order: the
+    readings keep them where the code applying the stacked weights reads them, indexed by the expert id
+    (:func:`stacked_biases`, :func:`routing_reads`)."""
+    own = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() >= 2]
     for rname, router in module.named_children():
         if isinstance(router, nn.Linear) and router.out_features >= 2:
-            names = tuple(n for n, p in own if p.shape[0] == router.out_features)
-            if names:
-                return rname, router.out_features, router.in_features, names
+            E = router.out_features
+            if any(p.dim() >= 3 and p.shape[0] == E for _, p in own):
+                return rname, E, router.in_features, tuple(n for n, p in own if p.shape[0] == E)
     return None
+
+
+def stacked_biases(module: nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The 2-D ``[E, X]`` parameters among the stacked ``names`` of ``module`` (its experts' biases, when the
+    code applying the stacked weights reads them)."""
+    return tuple(n for n in names if module._parameters[n].dim() == 2)
+
+
+class _ComputedFrom(TorchFunctionMode):
+    """Follows, on a run, the tensors computed from each of ``weights`` (by identity, whatever else they take)
+    and notes the weights from which an integer tensor is computed (selected ids, a sort order)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._from: dict[int, tuple[torch.Tensor, frozenset]] = {id(w): (w, frozenset([n])) for n, w in weights.items()}
+        self.to_integers: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        names = frozenset().union(*(entry[1] for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)
+                                    and (entry := self._from.get(id(v))) is not None and entry[0] is v))
+        if names:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._from[id(t)] = (t, names)
+                    if not (t.is_floating_point() or t.is_complex()):
+                        self.to_integers |= names
+        return out
+
+
+def routing_reads(module: nn.Module, names: tuple[str, ...], run: Callable[[], Any]) -> tuple[str, ...]:
+    """Those of the parameters ``names`` of ``module`` from which the probe ``run()`` computes an integer
+    tensor (the selected ids, an order): read by the routing, they are no expert's (a raw router weight
+    ``[E, H]``)."""
+    if not names:
+        return ()
+    seen = _ComputedFrom({n: module._parameters[n] for n in names})
+    with torch.no_grad(), seen:
+        run()
+    return tuple(n for n in names if n in seen.to_integers)
 
 
 # --- Reading the region off the graph ----------------------------------------------------------------
