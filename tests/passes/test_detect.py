@@ -3,6 +3,8 @@ blocks in other styles; rejected look-alikes with their reasons; explain()."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,3 +207,38 @@ def test_experts_read_without_being_called_are_rejected_with_what_to_do():
     why = rejected[0][1]
     assert why.startswith("the forward never calls the 4 experts of 'experts' on the probe"), why
     assert "call each expert as a module on its rows" in why and "stacked [E, ...] in the block itself" in why
+
+
+class _MLPRouterMoE(nn.Module):
+    """A router that is a small MLP (Linear -> tanh -> Linear(E)), the top-k over its logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 32)) for _ in range(4))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, ids = torch.topk(self.router(x), 2)
+        w = w.softmax(-1)
+        out = torch.zeros_like(x)
+        for e in range(4):
+            t, k = torch.where(ids == e)
+            out = out.index_add(0, t, self.experts[e](x[t]) * w[t, k, None])
+        return out.reshape(shape)
+
+
+def test_a_router_mlp_is_read_by_its_last_linear_and_its_first_linears_input():
+    from themis_compile.passes.styles import prepare_moe_layers
+
+    torch.manual_seed(0)
+    block = _MLPRouterMoE()
+    (info,), rejected = find_moe_layers(nn.ModuleDict({"moe": block}))
+    assert not rejected
+    assert (info.rewrite, info.router_path, info.num_experts, info.top_k, info.hidden_size) == (
+        "inline-loop", "router.2", 4, 2, 32)
+    reference = copy.deepcopy(block)
+    (prepared,) = prepare_moe_layers(nn.ModuleDict({"moe": block}), strict=True)
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(block(x), reference(x))

@@ -166,7 +166,11 @@ def router_widths(module: nn.Module, experts: nn.Module) -> list[tuple[str, int,
             continue
         if isinstance(sub, nn.Linear):
             if id(sub.weight) not in inside:
-                out.append((path, sub.out_features, sub.in_features))
+                # The last Linear of a small router MLP (Linear -> tanh -> Linear(E)) scores the experts;
+                # the input width is that of the child's first Linear, which reads the hidden states.
+                top = module.get_submodule(path.split(".")[0]) if "." in path else sub
+                first = next((m for m in top.modules() if isinstance(m, nn.Linear)), sub)
+                out.append((path, sub.out_features, first.in_features))
             continue
         for pname, p in sub.named_parameters(recurse=False):
             if p.dim() == 2 and id(p) not in inside:

@@ -263,6 +263,10 @@ def router_of(gm: fx.GraphModule, topk: fx.Node) -> tuple[str, int, int] | None:
             mod = gm.get_submodule(n.target)
             if isinstance(mod, nn.Linear):
                 hit = (n.target, mod.out_features, mod.in_features)
+            elif linears := [(name, m) for name, m in mod.named_modules() if isinstance(m, nn.Linear)]:
+                # A router that is a small MLP kept as a leaf (Linear -> tanh -> Linear(E)): its last Linear
+                # scores the experts, its first reads the hidden states.
+                hit = (f"{n.target}.{linears[-1][0]}", linears[-1][1].out_features, linears[0][1].in_features)
         elif n.op == "get_attr":
             try:
                 t = gm.get_parameter(n.target)
