@@ -82,6 +82,26 @@ def test_every_style_has_a_witness():
     assert sorted(WITNESSES) == sorted(s.name for s in STYLES)
 
 
+# style -> its own test file (under tests/): what that style's blocks are, and that they are found as it.
+STYLE_FILES = {
+    "none": "passes/test_style_none.py", "inline-loop": "passes/test_style_inline_loop.py",
+    "replay": "passes/test_replay.py", "dense-dispatch": "passes/test_style_dense_dispatch.py",
+    "zero-experts": "runtime/test_zero_expert_rows.py", "joined": "passes/test_joined.py",
+    "dispatch-mask": "passes/test_style_dispatch_mask.py", "scores-call": "passes/test_style_scores_call.py",
+    "sorted-rows": "passes/test_style_sorted_rows.py", "per-slot": "passes/test_style_per_slot.py",
+    "all-rows": "passes/test_all_rows.py", "flatten": "passes/test_style_flatten.py",
+    "own-weights": "passes/test_style_gathered_einsum.py", "indexed-weights": "passes/test_style_stacked_biases.py",
+    "parallel-lists": "passes/test_style_parallel_lists.py", "param-lists": "passes/test_style_param_lists.py",
+}
+
+
+def test_every_style_has_a_test_file_of_its_own():
+    tests = Path(__file__).parent.parent
+    assert sorted(STYLE_FILES) == sorted(s.name for s in STYLES)
+    for name, path in STYLE_FILES.items():
+        assert f'"{name}"' in (tests / path).read_text(), (name, path)     # it asserts blocks of that style
+
+
 def test_the_table_follows_detections_priority():
     names = [s.name for s in STYLES]
     assert len(set(names)) == len(names)
