@@ -37,6 +37,10 @@ touch they are torch's. On an optimized model they add what torch's cannot do:
   (which torch gives state for every parameter) would then miss its keys. Under Adam / AdamW it is
   given the state those optimizers create lazily on an expert's first step (``step`` 0, zero moments),
   which trains the same as no state; under other optimizers ``get_state_dict`` raises naming the experts.
+- *Param groups that name every rank's parameters.* An unflattened optimizer state dict's groups list the
+  parameters of all ranks (one gather of the lists), so that the one copy DCP writes of each list names
+  every rank's experts: an optimizer whose experts have a group of their own (HF Trainer's under FSDP2,
+  which groups plain tensors apart from DTensors) resumes with that group's hyperparameters on every rank.
 - *No re-sharding inside the state-dict calls.* torch's functions create missing optimizer state with a
   zero-lr ``step()``; the re-sharding schedule does not count it.
 
@@ -59,7 +63,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import state_dict as _dsd
 
-from themis_compile.export import full_state_dict, gather_view, rank_view, save_pretrained
+from themis_compile.export import _key_order, full_state_dict, gather_view, rank_view, save_pretrained
 from themis_compile.passes.parallel_lists import internal_keys, to_user_keys, user_key
 from themis_compile.planner import Placement
 from themis_compile.runtime import deadline
@@ -110,6 +114,7 @@ def get_state_dict(
     _parallel_lists_keys(model, model_sd, optim_sd, loading=False)
     if optimizers:
         _stack_optimizer_state(optim_sd, _stacked_layers(model, runtime), runtime.config.collective_timeout_s)
+        _param_groups_of_every_rank(optim_sd, runtime)
         optim_sd[RUNTIME_STATE_KEY] = json.dumps(runtime_state_dict(model))
     if full:
         # As torch's full state dicts: on every rank, or with cpu_offload on rank 0 only (``{}`` elsewhere).
@@ -547,6 +552,32 @@ def _unstack_optimizer_state(optim_sd: dict, layers: list[_StackedLayer]) -> Non
                 if stacked in g[_PARAMS]:
                     j = g[_PARAMS].index(stacked)
                     g[_PARAMS] = g[_PARAMS][:j] + [internal[e] for e in owned] + g[_PARAMS][j + 1:]
+
+
+# ---------------------------------------------------------------------------------- param groups
+def _param_groups_of_every_rank(optim_sd: dict, runtime: ThemisRuntime) -> None:
+    """Each param group of an unflattened optimizer state dict lists the parameters of every rank (in the
+    unmodified model's order), not only this rank's (in place; collective: one gather of the lists).
+
+    DCP writes a non-tensor value such as a group's ``params`` list once, from one rank, and loads that
+    copy on every rank; torch's ``set_state_dict`` gives a loading rank's group the hyperparameters of the
+    saved group that lists one of its parameters. A group of a rank's own experts (an optimizer with the
+    experts in a group of their own, as HF Trainer builds under FSDP2: plain tensors apart from DTensors)
+    lists other experts on every rank: loaded from another rank's list, it matched nothing and came back
+    without ``lr`` or ``betas``."""
+    if _is_flat(optim_sd) or runtime.world_size <= 1:
+        return      # flattened: every parameter has its own ``param_groups.<fqn>.*`` keys
+    groups = optim_sd[_PG]
+    mine = [list(g[_PARAMS]) for g in groups]
+    views = deadline.all_gather_object(mine, group=runtime.group, timeout_s=runtime.config.collective_timeout_s,
+                                       purpose="optimizer state dict: param groups")
+    if any(len(view) != len(groups) for view in views):
+        raise RuntimeError(f"checkpoint: the ranks' optimizers have {[len(v) for v in views]} param groups; "
+                           f"every rank's optimizer needs the same groups")
+    for i, g in enumerate(groups):
+        lists = [view[i] for view in views]
+        if all(isinstance(fqn, str) for params in lists for fqn in params):
+            g[_PARAMS] = _key_order(lists)
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -15,13 +15,34 @@ import torch
 import torch.distributed as dist
 
 import themis_compile
-from tests.runtime.equivalence import _dense_params, _expert_chunks_reference, make_model
+from tests.runtime.equivalence import _dense_params, _expert_chunks_reference
+from tests.runtime.equivalence import make_model as _make_hf_model
 
 STEPS, ACCUM, BATCH, SEQ = 6, 2, 2, 16          # optimizer steps, micro-batches per step, per-rank rows
 SAVE_AT = 3                                      # accelerate: save_state after this step, resume from it
 MAX_NORM = 0.05                                 # below every step's norm: clipping is active (checked)
 MODELS = {"mixtral": dict(hf="mixtral", num_experts=4), "qwen3-moe": dict(hf="qwen3-moe", num_experts=4)}
-LR = {"mixtral": 1e-2, "qwen3-moe": 1e-3}
+LR = {"mixtral": 1e-2, "qwen3-moe": 1e-3, "param-lists": 1e-2, "own-weights": 1e-2}
+# Our own small HF models whose experts optimize moves into a child it creates (tests/integrations/custom_models.py),
+# keyed by that rewrite; an expert size unlike the hidden size, so that each expert's two weights differ in shape.
+FORMS = {"param-lists": dict(custom="param-lists", expert_size=48),
+         "own-weights": dict(custom="own-weights", expert_size=48)}
+
+
+def make_model(spec: dict):
+    """``tests.runtime.equivalence.make_model(spec)``, or with ``custom=form`` a model of
+    ``tests.integrations.custom_models`` (the rest of ``spec`` its config)."""
+    spec = dict(spec)
+    form = spec.pop("custom", None)
+    if form is None:
+        return _make_hf_model(spec)
+    from tests.integrations.custom_models import make_custom_model
+
+    return make_custom_model(form, **spec)
+
+
+def _spec(family: str) -> dict:
+    return MODELS[family] if family in MODELS else FORMS[family]
 
 
 def dataset(vocab: int = 128, rows: int | None = None) -> list[dict[str, torch.Tensor]]:
@@ -74,7 +95,7 @@ def _owned(model) -> dict:
 def _reference_trainer(family: str, out: str):
     from transformers import Trainer
 
-    trainer = _recording(Trainer)(model=make_model(MODELS[family]), args=_args(out, family), train_dataset=dataset())
+    trainer = _recording(Trainer)(model=make_model(_spec(family)), args=_args(out, family), train_dataset=dataset())
     trainer.recorded = []
     trainer.train()
     model = trainer.model
@@ -88,7 +109,7 @@ _LAST_REFERENCE: list[dict] = []      # the reference run's final weights, taken
 def _themis_trainer(family: str, dense_parallel: str, out: str, **args_over):
     from themis_compile.integrations.transformers import ThemisTrainer
 
-    trainer = _recording(ThemisTrainer)(model=make_model(MODELS[family]), args=_args(out, family, **args_over),
+    trainer = _recording(ThemisTrainer)(model=make_model(_spec(family)), args=_args(out, family, **args_over),
                                         train_dataset=dataset(),
                                         themis_config=themis_compile.ThemisConfig(dense_parallel=dense_parallel))
     trainer.recorded = []
@@ -215,3 +236,74 @@ def accelerate_equivalence(rank: int, world_size: int, out_dir: str) -> dict:
 def integration_checks(rank: int, world_size: int, out: str) -> dict:
     """Everything of ``test_transformers.py`` in one spawn."""
     return {"trainer": trainer_equivalence(rank, world_size, out), "accelerate": accelerate_equivalence(rank, world_size, out)}
+
+
+# --- Experts the rewrite moves into a child it creates (ParameterLists, stacked own weights) --------------
+
+def _user_experts(model, form: str) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """Per (MoE layer, expert) of an unmodified custom model, the expert's weights in its block."""
+    out = {}
+    for li, layer in enumerate(model.layers):
+        moe = layer.moe
+        first, second = (moe.up, moe.down) if form == "param-lists" else (moe.w_in, moe.w_out)
+        for e in range(len(first)):
+            out[(li, e)] = [first[e].detach().clone(), second[e].detach().clone()]
+    return out
+
+
+def _expert_error(owned: dict, reference: dict) -> float:
+    """The largest difference of each owned expert's tensors to the reference's (matched by shape: the
+    experts child may list an expert's tensors in its own order); inf where one has no match."""
+    worst = 0.0
+    for key, tensors in owned.items():
+        ref = {tuple(t.shape): t for t in reference[key]}
+        for t in tensors:
+            match = ref.get(tuple(t.shape))
+            if match is None:
+                return float("inf")
+            worst = max(worst, (t.detach() - match).abs().max().item())
+    return worst
+
+
+def _whole(model) -> dict[str, torch.Tensor]:
+    """Every rank: the whole model in the user's keys (``themis_compile.checkpoint.full_state_dict``)."""
+    from themis_compile.checkpoint import full_state_dict
+
+    return full_state_dict(model, rank0_only=False)
+
+
+def forms_equivalence(rank: int, world_size: int, out: str) -> dict:
+    """Per custom form: Trainer on the unmodified model, then ThemisTrainer with FSDP2 and with DDP dense
+    parallelism (checkpoints at steps 3 and 6), the trained model through ``save_model`` and
+    ``from_pretrained`` on the unmodified class, and a run resumed from step 3."""
+    from transformers import Trainer
+
+    from tests.integrations.custom_models import CUSTOM_MODELS
+
+    results = {}
+    for form in FORMS:
+        ref = _recording(Trainer)(model=make_model(FORMS[form]), args=_args(os.path.join(out, f"{form}-ref"), form),
+                                  train_dataset=dataset())
+        ref.recorded = []
+        ref.train()
+        reference = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+        results[(form, "reference")] = (_global(ref.recorded), reference, _grad_norms(ref))
+        experts = _user_experts(ref.model, form)
+        for dense_parallel in ("fsdp2", "ddp"):
+            run_dir = os.path.join(out, f"{form}-{dense_parallel}")
+            over = dict(save_strategy="steps", save_steps=SAVE_AT)
+            trainer = _themis_trainer(form, dense_parallel, run_dir, **over)
+            trainer.train()
+            results[(form, dense_parallel)] = (_global(trainer.recorded), _whole(trainer.model), _grad_norms(trainer),
+                                               _expert_error(_owned(trainer.model), experts),
+                                               len(_owned(trainer.model)))
+            trainer.save_model(os.path.join(run_dir, "final"))
+            if rank == 0:
+                loaded = CUSTOM_MODELS[form].from_pretrained(os.path.join(run_dir, "final"))
+                results[(form, dense_parallel, "exported")] = (type(loaded), {
+                    k: v.detach().clone() for k, v in loaded.state_dict().items()})
+            resumed = _themis_trainer(form, dense_parallel, run_dir, **over)
+            resumed.train(resume_from_checkpoint=os.path.join(run_dir, f"checkpoint-{SAVE_AT}"))
+            results[(form, dense_parallel, "resumed")] = (_global(resumed.recorded), _whole(resumed.model),
+                                                          _grad_norms(resumed))
+    return results
