@@ -306,4 +306,29 @@ def forms_equivalence(rank: int, world_size: int, out: str) -> dict:
             resumed.train(resume_from_checkpoint=os.path.join(run_dir, f"checkpoint-{SAVE_AT}"))
             results[(form, dense_parallel, "resumed")] = (_global(resumed.recorded), _whole(resumed.model),
                                                           _grad_norms(resumed))
+    results["traced whole"] = _traced_whole_forward()
     return results
+
+
+def _traced_whole_forward() -> dict[str, object]:
+    """A model whose whole forward torch.fx traces, optimized: its loss with labels and num_items_in_batch,
+    with labels alone and its logits without labels, each against the unmodified model's (the largest
+    difference), or the error the call raised."""
+    from tests.integrations.custom_models import TinyMoEConfig, TraceableListedMoEForCausalLM
+
+    torch.manual_seed(0)
+    plain = TraceableListedMoEForCausalLM(TinyMoEConfig(expert_size=48))
+    torch.manual_seed(0)
+    model = themis_compile.optimize(TraceableListedMoEForCausalLM(TinyMoEConfig(expert_size=48)))
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    calls = {"labels, num_items_in_batch": (dict(labels=ids, num_items_in_batch=torch.tensor(20)), "loss"),
+             "labels": (dict(labels=ids), "loss"), "no labels": ({}, "logits")}
+    out = {}
+    for name, (kwargs, field) in calls.items():
+        try:
+            got = getattr(model(input_ids=ids, **kwargs), field)
+            want = getattr(plain(input_ids=ids, **kwargs), field)
+            out[name] = (got.detach() - want.detach()).abs().max().item()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
