@@ -7,9 +7,11 @@ through key maps), for the HF Trainer integration tests:
   the rows routed to the expert; an expert that receives no token is skipped ("param-lists");
 - ``StackedMoEForCausalLM``: the block holds ``[E, ...]`` stacked parameters of its own (``w_in``,
   ``w_out``), gathers each token's chosen experts' weights by id and contracts them with ``einsum``
-  ("own-weights").
+  ("own-weights");
+- ``IndexedMoEForCausalLM``: the same stacked parameters, indexed by expert id in a loop over the tokens
+  sorted by expert, ``rows @ self.w_in[e]`` ("indexed-weights").
 
-Both are ordinary ``PreTrainedModel`` s (embeddings, pre-norm decoder layers with causal self-attention
+All are ordinary ``PreTrainedModel`` s (embeddings, pre-norm decoder layers with causal self-attention
 and the MoE block, an LM head) returning ``CausalLMOutput`` with the loss when labels are given (summed
 over the label tokens and divided by ``num_items_in_batch`` when Trainer passes it), so that
 ``save_pretrained`` / ``from_pretrained`` work on them unmodified.
@@ -23,7 +25,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
-__all__ = ["TinyMoEConfig", "ListedMoEForCausalLM", "StackedMoEForCausalLM", "TraceableListedMoEForCausalLM",
+__all__ = ["TinyMoEConfig", "ListedMoEForCausalLM", "StackedMoEForCausalLM", "IndexedMoEForCausalLM",
+           "TraceableListedMoEForCausalLM",
            "CUSTOM_MODELS", "make_custom_model"]
 
 
@@ -87,6 +90,30 @@ class StackedExpertsMoE(nn.Module):
         h_TKF = F.gelu(torch.einsum("th,tkhf->tkf", x_TH, self.w_in[ids_TK]))
         y_TKH = torch.einsum("tkf,tkfh->tkh", h_TKF, self.w_out[ids_TK])
         return torch.einsum("tkh,tk->th", y_TKH, weights_TK).view_as(hidden)
+
+
+class IndexedExpertsMoE(nn.Module):
+    """Experts as stacked parameters of the block, indexed by expert id in a loop over the tokens sorted by
+    expert (``rows @ self.w_in[e]``)."""
+
+    def __init__(self, config: TinyMoEConfig) -> None:
+        super().__init__()
+        h, f, n = config.hidden_size, config.expert_size, config.num_experts
+        self.top_k = config.experts_per_token
+        self.gate = nn.Linear(h, n, bias=False)
+        self.w_in = nn.Parameter(torch.randn(n, h, f) * h ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(n, f, h) * f ** -0.5)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x_TH = hidden.reshape(-1, hidden.shape[-1])
+        weights_TK, ids_TK = _route(self.gate, x_TH, self.top_k)
+        order = ids_TK.flatten().argsort(stable=True)
+        counts = torch.bincount(ids_TK.flatten(), minlength=len(self.w_in)).tolist()
+        outs = [F.gelu(rows @ self.w_in[e]) @ self.w_out[e]
+                for e, rows in enumerate(x_TH[order // self.top_k].split(counts))]
+        y_NH = torch.zeros(order.numel(), x_TH.shape[-1], dtype=x_TH.dtype, device=x_TH.device)
+        y_NH = y_NH.index_copy(0, order, torch.cat(outs))
+        return (y_NH.view(*ids_TK.shape, -1) * weights_TK.unsqueeze(-1)).sum(dim=1).view_as(hidden)
 
 
 class CausalSelfAttention(nn.Module):
@@ -167,6 +194,10 @@ class StackedMoEForCausalLM(_TinyMoEForCausalLM):
     moe_cls = StackedExpertsMoE
 
 
+class IndexedMoEForCausalLM(_TinyMoEForCausalLM):
+    moe_cls = IndexedExpertsMoE
+
+
 class TraceableListedMoEForCausalLM(ListedMoEForCausalLM):
     """Without the length check: torch.fx traces its forward whole (tests/integrations/test_trainer_forms.py
     holds what the schedule makes of that trace)."""
@@ -174,7 +205,8 @@ class TraceableListedMoEForCausalLM(ListedMoEForCausalLM):
     check_length = False
 
 
-CUSTOM_MODELS = {"param-lists": ListedMoEForCausalLM, "own-weights": StackedMoEForCausalLM}
+CUSTOM_MODELS = {"param-lists": ListedMoEForCausalLM, "own-weights": StackedMoEForCausalLM,
+                 "indexed-weights": IndexedMoEForCausalLM}
 
 
 def make_custom_model(form: str, **config) -> _TinyMoEForCausalLM:

@@ -1,7 +1,7 @@
 """HF Trainer on models whose experts ``optimize`` moves into an experts child it creates, keeping the
 user's state-dict keys through key maps: our own small HF models (``tests/integrations/custom_models.py``)
-with experts as ``nn.ParameterList`` s ("param-lists") and as stacked parameters of the MoE block gathered by
-id ("own-weights"). On 2 gloo ranks, 6 optimizer steps of 2 accumulated micro-batches with masked labels
+with experts as ``nn.ParameterList`` s ("param-lists"), as stacked parameters of the MoE block gathered by
+id ("own-weights") and as those parameters indexed by expert id in a loop ("indexed-weights"). On 2 gloo ranks, 6 optimizer steps of 2 accumulated micro-batches with masked labels
 and active clipping, for FSDP2 and DDP dense parallelism:
 
 - ``ThemisTrainer`` equals plain ``Trainer`` on the unmodified model: every micro-batch's loss, the logged

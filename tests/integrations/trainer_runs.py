@@ -22,11 +22,10 @@ STEPS, ACCUM, BATCH, SEQ = 6, 2, 2, 16          # optimizer steps, micro-batches
 SAVE_AT = 3                                      # accelerate: save_state after this step, resume from it
 MAX_NORM = 0.05                                 # below every step's norm: clipping is active (checked)
 MODELS = {"mixtral": dict(hf="mixtral", num_experts=4), "qwen3-moe": dict(hf="qwen3-moe", num_experts=4)}
-LR = {"mixtral": 1e-2, "qwen3-moe": 1e-3, "param-lists": 1e-2, "own-weights": 1e-2}
+LR = {"mixtral": 1e-2, "qwen3-moe": 1e-3, "param-lists": 1e-2, "own-weights": 1e-2, "indexed-weights": 1e-2}
 # Our own small HF models whose experts optimize moves into a child it creates (tests/integrations/custom_models.py),
 # keyed by that rewrite; an expert size unlike the hidden size, so that each expert's two weights differ in shape.
-FORMS = {"param-lists": dict(custom="param-lists", expert_size=48),
-         "own-weights": dict(custom="own-weights", expert_size=48)}
+FORMS = {form: dict(custom=form, expert_size=48) for form in ("param-lists", "own-weights", "indexed-weights")}
 
 
 def make_model(spec: dict):
