@@ -86,12 +86,12 @@ def test_resume_from_checkpoint_continues_the_run(ranks, form, dense_parallel):
         _assert_weights(weights, full_weights, rtol=0, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="passes/schedule.py traces a model's whole forward with torch.fx when it "
-                   "can and installs that graph as the forward: Python branches on optional arguments "
-                   "(labels / num_items_in_batch is None) are fixed to the traced ones, and the ModelOutput returned "
-                   "becomes a plain dict (no .loss)")
 @pytest.mark.parametrize("call", ["labels, num_items_in_batch", "labels", "no labels"])
 def test_a_forward_traced_whole_keeps_its_optional_arguments(ranks, call):
+    """A model whose whole forward torch.fx can trace, with optional arguments (labels, num_items_in_batch):
+    the schedule does not install a trace of it (its branches on those arguments would be taken one way for
+    good, its ModelOutput a plain dict) but schedules its children; every call computes what the unmodified
+    model does."""
     for rank in ranks:
         result = rank["traced whole"][call]
         assert isinstance(result, float) and result <= 1e-5, result

@@ -64,6 +64,7 @@ Legend: T tokens, K top-k, H d_model.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -450,13 +451,32 @@ def _own_forward(module: nn.Module) -> bool:
     return forward is None or is_boundary_forward(forward)
 
 
+def optional_parameters(module: nn.Module) -> list[str]:
+    """The parameters of ``module``'s forward a caller may leave out (a default, ``*args``, ``**kwargs``).
+
+    A symbolic trace sees each as a proxy, so the forward's Python branches on them (``if labels is None``,
+    ``num_items_in_batch`` or not, HF's ``return_dict``) are taken one way for good, and a graph installed
+    in its place would compute that branch whatever the caller passes (and return a plain dict for a
+    ``ModelOutput``): such a forward is not replaced; its children are scheduled instead."""
+    try:
+        sig = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):
+        return ["<unknown signature>"]
+    return [name for name, p in list(sig.parameters.items())[1:]
+            if p.default is not inspect.Parameter.empty
+            or p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+
+
 def _try_schedule(module: nn.Module, qualname: str, blocks: dict[str, tuple[nn.Module, nn.Module]],
                   ids: Mapping[str, int], result: ScheduleResult) -> None:
     inside = {name: b for name, b in blocks.items() if any(m is b[0] for m in module.modules())}
     if not inside or any(b[0] is module for b in inside.values()):
         return  # nothing to schedule here, or a MoE block itself (a leaf, not a graph)
     gm = None
-    if _own_forward(module):
+    if _own_forward(module) and (optional := optional_parameters(module)):
+        logger.debug("themis schedule: %s's forward takes optional %s; scheduling its children",
+                     qualname or "<root>", ", ".join(optional))
+    elif _own_forward(module):
         try:
             gm = trace_for_schedule(module, [b[0] for b in inside.values()])
         except Exception as exc:  # noqa: BLE001 - any tracing failure means: try the children
