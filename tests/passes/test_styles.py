@@ -90,7 +90,7 @@ STYLE_FILES = {
     "dispatch-mask": "passes/test_style_dispatch_mask.py", "scores-call": "passes/test_style_scores_call.py",
     "sorted-rows": "passes/test_style_sorted_rows.py", "per-slot": "passes/test_style_per_slot.py",
     "all-rows": "passes/test_all_rows.py", "flatten": "passes/test_style_flatten.py",
-    "own-weights": "passes/test_style_gathered_einsum.py", "indexed-weights": "passes/test_style_stacked_biases.py",
+    "own-weights": "passes/test_style_gathered_einsum.py", "indexed-weights": "passes/test_style_indexed_weights.py",
     "parallel-lists": "passes/test_style_parallel_lists.py", "param-lists": "passes/test_style_param_lists.py",
 }
 

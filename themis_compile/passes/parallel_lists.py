@@ -557,6 +557,29 @@ def _entries_code(entries: dict[str, Sequence[torch.Tensor]], run: Callable[[], 
     return (region, U), ""
 
 
+class StackedEntries(tuple):
+    """A stacked ``[E, ...]`` weight of the block seen as the tuple of its E entries ``w[e]`` (the
+    indexed-weights reading), its metadata still readable as the weight's: ``w.shape[0]``, ``w.size(0)``,
+    ``w.dim()``, ``w.dtype`` (a forward sizing a ``bincount`` by them). Its values are read only entry by
+    entry."""
+
+    def __new__(cls, entries: Sequence[torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
+                device: torch.device) -> StackedEntries:
+        obj = super().__new__(cls, entries)
+        obj.shape, obj.dtype, obj.device = torch.Size(shape), dtype, device
+        return obj
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
 class EntryStandIns(TorchFunctionMode):
     """The rewritten block's ParameterLists while its forward runs: ``lists[name]`` is a tuple of E
     shape-only (meta) stand-ins. Of every ``plan.uses`` uses of expert e's stand-ins, one on them alone
@@ -565,13 +588,18 @@ class EntryStandIns(TorchFunctionMode):
 
     def __init__(self, plan: ParamListsPlan, call: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
-        self.lists = {name: tuple(torch.empty(shape, dtype=dtype, device="meta") for _ in range(plan.num_experts))
-                      for name, shape, dtype in plan.specs}
+        self.lists = {name: self._entries(plan, shape, dtype) for name, shape, dtype in plan.specs}
         self._values = WeightValues({e: [stand_ins[e] for stand_ins in self.lists.values()]
                                      for e in range(plan.num_experts)})
         self.plan, self.call = plan, call
         self.uses_E = [0] * plan.num_experts
         self._kept: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def _entries(plan: ParamListsPlan, shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
+        entries = tuple(torch.empty(shape, dtype=dtype, device="meta") for _ in range(plan.num_experts))
+        return StackedEntries(entries, (plan.num_experts, *shape), dtype, torch.device("meta")) if plan.stacked \
+            else entries
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -708,7 +736,7 @@ def indexed_weights_plan(module: nn.Module, names: Sequence[str], run: Callable[
     seen as the tuple of its E entries; else (None, why). Read-only."""
     weights = {name: module._parameters[name] for name in names}
     with torch.no_grad():
-        entries = {name: tuple(w.unbind(0)) for name, w in weights.items()}
+        entries = {name: StackedEntries(w.unbind(0), w.shape, w.dtype, w.device) for name, w in weights.items()}
 
     def run_on_entries() -> Any:
         module.__dict__.update(entries)
