@@ -90,12 +90,23 @@ class ExpertsChild:
     form: str
 
 
+def _single_layer_lists(module: nn.Module) -> list[nn.ModuleList]:
+    """The children of ``module`` that are ModuleLists of >= 2 single ``nn.Linear`` layers."""
+    return [c for c in module.children() if isinstance(c, nn.ModuleList) and len(c) >= 2
+            and all(type(m) is nn.Linear for m in c)]
+
+
 def experts_children(module: nn.Module) -> list[ExpertsChild]:
+    """The children of ``module`` that hold E experts: a ModuleList of MLPs (or of single Linears, when it is
+    the block's only list of them: two or more such lists are experts spread over parallel lists, read by
+    ``find_weights``), or stacked ``[E, ...]`` weights."""
     found = []
+    singles = _single_layer_lists(module)
     for attr, child in module.named_children():
         if is_sharded(child):
             continue
-        if isinstance(child, nn.ModuleList) and len(child) >= 2 and all(is_mlp_like(c) for c in child):
+        if isinstance(child, nn.ModuleList) and len(child) >= 2 and (
+                all(is_mlp_like(c) for c in child) or (len(singles) == 1 and singles[0] is child)):
             found.append(ExpertsChild(attr, child, len(child), "modulelist"))
         elif (E := _stacked_width(child) or _stacked_width_with_shared(child)) is not None \
                 and not _holds_stacked_experts(child, E):
