@@ -242,3 +242,34 @@ def test_a_router_mlp_is_read_by_its_last_linear_and_its_first_linears_input():
     (prepared,) = prepare_moe_layers(nn.ModuleDict({"moe": block}), strict=True)
     x = torch.randn(2, 5, 32)
     torch.testing.assert_close(block(x), reference(x))
+
+
+class _SharedBesideParamLists(nn.Module):
+    """Routed experts as ParameterLists (found by behaviour, no graph to read) and a shared expert MLP whose
+    output the block adds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(32, 4, bias=False)
+        self.w1 = nn.ParameterList(nn.Parameter(torch.randn(16, 32) * 0.1) for _ in range(4))
+        self.w2 = nn.ParameterList(nn.Parameter(torch.randn(32, 16) * 0.1) for _ in range(4))
+        self.shared = nn.Sequential(nn.Linear(32, 16), nn.SiLU(), nn.Linear(16, 32))
+        self.unused = nn.Sequential(nn.Linear(32, 16), nn.SiLU(), nn.Linear(16, 32))   # never called
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = self.shared(x)
+        for e in range(4):
+            t, k = torch.where(ids == e)
+            if t.numel():
+                out = out.index_add(0, t, F.linear(F.silu(F.linear(x[t], self.w1[e])), self.w2[e]) * w[t, k, None])
+        return out.reshape(shape)
+
+
+def test_shared_experts_are_reported_where_no_graph_shows_them():
+    (info,), rejected = find_moe_layers(nn.ModuleDict({"moe": _SharedBesideParamLists()}))
+    assert not rejected and info.rewrite == "param-lists"
+    assert info.shared_expert_names == ("shared",) and info.shared_experts
+    assert "    shared experts: shared\n" in explain_moe_layers(nn.ModuleDict({"moe": _SharedBesideParamLists()}))

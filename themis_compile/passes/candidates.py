@@ -35,12 +35,7 @@ from themis_compile.passes.fx_graph import (
     is_mlp_like,
     reachable,
 )
-from themis_compile.passes.probe import (
-    PROBE_SEED,
-    ExpertsStandIn,
-    preserved_state,
-    run_probe,
-)
+from themis_compile.passes.probe import PROBE_SEED, ExpertsStandIn, preserved_state, probe_input, run_probe
 from themis_compile.passes.replay import (
     output_tensors,
 )
@@ -483,6 +478,32 @@ def shared_experts_of(traced: TracedBlock, module: nn.Module, combined: list[fx.
                 if from_shared and any(i in after_experts for i in inputs):
                     names.append(n.target)
                     break
+    return tuple(names)
+
+
+def shared_experts_by_probe(info: MoELayerInfo) -> tuple[str, ...]:
+    """The MLP-like children of a layer found without a graph to read them in (by behaviour, experts that
+    are not a module) whose output reaches the block's output: on a probe, the block's output changes when
+    the child's output is replaced by zeros. The experts and the router's child are not candidates."""
+    module = info.module
+    skip = {info.experts_attr, info.router_path.split(".")[0]}
+    candidates = [(attr, c) for attr, c in module.named_children() if attr not in skip and is_mlp_like(c)]
+    if not candidates:
+        return ()
+    x = probe_input(module, info.hidden_size, flat=info.probe_flat)
+    expected = run_probe(module, x)
+    names = []
+    for attr, child in candidates:
+        handle = child.register_forward_hook(lambda m, args, out: torch.zeros_like(out)
+                                             if isinstance(out, torch.Tensor) else out)
+        try:
+            got = run_probe(module, x)
+        except Exception:  # noqa: BLE001 - a block that cannot run so says nothing about it
+            continue
+        finally:
+            handle.remove()
+        if not outputs_close(expected, got):
+            names.append(attr)
     return tuple(names)
 
 

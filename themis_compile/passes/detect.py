@@ -63,7 +63,8 @@ from torch import nn
 
 from themis_compile.layer_info import MoELayerInfo
 from themis_compile.passes.candidates import (CallReject, NoSelection, ProbeFailed, Reject, router_widths,
-                                              skipped_expert_gradient, wrapped_experts_children)
+                                              shared_experts_by_probe, skipped_expert_gradient,
+                                              wrapped_experts_children)
 from themis_compile.passes.find_behaviour import find_by_behaviour
 from themis_compile.passes.find_routing import find_by_routing, find_dense_dispatch
 from themis_compile.passes.find_weights import (own_weights_layer, parallel_expert_lists_reason, parallel_lists_layer,
@@ -355,6 +356,8 @@ def _find_in(model: nn.Module, names: set[str] | None = None, outside: list[MoEL
                 rejected.append((name, "could not tell whether it runs experts without tokens: "
                                        f"{type(exc).__name__}: {exc}".splitlines()[0]))
                 continue
+            if not info.shared_expert_names and (shared := shared_experts_by_probe(info)):
+                info.shared_expert_names, info.shared_experts = shared, True
             info.probe_call = recorded_call(module)
             found.append(info)
             logger.debug("MoE layer %s: %s experts, top-%d, style %s", name, info.num_experts, info.top_k, info.rewrite)
